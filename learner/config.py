@@ -1,0 +1,58 @@
+"""Configuration of the learner: the DAPO objective and the optimiser (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from services.common.server_config import ServerConfig, StrictModel
+
+LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class LearnerConfig(StrictModel):
+    """Defaults are the paper's (DAPO.md, Qwen2.5-32B); presets and files override them."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50053, http_port=8003))
+    model_path: str | None = Field(None, description="Local Hugging Face model directory.")
+    # -- the objective --
+    clip_ratio_low: float = Field(0.2, ge=0, description="epsilon_low.")
+    clip_ratio_high: float = Field(0.28, ge=0, description="epsilon_high (clip-higher).")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="Dual-clip bound for negative advantages (recipe: 10.0)."
+    )
+    logratio_clamp: float = Field(20.0, gt=0, description="Clamp |log ratio| before exp.")
+    loss_agg_mode: LossAggMode = Field("token_mean", description="DAPO token-level loss.")
+    norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std.")
+    adv_epsilon: float = Field(1e-6, ge=0)
+    overlong_filtering: bool = Field(True, description="Mask truncated responses.")
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling cap vs rollout log-probs."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL to a reference model (DAPO: none).")
+    # -- the optimiser --
+    lr: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up, in rollout steps.")
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    # -- batching --
+    train_batch_groups: int = Field(512, ge=1, description="Informative groups per step.")
+    mini_batch_responses: int = Field(
+        512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
+    )
+    micro_batch_tokens: int = Field(32768, ge=1, description="Token budget of a micro-batch.")
+    total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
+    # -- engine --
+    zero_stage: int = Field(2, ge=0, le=3)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = Field(50, ge=1)
+    weight_bucket_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> LearnerConfig:
+        if self.clip_ratio_low >= 1:
+            raise ValueError("clip_ratio_low must be < 1")
+        return self

@@ -1,0 +1,1 @@
+"""Generated protobuf package (see scripts/gen_proto.py)."""

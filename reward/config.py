@@ -1,0 +1,33 @@
+"""Configuration of the reward service (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.server_config import ServerConfig, StrictModel
+
+VerifierName = Literal["dapo", "math_verify", "cascade", "first_integer"]
+
+
+class RewardConfig(StrictModel):
+    """Verification and shaping. Overlong lengths come from the shared section."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50051, http_port=8001))
+    default_verifier: VerifierName = Field(
+        "cascade", description="Verifier for items that do not name one."
+    )
+    num_workers: int | None = Field(
+        None, ge=1, description="Verifier worker processes; None = the CPU count."
+    )
+    timeout_s: float = Field(
+        5.0, gt=0, description="Hard per-item limit; a worker past it is killed and replaced."
+    )
+    overlong_punishment: bool = Field(
+        True, description="Add the soft overlong punishment (DAPO.md) to the reward."
+    )
+    max_items: int = Field(4096, ge=1, description="Most items in one request.")
+    max_response_chars: int = Field(
+        1_000_000, ge=1, description="Longest response accepted, in characters."
+    )

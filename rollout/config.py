@@ -1,0 +1,50 @@
+"""Configuration of a rollout server (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from services.common.server_config import ServerConfig, StrictModel
+
+
+class TorchEngineConfig(StrictModel):
+    """The built-in torch engine: runs anywhere, CPU or GPU."""
+
+    kind: Literal["torch"] = "torch"
+    device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:i]'.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch_size: int = Field(256, ge=1, description="Most sequences decoded together.")
+
+
+class VllmEngineConfig(StrictModel):
+    """vLLM on GPU (extra `dapo[vllm]`)."""
+
+    kind: Literal["vllm"] = "vllm"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enforce_eager: bool = False
+
+
+EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
+
+
+class SamplingConfig(StrictModel):
+    """Training-time sampling (paper: temperature 1.0, top-p 1.0)."""
+
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 = no top-k truncation.")
+
+
+class RolloutConfig(StrictModel):
+    """One rollout server."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50052, http_port=8002))
+    model_path: str | None = Field(None, description="Local Hugging Face model directory.")
+    engine: EngineConfig = Field(default_factory=TorchEngineConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    max_n: int = Field(64, ge=1, description="Most samples per Generate request.")
+    weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")

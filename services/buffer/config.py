@@ -1,0 +1,21 @@
+"""Configuration of the dynamic-sampling buffer (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.server_config import ServerConfig, StrictModel
+
+
+class BufferConfig(StrictModel):
+    """Which groups are informative enough to train on."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(http_port=8005))
+    keep_metric: Literal["acc", "reward"] = Field(
+        "acc", description="Keep a group iff this metric varies within it (std > 0)."
+    )
+    dynamic_sampling: bool = Field(True, description="Off = forward every group (naive GRPO).")
+    history_size: int = Field(8, ge=1, description="Pass rates remembered per prompt.")
+    read_count: int = Field(64, ge=1, description="Entries read from `scored` per call.")

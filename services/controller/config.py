@@ -1,0 +1,35 @@
+"""Configuration of the controller: data, admission, routing (torch-free)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.common.server_config import ServerConfig, StrictModel
+
+
+class DatasetConfig(StrictModel):
+    """Where prompts come from."""
+
+    kind: Literal["parquet", "jsonl", "synthetic"] = "parquet"
+    path: str | None = Field(None, description="Parquet or JSONL file (DAPO record format).")
+    synthetic_task: Literal["max3", "copy2", "reverse2"] = "max3"
+    synthetic_size: int = Field(1000, ge=1, description="Prompts in the synthetic task.")
+    shuffle: bool = True
+
+
+class ControllerConfig(StrictModel):
+    """Feeding prompts to rollout servers and scored groups to the buffer."""
+
+    server: ServerConfig = Field(default_factory=lambda: ServerConfig(http_port=8004))
+    dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    apply_chat_template: bool = Field(True, description="Render prompts as a chat turn.")
+    verifier: Literal["default", "dapo", "math_verify", "cascade", "first_integer"] = Field(
+        "default", description="Verifier asked of the reward service; default = its own."
+    )
+    max_groups_in_flight: int = Field(64, ge=1, description="Groups generating at once.")
+    max_train_backlog: int = Field(
+        2048, ge=1, description="Pause admission while `train` holds this many groups."
+    )
+    rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one Generate call.")
