@@ -14,7 +14,9 @@ LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 class LearnerConfig(StrictModel):
     """Defaults are the paper's (DAPO.md, Qwen2.5-32B); presets and files override them."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50053, http_port=8003))
+    server: ServerConfig = Field(
+        default_factory=lambda: ServerConfig(grpc_port=50053, http_port=8003)
+    )
     model_path: str | None = Field(None, description="Local Hugging Face model directory.")
     # -- the objective --
     clip_ratio_low: float = Field(0.2, ge=0, description="epsilon_low.")

@@ -14,7 +14,9 @@ VerifierName = Literal["dapo", "math_verify", "cascade", "first_integer"]
 class RewardConfig(StrictModel):
     """Verification and shaping. Overlong lengths come from the shared section."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50051, http_port=8001))
+    server: ServerConfig = Field(
+        default_factory=lambda: ServerConfig(grpc_port=50051, http_port=8001)
+    )
     default_verifier: VerifierName = Field(
         "cascade", description="Verifier for items that do not name one."
     )

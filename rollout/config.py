@@ -42,7 +42,9 @@ class SamplingConfig(StrictModel):
 class RolloutConfig(StrictModel):
     """One rollout server."""
 
-    server: ServerConfig = Field(default_factory=lambda: ServerConfig(grpc_port=50052, http_port=8002))
+    server: ServerConfig = Field(
+        default_factory=lambda: ServerConfig(grpc_port=50052, http_port=8002)
+    )
     model_path: str | None = Field(None, description="Local Hugging Face model directory.")
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

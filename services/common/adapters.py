@@ -1,0 +1,111 @@
+"""The one translation between protobuf records and internal dataclasses.
+
+Business code handles `Group` / `Sample`; only this module touches records_pb2 and the
+Completion message.
+"""
+
+from __future__ import annotations
+
+from dapo.v1 import records_pb2, rollout_pb2
+from services.common.types import FinishReason, Group, Sample
+
+FINISH_TO_PROTO: dict[str, int] = {
+    "stop": rollout_pb2.FINISH_REASON_STOP,
+    "length": rollout_pb2.FINISH_REASON_LENGTH,
+    "abort": rollout_pb2.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.items()}  # type: ignore[misc]
+
+
+def completion_to_proto(sample: Sample) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        text=sample.text,
+        finish_reason=FINISH_TO_PROTO[sample.finish_reason],
+        policy_version=sample.policy_version,
+    )
+
+
+def sample_from_completion(msg: rollout_pb2.Completion) -> Sample:
+    """An unscored Sample from a rollout Completion."""
+    if msg.finish_reason not in FINISH_FROM_PROTO:
+        raise ValueError(f"completion has no finish reason ({msg.finish_reason})")
+    return Sample(
+        token_ids=list(msg.token_ids),
+        logprobs=list(msg.logprobs),
+        text=msg.text,
+        finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
+        policy_version=msg.policy_version,
+        truncated=msg.finish_reason == rollout_pb2.FINISH_REASON_LENGTH,
+    )
+
+
+def group_to_proto(group: Group) -> records_pb2.ScoredGroup:
+    return records_pb2.ScoredGroup(
+        group_id=group.group_id,
+        run_id=group.run_id,
+        prompt_id=group.prompt_id,
+        epoch=group.epoch,
+        prompt=group.prompt,
+        prompt_token_ids=group.prompt_token_ids,
+        ground_truth=group.ground_truth,
+        admitted_version=group.admitted_version,
+        admitted_at=group.admitted_at,
+        scored_at=group.scored_at,
+        data_source=group.data_source,
+        samples=[
+            records_pb2.ScoredSample(
+                completion=completion_to_proto(s),
+                reward=s.reward,
+                correct=s.correct,
+                pred=s.pred,
+                truncated=s.truncated,
+                overlong_penalty=s.overlong_penalty,
+                error=s.error,
+            )
+            for s in group.samples
+        ],
+    )
+
+
+def group_from_proto(msg: records_pb2.ScoredGroup) -> Group:
+    samples = []
+    for s in msg.samples:
+        sample = sample_from_completion(s.completion)
+        sample.reward, sample.correct, sample.pred = s.reward, s.correct, s.pred
+        sample.truncated, sample.overlong_penalty, sample.error = (
+            s.truncated,
+            s.overlong_penalty,
+            s.error,
+        )
+        samples.append(sample)
+    return Group(
+        group_id=msg.group_id,
+        prompt_id=msg.prompt_id,
+        prompt=msg.prompt,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        ground_truth=msg.ground_truth,
+        samples=samples,
+        run_id=msg.run_id,
+        epoch=msg.epoch,
+        admitted_version=msg.admitted_version,
+        admitted_at=msg.admitted_at,
+        scored_at=msg.scored_at,
+        data_source=msg.data_source,
+    )
+
+
+def encode_group(group: Group) -> bytes:
+    """Bytes for a Redis stream entry."""
+    return group_to_proto(group).SerializeToString()
+
+
+def decode_group(data: bytes) -> Group:
+    """Parse a stream entry; raises ValueError on malformed bytes."""
+    msg = records_pb2.ScoredGroup()
+    try:
+        msg.ParseFromString(data)
+    except Exception as exc:  # protobuf raises DecodeError, a subclass of Exception
+        raise ValueError(f"malformed ScoredGroup: {exc}") from None
+    return group_from_proto(msg)

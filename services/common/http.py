@@ -1,0 +1,101 @@
+"""The HTTP side every service shares: /healthz, /readyz, /metrics, /status on FastAPI.
+
+`serve_http` runs uvicorn in a background thread so a service's main thread stays free
+for its gRPC server or its stream loop.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+
+from services.common.errors import DapoError, PortInUseError
+
+
+def create_http_app(
+    name: str,
+    *,
+    ready: Callable[[], bool] = lambda: True,
+    status: Callable[[], dict[str, Any]] = dict,
+    registry: CollectorRegistry = REGISTRY,
+) -> FastAPI:
+    """A FastAPI app with the four standard endpoints; services add their own routes."""
+    app = FastAPI(title=f"dapo {name}")
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "service": name}
+
+    @app.get("/readyz")
+    def readyz(response: Response) -> dict[str, Any]:
+        ok = bool(ready())
+        response.status_code = 200 if ok else 503
+        return {"ready": ok, "service": name}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/status")
+    def get_status() -> dict[str, Any]:
+        return {"service": name, **status()}
+
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind a listening TCP socket (port 0 = any free port), or fail naming the port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortInUseError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+class HttpServer:
+    """uvicorn on a pre-bound socket, in a daemon thread."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = bind_socket(host, port)
+        self.host = host
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self, timeout_s: float = 10.0) -> HttpServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise DapoError(f"HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def serve_http(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> HttpServer:
+    """Start `app` and return once it accepts connections."""
+    return HttpServer(app, host, port).start()

@@ -1,0 +1,49 @@
+"""Redis key names of one run, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Every Redis key a run uses is `dapo:<run>:...`, so runs can share a Redis."""
+
+    run: str
+
+    def _key(self, *parts: str) -> str:
+        return ":".join(("dapo", self.run, *parts))
+
+    @property
+    def scored(self) -> str:
+        """Stream of every scored group (controller → buffer)."""
+        return self._key("scored")
+
+    @property
+    def train(self) -> str:
+        """Stream of informative, fresh groups (buffer → learner)."""
+        return self._key("train")
+
+    @property
+    def version(self) -> str:
+        """The learner's latest committed policy version."""
+        return self._key("version")
+
+    @property
+    def ledger(self) -> str:
+        """Hash of counters: admitted, scored, filtered:<reason>, trained, ..."""
+        return self._key("ledger")
+
+    @property
+    def pass_rates(self) -> str:
+        """Hash prompt_id → recent pass rates (buffer → controller)."""
+        return self._key("pass_rates")
+
+    @property
+    def done(self) -> str:
+        """Set when the learner finished its last step; every service then exits."""
+        return self._key("done")
+
+    def registry(self, role: str) -> str:
+        """Key prefix of live instances of a role (each key has a heartbeat TTL)."""
+        return self._key("registry", role)

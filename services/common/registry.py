@@ -1,0 +1,70 @@
+"""Service discovery through Redis: each instance keeps a key alive with a heartbeat.
+
+A process that dies stops refreshing its key, which then expires after `ttl_s`; so the
+controller never routes to a dead rollout server for longer than one TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import redis
+
+from services.common.keys import RunKeys
+
+
+class Registration:
+    """Announce `info` under role/instance and refresh it every ttl/3 seconds."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RunKeys,
+        role: str,
+        instance: str,
+        info: dict[str, Any],
+        ttl_s: float = 5.0,
+    ) -> None:
+        self.client, self.key, self.ttl_s = client, f"{keys.registry(role)}:{instance}", ttl_s
+        self.info = dict(info, instance=instance)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{role}")
+
+    def start(self) -> Registration:
+        self.refresh()
+        self._thread.start()
+        return self
+
+    def refresh(self) -> None:
+        self.client.set(self.key, json.dumps(self.info), px=int(self.ttl_s * 1000))
+
+    def update(self, **info: Any) -> None:
+        """Change the announced info (e.g. readiness, served version)."""
+        self.info.update(info)
+        self.refresh()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.refresh()
+            except redis.RedisError:
+                continue  # Redis restarting: the next beat re-announces us
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self.client.delete(self.key)
+        except redis.RedisError:
+            pass
+
+
+def discover(client: redis.Redis, keys: RunKeys, role: str) -> list[dict[str, Any]]:
+    """Live instances of a role, sorted by instance name."""
+    found = []
+    for key in client.scan_iter(match=f"{keys.registry(role)}:*", count=100):
+        raw = client.get(key)
+        if raw is not None:
+            found.append(json.loads(raw))
+    return sorted(found, key=lambda info: info["instance"])

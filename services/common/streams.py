@@ -1,0 +1,103 @@
+"""Redis Streams with consumer groups: the queues between controller, buffer and learner.
+
+A consumer acknowledges an entry only once its output is durable. `forward_and_ack`
+writes the output and acks the input in one MULTI/EXEC transaction, so a crash between
+the two can neither lose nor duplicate a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import redis
+
+Fields = Mapping[str, bytes | str | int | float]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stream entry: its id and raw fields."""
+
+    id: str
+    fields: dict[str, bytes]
+
+
+def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
+    return [
+        Entry(eid.decode(), {k.decode(): v for k, v in fields.items()})
+        for eid, fields in raw
+        if fields is not None  # deleted entries come back as None
+    ]
+
+
+def add(client: redis.Redis, stream: str, fields: Fields) -> str:
+    """Append an entry and return its id."""
+    return client.xadd(stream, dict(fields)).decode()
+
+
+class StreamConsumer:
+    """One member of a consumer group on one stream."""
+
+    def __init__(self, client: redis.Redis, stream: str, group: str, consumer: str) -> None:
+        self.client, self.stream, self.group, self.consumer = client, stream, group, consumer
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Create the group (and the stream) if needed, reading from the beginning."""
+        try:
+            self.client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int | None = None) -> list[Entry]:
+        """New entries for this consumer (they stay pending until acked)."""
+        reply = self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+        )
+        return _entries(reply[0][1]) if reply else []
+
+    def read_own_pending(self, count: int) -> list[Entry]:
+        """Entries delivered to this consumer name but not acked (after a restart)."""
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+        return _entries(reply[0][1]) if reply else []
+
+    def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """Take over entries another (dead) consumer left pending for min_idle_ms."""
+        reply = self.client.xautoclaim(
+            self.stream, self.group, self.consumer, min_idle_ms, "0-0", count=count
+        )
+        return _entries(reply[1])
+
+    def ack(self, ids: Sequence[str]) -> int:
+        return int(self.client.xack(self.stream, self.group, *ids)) if ids else 0
+
+    def pending(self) -> int:
+        """Entries delivered to the group but not yet acked."""
+        return int(self.client.xpending(self.stream, self.group)["pending"])
+
+    def lag(self) -> int:
+        """Entries not yet delivered to the group (None from old servers counts as 0)."""
+        for info in self.client.xinfo_groups(self.stream):
+            if info["name"].decode() == self.group:
+                return int(info.get("lag") or 0)
+        return 0
+
+
+def forward_and_ack(
+    consumer: StreamConsumer,
+    entry_id: str,
+    out_stream: str | None,
+    fields: Fields | None,
+    counters: Mapping[str, int] | None = None,
+    ledger_key: str | None = None,
+) -> None:
+    """Atomically: optionally append to out_stream, bump ledger counters, ack entry_id."""
+    pipe = consumer.client.pipeline(transaction=True)
+    if out_stream is not None and fields is not None:
+        pipe.xadd(out_stream, dict(fields))
+    for name, delta in (counters or {}).items():
+        pipe.hincrby(ledger_key or "", name, delta)
+    pipe.xack(consumer.stream, consumer.group, entry_id)
+    pipe.execute()
