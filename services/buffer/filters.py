@@ -1,0 +1,79 @@
+"""Dynamic sampling as small pure filters (DAPO.md, technique 2).
+
+Each filter looks at one group and returns a decision with a reason; the reason is the
+metric label and the ledger counter. DAPO keeps a group iff 0 < accuracy < 1, i.e. the
+chosen metric varies inside the group (otherwise every advantage is 0 and the group
+contributes no gradient).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+from services.common.types import Group
+
+Reason = Literal["kept", "all_correct", "all_wrong", "no_variance", "stale", "malformed"]
+
+
+@dataclass(frozen=True)
+class FilterDecision:
+    keep: bool
+    reason: Reason
+
+
+KEPT = FilterDecision(True, "kept")
+
+
+def check_wellformed(group: Group, group_size: int) -> FilterDecision:
+    """Refuse groups the learner could not train on."""
+    if len(group.samples) != group_size:
+        return FilterDecision(False, "malformed")
+    for s in group.samples:
+        if len(s.token_ids) != len(s.logprobs) or s.finish_reason == "abort":
+            return FilterDecision(False, "malformed")
+        if s.reward != s.reward:  # NaN
+            return FilterDecision(False, "malformed")
+    return KEPT
+
+
+def check_fresh(group: Group, current_version: int, max_staleness: int) -> FilterDecision:
+    """Drop a group sampled more than max_staleness versions before current_version."""
+    if current_version - group.min_policy_version > max_staleness:
+        return FilterDecision(False, "stale")
+    return KEPT
+
+
+def check_informative(group: Group, metric: Literal["acc", "reward"]) -> FilterDecision:
+    """DAPO's rule: keep iff the metric has std > 0 within the group."""
+    if metric == "acc":
+        correct = sum(s.correct for s in group.samples)
+        if correct == len(group.samples):
+            return FilterDecision(False, "all_correct")
+        if correct == 0:
+            return FilterDecision(False, "all_wrong")
+        return KEPT
+    if statistics.pstdev(s.reward for s in group.samples) > 0:
+        return KEPT
+    return FilterDecision(False, "no_variance")
+
+
+def decide(
+    group: Group,
+    *,
+    group_size: int,
+    current_version: int,
+    max_staleness: int,
+    metric: Literal["acc", "reward"],
+    dynamic_sampling: bool = True,
+) -> FilterDecision:
+    """Apply the filters in order; the first refusal is the reason."""
+    for decision in (
+        check_wellformed(group, group_size),
+        check_fresh(group, current_version, max_staleness),
+        check_informative(group, metric) if dynamic_sampling else KEPT,
+    ):
+        if not decision.keep:
+            return decision
+    return KEPT

@@ -1,0 +1,100 @@
+"""The buffer service: reads `scored`, forwards informative fresh groups to `train`.
+
+Forwarding and acking happen in one Redis transaction together with the ledger counter,
+so every scored group is counted exactly once as kept or filtered (by reason), even if
+this process dies at any point. Malformed entries are acked and counted, never retried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import redis
+from prometheus_client import Counter, Gauge
+
+from services.buffer.filters import FilterDecision, decide
+from services.common.adapters import decode_group
+from services.common.config import DapoConfig
+from services.common.http import HttpServer, create_http_app, serve_http
+from services.common.keys import RunKeys
+from services.common.streams import Entry, StreamConsumer, forward_and_ack
+
+log = logging.getLogger(__name__)
+
+DECISIONS = Counter("dapo_buffer_groups_total", "Scored groups by decision", ["reason"])
+KEPT_RATIO = Gauge("dapo_buffer_kept_ratio", "Fraction of groups kept in the last batch read")
+CONSUMER_GROUP = "buffer"
+
+
+class Buffer:
+    """Dynamic-sampling filter between the `scored` and `train` streams."""
+
+    def __init__(self, config: DapoConfig, client: redis.Redis, consumer: str = "buffer-0"):
+        self.config, self.client = config, client
+        self.keys = RunKeys(config.shared.run_name)
+        self.consumer = StreamConsumer(client, self.keys.scored, CONSUMER_GROUP, consumer)
+        self.counts: dict[str, int] = {}
+
+    def current_version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
+    def classify(self, entry: Entry, version: int) -> tuple[FilterDecision, Any]:
+        try:
+            group = decode_group(entry.fields["group"])
+        except (KeyError, ValueError):
+            return FilterDecision(False, "malformed"), None
+        decision = decide(
+            group,
+            group_size=self.config.shared.group_size,
+            current_version=version,
+            max_staleness=self.config.shared.max_staleness,
+            metric=self.config.buffer.keep_metric,
+            dynamic_sampling=self.config.buffer.dynamic_sampling,
+        )
+        return decision, group
+
+    def handle(self, entries: list[Entry]) -> None:
+        """Decide and forward+ack each entry atomically."""
+        version = self.current_version()
+        kept = 0
+        for entry in entries:
+            decision, group = self.classify(entry, version)
+            forward = {"group": entry.fields["group"]} if decision.keep else None
+            counter = "kept" if decision.keep else f"filtered:{decision.reason}"
+            forward_and_ack(
+                self.consumer, entry.id, self.keys.train if decision.keep else None, forward,
+                {counter: 1}, self.keys.ledger,
+            )  # fmt: skip
+            if group is not None:
+                self.record_pass_rate(group.prompt_id, group.accuracy)
+            DECISIONS.labels(decision.reason).inc()
+            self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
+            kept += decision.keep
+        if entries:
+            KEPT_RATIO.set(kept / len(entries))
+
+    def record_pass_rate(self, prompt_id: str, accuracy: float) -> None:
+        """Keep the last history_size pass rates per prompt for the controller."""
+        raw = self.client.hget(self.keys.pass_rates, prompt_id)
+        history = json.loads(raw) if raw else []
+        history = (history + [round(accuracy, 4)])[-self.config.buffer.history_size :]
+        self.client.hset(self.keys.pass_rates, prompt_id, json.dumps(history))
+
+    def run(self, stop: threading.Event) -> None:
+        """Process own pending entries first (after a crash), then new ones."""
+        self.handle(self.consumer.read_own_pending(self.config.buffer.read_count))
+        while not stop.is_set() and not self.client.exists(self.keys.done):
+            self.handle(self.consumer.read(self.config.buffer.read_count, block_ms=200))
+
+    def status(self) -> dict[str, Any]:
+        return {"decisions": dict(self.counts), "version": self.current_version()}
+
+
+def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Buffer, HttpServer]:
+    """The buffer plus its HTTP endpoints (not yet consuming: call buffer.run)."""
+    buffer = Buffer(config, client)
+    app = create_http_app("buffer", status=buffer.status)
+    return buffer, serve_http(app, config.buffer.server.host, config.buffer.server.http_port)

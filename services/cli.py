@@ -1,0 +1,178 @@
+"""The `dapo` command line: one subcommand per role plus tools.
+
+Heavy imports (torch, transformers, grpc servers) happen inside the subcommands, so
+`dapo --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+SERVICES: dict[str, tuple[str, str]] = {
+    # role → (module with run(config), config section holding its server ports)
+    "controller": ("services.controller.__main__", "controller"),
+    "buffer": ("services.buffer.__main__", "buffer"),
+    "rollout": ("rollout.__main__", "rollout"),
+    "reward": ("reward.__main__", "reward"),
+    "learner": ("learner.__main__", "learner"),
+}
+NEEDS_REDIS = {"controller", "buffer", "learner"}
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="F", help="YAML or TOML config file")
+    parser.add_argument("--preset", help="start from a named preset (paper, tiny)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override one config value (repeatable)",
+    )  # fmt: skip
+
+
+def add_service_args(parser: argparse.ArgumentParser) -> None:
+    add_config_args(parser)
+    parser.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument("--grpc-port", type=int, help="gRPC port (0 = pick a free one)")
+    parser.add_argument("--http-port", type=int, help="HTTP port (0 = pick a free one)")
+
+
+def resolve_config(args: argparse.Namespace, section: str | None = None) -> Any:
+    """Build the DapoConfig from preset, file, env and the flags of this invocation."""
+    from services.common.config import load_config
+
+    overrides = list(args.overrides)
+    if getattr(args, "redis_url", None):
+        overrides.append(f"shared.redis_url={args.redis_url}")
+    for flag in ("grpc_port", "http_port"):
+        value = getattr(args, flag, None)
+        if value is not None and section is not None:
+            overrides.append(f"{section}.server.{flag}={value}")
+    return load_config(args.config, preset=args.preset, overrides=overrides)
+
+
+def run_service(role: str, args: argparse.Namespace) -> int:
+    from services.common.errors import DapoError
+    from services.common.logs import setup_logging
+
+    module, section = SERVICES[role]
+    config = resolve_config(args, section)
+    if role in NEEDS_REDIS and not config.shared.redis_url:
+        raise DapoError(f"{role} needs Redis: pass --redis-url or set shared.redis_url")
+    setup_logging(role)
+    importlib.import_module(module).run(config)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from services.common.config import dump_config
+
+    print(dump_config(resolve_config(args), args.format), end="")
+    return 0
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from learner.init_model import init_model
+
+    out = init_model(Path(args.out), preset=args.preset, seed=args.seed)
+    print(f"wrote {args.preset} model to {out}")
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher import launch
+
+    return launch(resolve_config(args), run_dir=args.run_dir, steps=args.steps)
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    from services.ledger import print_ledger
+
+    return print_ledger(resolve_config(args), as_json=args.json)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from services.bench import run_benchmark
+
+    return run_benchmark(args.name)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from services.evaluate import run_eval
+
+    return run_eval(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dapo", description="DAPO reinforcement learning as a set of services."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for role in SERVICES:
+        p = sub.add_parser(role, help=f"run the {role} service")
+        add_service_args(p)
+        p.set_defaults(func=lambda a, r=role: run_service(r, a))
+
+    p = sub.add_parser("up", help="start Redis and every service locally and train")
+    add_service_args(p)
+    p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
+    p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("config", help="print the resolved config (`dapo config show`)")
+    p.add_argument("action", choices=["show"])
+    add_config_args(p)
+    p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init_model)
+
+    p = sub.add_parser("ledger", help="account for every group of a run")
+    add_config_args(p)
+    p.add_argument("--redis-url", help="Redis URL of the run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ledger)
+
+    p = sub.add_parser("eval", help="avg@K / pass@K of a model on a dataset")
+    p.add_argument("--model", required=True, metavar="DIR")
+    p.add_argument("--data", required=True, metavar="F", help="parquet/jsonl, or synthetic:TASK")
+    p.add_argument("--n", type=int, default=32, help="samples per prompt (K)")
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--verifier", default="cascade")
+    p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--out", metavar="F", help="write the JSON result here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="run benchmarks/NAME.py")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    from services.common.errors import DapoError
+
+    try:
+        return func(args)
+    except DapoError as exc:
+        print(f"dapo {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
