@@ -1,0 +1,319 @@
+"""From scored groups to the learner's tensors: sequences, mini-batches, micro-batches.
+
+The flow of one training step (what the learner runs on top of this module):
+
+    seqs = sequences_from_groups(groups, adv_epsilon, norm_adv_by_std)
+    # π_old: for each micro-batch of all seqs, forward, then assign_old_logprobs(...)
+    for mini in mini_batches(len(seqs), mini_batch_size, seed):
+        counts = loss_counts([seqs[i] for i in mini], overlong_filtering)  # all-reduce
+        for micro in token_budget_micro_batches([seqs[i].length for i in mini], max_tokens):
+            inputs = collate([seqs[mini[j]] for j in micro], pad_token_id, overlong_filtering)
+            ... agg_loss(..., global_token_count=counts.tokens) ...
+
+Layout: each row is prompt + response, right-padded. Every per-token tensor is `[B, L]`
+and aligned with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`, so the
+log-prob of that token comes from the logits at `t - 1` (`logprobs_for_inputs` does the
+shift). Micro-batches are padded, not packed; sorting by length keeps padding low.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from learner.algorithm import group_advantages, token_logprobs
+from services.common.types import Group, Sample
+
+
+@dataclass
+class TrainSequence:
+    """One response ready for training: its tokens, advantage and log-probs.
+
+    `old_logprobs` (π_old of each response token, `[len(response_ids)]`) is filled by
+    the learner's recompute at the start of a step; until then the rollout engine's
+    log-probs stand in for it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float] | None
+    advantage: float
+    truncated: bool
+    reward: float = 0.0
+    policy_version: int = 0
+    group_id: str = ""
+    old_logprobs: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Prompt plus response tokens: the row length before padding."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def is_truncated(sample: Sample) -> bool:
+    """A response that did not end on its own: cut at max length, or aborted."""
+    return sample.truncated or sample.finish_reason != "stop"
+
+
+def sequences_from_groups(
+    groups: Sequence[Group], adv_epsilon: float = 1e-6, norm_adv_by_std: bool = True
+) -> list[TrainSequence]:
+    """Flatten groups into sequences, group by group, with group-relative advantages.
+
+    The advantage uses `Sample.reward` (correctness plus any overlong penalty) of every
+    sample in the group, truncated ones included: overlong filtering masks the loss, not
+    the group statistics.
+    """
+    out: list[TrainSequence] = []
+    for group in groups:
+        rewards = torch.tensor([s.reward for s in group.samples], dtype=torch.float64)
+        advantages = group_advantages(rewards, adv_epsilon, norm_adv_by_std).tolist()
+        for sample, adv in zip(group.samples, advantages, strict=True):
+            out.append(_sequence(group, sample, adv))
+    return out
+
+
+def _sequence(group: Group, sample: Sample, advantage: float) -> TrainSequence:
+    if not group.prompt_token_ids:
+        raise ValueError(f"group {group.group_id}: empty prompt (no logits for token 0)")
+    logprobs = list(sample.logprobs) if sample.logprobs else None
+    if logprobs is not None and len(logprobs) != len(sample.token_ids):
+        raise ValueError(
+            f"group {group.group_id}: {len(logprobs)} log-probs for "
+            f"{len(sample.token_ids)} response tokens"
+        )
+    return TrainSequence(
+        prompt_ids=list(group.prompt_token_ids),
+        response_ids=list(sample.token_ids),
+        rollout_logprobs=logprobs,
+        advantage=float(advantage),
+        truncated=is_truncated(sample),
+        reward=sample.reward,
+        policy_version=sample.policy_version,
+        group_id=group.group_id,
+    )
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch of B rows padded to length L; shapes are checked by `check()`."""
+
+    input_ids: Tensor  # [B, L] int64: prompt + response, right-padded with pad_token_id
+    attention_mask: Tensor  # [B, L] int64: 1 on real tokens (Hugging Face convention)
+    response_mask: Tensor  # [B, L] bool: response tokens
+    loss_mask: Tensor  # [B, L] bool: response tokens that count (overlong filtering applied)
+    advantages: Tensor  # [B, L] float32: the row's advantage on response tokens, else 0
+    old_logprobs: Tensor | None  # [B, L] float32: π_old of input_ids[b, t] on responses, else 0
+    rollout_logprobs: Tensor | None  # [B, L] float32: the engine's log-probs, same layout
+    truncated: Tensor  # [B] bool: response did not end on its own
+    response_lengths: Tensor  # [B] int64
+    index: Tensor  # [B] int64: position of each row in the list given to `collate`
+
+    def check(self) -> None:
+        """Raise ValueError unless every tensor has its declared shape and dtype."""
+        b, length = self.input_ids.shape
+        expect = {
+            "input_ids": ((b, length), torch.int64),
+            "attention_mask": ((b, length), torch.int64),
+            "response_mask": ((b, length), torch.bool),
+            "loss_mask": ((b, length), torch.bool),
+            "advantages": ((b, length), torch.float32),
+            "old_logprobs": ((b, length), torch.float32),
+            "rollout_logprobs": ((b, length), torch.float32),
+            "truncated": ((b,), torch.bool),
+            "response_lengths": ((b,), torch.int64),
+            "index": ((b,), torch.int64),
+        }
+        for name, (shape, dtype) in expect.items():
+            t = getattr(self, name)
+            if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+                raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens of this micro-batch that count in the loss."""
+        return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device | str) -> LossInputs:
+        """A copy with every tensor on `device`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return LossInputs(**{k: v if v is None else v.to(device) for k, v in values.items()})
+
+
+def collate(
+    seqs: Sequence[TrainSequence], pad_token_id: int, overlong_filtering: bool = True
+) -> LossInputs:
+    """Pad `seqs` into one micro-batch (rows in the given order, L = longest row).
+
+    `old_logprobs` is each row's learner recompute if set, else its rollout log-probs;
+    it is None if some row has neither, as is `rollout_logprobs` if some row lacks them.
+    """
+    if not seqs:
+        raise ValueError("collate needs at least one sequence")
+    b, length = len(seqs), max(s.length for s in seqs)
+    input_ids = torch.full((b, length), pad_token_id, dtype=torch.int64)
+    attention = torch.zeros((b, length), dtype=torch.int64)
+    response = torch.zeros((b, length), dtype=torch.bool)
+    advantages = torch.zeros((b, length), dtype=torch.float32)
+    for row, s in enumerate(seqs):
+        p, n = len(s.prompt_ids), s.length
+        input_ids[row, :n] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
+        attention[row, :n] = 1
+        response[row, p:n] = True
+        advantages[row, p:n] = s.advantage
+    truncated = torch.tensor([s.truncated for s in seqs], dtype=torch.bool)
+    loss_mask = response & ~truncated.unsqueeze(-1) if overlong_filtering else response.clone()
+    return LossInputs(
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=response,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logprobs=_response_values(seqs, length, _old_or_rollout),
+        rollout_logprobs=_response_values(seqs, length, lambda s: s.rollout_logprobs),
+        truncated=truncated,
+        response_lengths=torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.int64),
+        index=torch.arange(b, dtype=torch.int64),
+    )
+
+
+def _old_or_rollout(s: TrainSequence) -> Tensor | list[float] | None:
+    return s.old_logprobs if s.old_logprobs is not None else s.rollout_logprobs
+
+
+def _response_values(
+    seqs: Sequence[TrainSequence],
+    length: int,
+    get: Callable[[TrainSequence], Tensor | list[float] | None],
+) -> Tensor | None:
+    """`[B, L]` float32 with each row's per-response-token values placed after its prompt."""
+    out = torch.zeros((len(seqs), length), dtype=torch.float32)
+    for row, s in enumerate(seqs):
+        values = get(s)
+        if values is None:
+            return None
+        p = len(s.prompt_ids)
+        out[row, p : p + len(s.response_ids)] = torch.as_tensor(values, dtype=torch.float32)
+    return out
+
+
+def logprobs_for_inputs(
+    logits: Tensor, input_ids: Tensor, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy `[B, L]` aligned with `input_ids`, from causal-LM logits `[B, L, V]`.
+
+    Token t is scored by the logits at t − 1; column 0 (never a response token) is 0.
+    """
+    logprobs, entropy = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
+    pad = logprobs.new_zeros((logprobs.shape[0], 1))
+    return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
+
+
+def assign_old_logprobs(
+    seqs: Sequence[TrainSequence], inputs: LossInputs, logprobs: Tensor
+) -> None:
+    """Store the learner's π_old `[B, L]` (from `logprobs_for_inputs`) on the sequences.
+
+    `seqs` is the list that was given to `collate` to build `inputs`.
+    """
+    lp = logprobs.detach().float().cpu()
+    mask = inputs.response_mask.cpu()
+    for row, idx in enumerate(inputs.index.tolist()):
+        seqs[idx].old_logprobs = lp[row][mask[row]].clone()
+
+
+class LossCounts(NamedTuple):
+    """What a mini-batch's loss is divided by; all-reduce (sum) both across ranks."""
+
+    tokens: int
+    sequences: int
+
+
+def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) -> LossCounts:
+    """Loss tokens and sequences with at least one loss token, known before any forward."""
+    kept = [s for s in seqs if not (overlong_filtering and s.truncated) and s.response_ids]
+    return LossCounts(tokens=sum(len(s.response_ids) for s in kept), sequences=len(kept))
+
+
+def mini_batches(n: int, mini_batch_size: int, seed: int | None = None) -> list[list[int]]:
+    """Split `n` responses into consecutive chunks of `mini_batch_size` (the last may be short).
+
+    With `seed`, the order is a seeded permutation first: the same seed gives the same split
+    on every rank and after a resume.
+    """
+    if mini_batch_size < 1:
+        raise ValueError("mini_batch_size must be >= 1")
+    order = list(range(n))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    return [order[i : i + mini_batch_size] for i in range(0, n, mini_batch_size)]
+
+
+def token_budget_micro_batches(
+    lengths: Sequence[int], max_tokens: int, min_count: int = 1
+) -> list[list[int]]:
+    """Indices into `lengths` grouped so each micro-batch's padded size `B · L` ≤ `max_tokens`.
+
+    Sorted longest first, then each micro-batch is filled in that order until one more row
+    would exceed the budget: rows of similar length share a micro-batch, so padding stays
+    low on length-skewed batches. A row longer than the budget gets a micro-batch of its
+    own. `min_count` (e.g. the largest count over data-parallel ranks, which must run the
+    same number of forwards under ZeRO-3) splits the costliest micro-batches further.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        current = batches[-1] if batches else None
+        if current is not None and (len(current) + 1) * lengths[current[0]] <= max_tokens:
+            current.append(i)
+        else:
+            batches.append([i])
+    return _split_to_count(batches, lengths, min_count)
+
+
+def _split_to_count(
+    batches: list[list[int]], lengths: Sequence[int], min_count: int
+) -> list[list[int]]:
+    """Halve the costliest splittable micro-batch until there are `min_count` (if possible)."""
+    while len(batches) < min_count:
+        splittable = [b for b in batches if len(b) > 1]
+        if not splittable:
+            break
+        worst = max(splittable, key=lambda b: len(b) * lengths[b[0]])
+        k = batches.index(worst)
+        half = len(worst) // 2
+        batches[k : k + 1] = [worst[:half], worst[half:]]
+    return batches
+
+
+def fixed_size_micro_batches(n: int, size: int) -> list[list[int]]:
+    """The naive split: consecutive chunks of `size` rows, whatever their lengths."""
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def padding_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
+    """Share of padded positions over all micro-batches: 1 − real tokens / Σ B · L."""
+    real = sum(lengths[i] for b in batches for i in b)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
+    return 1.0 - real / padded if padded else 0.0
+
+
+def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Deal rows to `world_size` ranks so their token totals are close (longest first).
+
+    Token totals are balanced, not row counts (a rank may get no rows if there are fewer
+    rows than ranks). Ranks then agree on a common micro-batch count and pass it as
+    `token_budget_micro_batches(min_count=...)`.
+    """
+    ranks: list[list[int]] = [[] for _ in range(world_size)]
+    totals = [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda k: (totals[k], k))
+        ranks[r].append(i)
+        totals[r] += lengths[i]
+    return ranks
