@@ -211,12 +211,13 @@ def token_logprobs(
     `logits[b, t]` (`[B, T, V]`) must be the distribution that `token_ids[b, t]` was sampled
     from (the caller shifts by one). The rollout engine must report its log-probs under the
     same definition (temperature-scaled, before top-p/top-k), or r and the TIS weights are
-    biased. Computed in fp32 whatever the logits' dtype. The entropy `[B, T]` is a metric
-    and carries no gradient (DAPO has no entropy bonus).
+    biased. Computed in fp32 at least (bf16 logits are upcast; float64 stays). The entropy
+    `[B, T]` is a metric and carries no gradient (DAPO has no entropy bonus).
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 (greedy samples have no log-probs)")
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    log_p = torch.log_softmax(wide / temperature, dim=-1)
     picked = torch.gather(log_p, -1, token_ids.long().unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(log_p.exp() * log_p).sum(dim=-1)
