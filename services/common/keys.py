@@ -44,6 +44,16 @@ class RunKeys:
         """Set when the learner finished its last step; every service then exits."""
         return self._key("done")
 
+    @property
+    def cursor(self) -> str:
+        """The controller's position in the prompt stream (epoch:index)."""
+        return self._key("cursor")
+
+    @property
+    def inflight(self) -> str:
+        """Hash group_id → prompt of groups admitted but not yet in `scored`."""
+        return self._key("inflight")
+
     def registry(self, role: str) -> str:
         """Key prefix of live instances of a role (each key has a heartbeat TTL)."""
         return self._key("registry", role)

@@ -22,7 +22,7 @@ TINY: dict[str, Any] = {
         "model_path": "runs/models/tiny",
     },
     "controller": {
-        "dataset": {"kind": "synthetic", "synthetic_task": "max3", "synthetic_size": 1000},
+        "dataset": {"kind": "synthetic", "synthetic_task": "max3"},
         "apply_chat_template": False,
         "verifier": "first_integer",
         "max_groups_in_flight": 64,

@@ -15,7 +15,9 @@ class DatasetConfig(StrictModel):
     kind: Literal["parquet", "jsonl", "synthetic"] = "parquet"
     path: str | None = Field(None, description="Parquet or JSONL file (DAPO record format).")
     synthetic_task: Literal["max3", "copy2", "reverse2"] = "max3"
-    synthetic_size: int = Field(1000, ge=1, description="Prompts in the synthetic task.")
+    synthetic_size: int | None = Field(
+        None, ge=1, description="Training prompts drawn from the synthetic task (None = all)."
+    )
     shuffle: bool = True
 
 

@@ -1,0 +1,33 @@
+"""The rollout service's one translation between protobuf and engine types."""
+
+from __future__ import annotations
+
+from dapo.v1 import rollout_pb2
+from rollout.config import SamplingConfig
+from rollout.engine import SampleOutput, SamplingParams
+from services.common.adapters import FINISH_TO_PROTO
+
+
+def sampling_params(
+    msg: rollout_pb2.SamplingParams, n: int, defaults: SamplingConfig, max_tokens: int
+) -> SamplingParams:
+    """Engine params from a request; zero values take the server's defaults."""
+    return SamplingParams(
+        n=n,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p or defaults.top_p,
+        top_k=msg.top_k if msg.top_k > 0 else defaults.top_k,
+        max_tokens=msg.max_tokens or max_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        seed=msg.seed or None,
+    )
+
+
+def completion(output: SampleOutput, text: str) -> rollout_pb2.Completion:
+    return rollout_pb2.Completion(
+        token_ids=output.token_ids,
+        logprobs=output.logprobs,
+        text=text,
+        finish_reason=FINISH_TO_PROTO[output.finish_reason],
+        policy_version=output.policy_version,
+    )

@@ -1,0 +1,81 @@
+"""The controller's one translation to and from the rollout and reward protobufs."""
+
+from __future__ import annotations
+
+from dapo.v1 import reward_pb2, rollout_pb2
+from rollout.config import SamplingConfig
+from services.common.adapters import sample_from_completion
+from services.common.types import Sample
+
+VERIFIERS = {
+    "default": reward_pb2.VERIFIER_UNSPECIFIED,
+    "dapo": reward_pb2.VERIFIER_DAPO,
+    "math_verify": reward_pb2.VERIFIER_MATH_VERIFY,
+    "cascade": reward_pb2.VERIFIER_CASCADE,
+    "first_integer": reward_pb2.VERIFIER_FIRST_INTEGER,
+}
+
+
+def generate_request(
+    request_id: str,
+    prompt: str,
+    n: int,
+    sampling: SamplingConfig,
+    max_tokens: int,
+    chat: bool,
+    seed: int = 0,
+) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        apply_chat_template=chat,
+        n=n,
+        sampling=rollout_pb2.SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),
+            max_tokens=max_tokens,
+            seed=seed,
+        ),
+    )
+
+
+def samples_from_responses(
+    responses: list[rollout_pb2.GenerateResponse], n: int
+) -> tuple[list[int], list[Sample]]:
+    """Order streamed responses by sample index; check all n arrived exactly once."""
+    by_index = {r.sample_index: r for r in responses}
+    if sorted(by_index) != list(range(n)):
+        raise ValueError(f"expected samples 0..{n - 1}, got {sorted(by_index)}")
+    prompt_ids = list(responses[0].prompt_token_ids)
+    return prompt_ids, [sample_from_completion(by_index[i].completion) for i in range(n)]
+
+
+def score_request(
+    samples: list[Sample], ground_truth: str, verifier: str, group_id: str
+) -> reward_pb2.ScoreRequest:
+    return reward_pb2.ScoreRequest(
+        items=[
+            reward_pb2.ScoreItem(
+                id=f"{group_id}/{i}",
+                response=s.text,
+                ground_truth=ground_truth,
+                verifier=VERIFIERS[verifier],
+                response_length=len(s.token_ids),
+                truncated=s.truncated,
+            )
+            for i, s in enumerate(samples)
+        ]
+    )
+
+
+def apply_scores(samples: list[Sample], response: reward_pb2.ScoreResponse) -> None:
+    """Copy each verdict onto its sample (results come back in request order)."""
+    if len(response.results) != len(samples):
+        raise ValueError(f"{len(response.results)} results for {len(samples)} items")
+    for sample, result in zip(samples, response.results, strict=True):
+        sample.reward = result.reward
+        sample.correct = result.correct
+        sample.pred = result.pred
+        sample.overlong_penalty = result.overlong_penalty
+        sample.error = result.error

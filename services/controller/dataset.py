@@ -1,0 +1,65 @@
+"""The controller's prompt source: epochs over a dataset, seeded shuffles, a resumable cursor."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from services.common.data import PromptRecord, load_records, synthetic_records
+from services.common.errors import DapoError
+from services.controller.config import DatasetConfig
+
+
+def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
+    """The training prompts named by the config, or a DapoError saying what is wrong."""
+    try:
+        if cfg.kind == "synthetic":
+            return synthetic_records(cfg.synthetic_task, cfg.synthetic_size, seed, "train")
+        if cfg.path is None:
+            raise DapoError(f"controller.dataset.path is required for kind={cfg.kind}")
+        return load_records(cfg.path)
+    except ValueError as exc:
+        raise DapoError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Position in the prompt stream: the next prompt is order(epoch)[index]."""
+
+    epoch: int = 0
+    index: int = 0
+
+    def encode(self) -> str:
+        return f"{self.epoch}:{self.index}"
+
+    @classmethod
+    def decode(cls, text: str | bytes | None) -> Cursor:
+        if not text:
+            return cls()
+        epoch, index = (text.decode() if isinstance(text, bytes) else text).split(":")
+        return cls(int(epoch), int(index))
+
+
+def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """The order of the n prompts in one epoch (a fresh seeded shuffle per epoch)."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"{seed}-{epoch}").shuffle(order)
+    return order
+
+
+def iterate(
+    records: list[PromptRecord], start: Cursor, seed: int, shuffle: bool
+) -> Iterator[tuple[Cursor, PromptRecord]]:
+    """Endless (epoch, record) stream from `start`; each item carries the cursor after it."""
+    if not records:
+        raise DapoError("the dataset holds no prompts")
+    epoch, index = start.epoch, start.index
+    while True:
+        order = epoch_order(len(records), epoch, seed, shuffle)
+        while index < len(order):
+            record = records[order[index]]
+            index += 1
+            yield Cursor(epoch, index), record
+        epoch, index = epoch + 1, 0

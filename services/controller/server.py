@@ -1,0 +1,238 @@
+"""The controller: admits prompts, gets G samples from a rollout server, scores them, and
+writes the ScoredGroup to the `scored` stream.
+
+Nothing is lost: a group is recorded in the `inflight` hash (with the ledger's
+`admitted` counter and the cursor, in one transaction) before any work starts, and leaves
+it in the same transaction that appends it to `scored`. A restarted controller re-runs
+whatever is still in flight. Group ids come from the cursor, so they are deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter as Tally
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import redis
+from prometheus_client import Counter, Gauge, Histogram
+
+from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
+from services.common.adapters import encode_group
+from services.common.config import DapoConfig
+from services.common.data import PromptRecord
+from services.common.grpc_server import insecure_channel
+from services.common.http import HttpServer, create_http_app, serve_http
+from services.common.keys import RunKeys
+from services.common.registry import discover
+from services.common.types import Group
+from services.controller import adapter
+from services.controller.dataset import Cursor, iterate, load_dataset
+
+log = logging.getLogger(__name__)
+
+ADMITTED = Counter("dapo_controller_groups_admitted_total", "Groups admitted")
+SCORED = Counter("dapo_controller_groups_scored_total", "Groups written to `scored`")
+RETRIES = Counter("dapo_controller_retries_total", "Failed calls retried", ["target"])
+INFLIGHT = Gauge("dapo_controller_groups_in_flight", "Groups being generated or scored")
+GROUP_SECONDS = Histogram("dapo_controller_group_seconds", "Admission to `scored`, seconds")
+
+
+class Controller:
+    """Feeds prompts through rollout and reward into the `scored` stream."""
+
+    def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
+        self.config, self.client = config, client
+        self.keys = RunKeys(config.shared.run_name)
+        self.records = load_dataset(config.controller.dataset, config.shared.seed)
+        self.by_id = {r.prompt_id: r for r in self.records}
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._load: Tally[str] = Tally()
+        self._stubs: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ admission
+    def version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
+    def train_backlog(self) -> int:
+        """Groups forwarded to `train` and not yet trained (ledger: kept - trained)."""
+        counts = self.client.hmget(self.keys.ledger, ["kept", "trained"])
+        kept, trained = (int(c or 0) for c in counts)
+        return kept - trained
+
+    def can_admit(self) -> bool:
+        cfg = self.config.controller
+        with self._lock:
+            if self._inflight >= cfg.max_groups_in_flight:
+                return False
+        return self.train_backlog() < cfg.max_train_backlog
+
+    def admit(self, cursor: Cursor, record: PromptRecord) -> tuple[str, int]:
+        """Record the group as in flight (atomically with the cursor and the ledger)."""
+        group_id = f"e{cursor.epoch}-{cursor.index - 1}"
+        version = self.version()
+        meta = json.dumps({"prompt_id": record.prompt_id, "epoch": cursor.epoch, "v": version})
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(self.keys.inflight, group_id, meta)
+        pipe.set(self.keys.cursor, cursor.encode())
+        pipe.hincrby(self.keys.ledger, "admitted", 1)
+        pipe.execute()
+        ADMITTED.inc()
+        return group_id, version
+
+    # ------------------------------------------------------------------ the work
+    def _stub(self, address: str, kind: str) -> Any:
+        key = f"{kind}@{address}"
+        if key not in self._stubs:
+            channel = insecure_channel(address)
+            factory = (
+                rollout_pb2_grpc.RolloutServiceStub
+                if kind == "rollout"
+                else reward_pb2_grpc.RewardServiceStub
+            )
+            self._stubs[key] = factory(channel)
+        return self._stubs[key]
+
+    def pick_rollout(self) -> str | None:
+        """The ready rollout server with the fewest of our requests in flight."""
+        ready = [i["address"] for i in discover(self.client, self.keys, "rollout") if i["ready"]]
+        if not ready:
+            return None
+        with self._lock:
+            address = min(ready, key=lambda a: self._load[a])
+            self._load[address] += 1
+        return address
+
+    def generate(self, group_id: str, record: PromptRecord, stop: threading.Event) -> Any:
+        shared, cfg = self.config.shared, self.config.controller
+        request = adapter.generate_request(
+            group_id, record.prompt, shared.group_size, self.config.rollout.sampling,
+            shared.max_response_length, cfg.apply_chat_template,
+        )  # fmt: skip
+        while not stop.is_set():
+            address = self.pick_rollout()
+            if address is None:
+                time.sleep(0.1)
+                continue
+            try:
+                stream = self._stub(address, "rollout").Generate(request, timeout=cfg.rpc_timeout_s)
+                return adapter.samples_from_responses(list(stream), shared.group_size)
+            except (grpc.RpcError, ValueError) as exc:
+                RETRIES.labels("rollout").inc()
+                log.warning("generate %s on %s failed, re-routing: %s", group_id, address, exc)
+                time.sleep(0.2)
+            finally:
+                with self._lock:
+                    self._load[address] -= 1
+        return None
+
+    def score(self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event):
+        verifier = self.config.controller.verifier
+        request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
+        backoff = 0.1
+        while not stop.is_set():
+            rewards = discover(self.client, self.keys, "reward")
+            try:
+                if not rewards:
+                    raise ConnectionError("no reward service registered")
+                stub = self._stub(rewards[0]["address"], "reward")
+                adapter.apply_scores(samples, stub.Score(request, timeout=60))
+                return samples
+            except (grpc.RpcError, ConnectionError, ValueError) as exc:
+                RETRIES.labels("reward").inc()
+                log.warning("score %s failed, retrying in %.1fs: %s", group_id, backoff, exc)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        return None
+
+    def process(self, group_id: str, record: PromptRecord, epoch: int, version: int,
+                stop: threading.Event) -> None:  # fmt: skip
+        started = time.monotonic()
+        try:
+            generated = self.generate(group_id, record, stop)
+            if generated is None:
+                return  # stopping: the group stays in flight for the next start
+            prompt_ids, samples = generated
+            if self.score(group_id, record, samples, stop) is None:
+                return
+            group = Group(
+                group_id=group_id, prompt_id=record.prompt_id, prompt=record.prompt,
+                prompt_token_ids=prompt_ids, ground_truth=record.ground_truth,
+                samples=samples, run_id=self.config.shared.run_name, epoch=epoch,
+                admitted_version=version, admitted_at=time.time() - (time.monotonic() - started),
+                scored_at=time.time(), data_source=record.data_source,
+            )  # fmt: skip
+            self.publish(group)
+            GROUP_SECONDS.observe(time.monotonic() - started)
+        except Exception:
+            log.exception("group %s failed; it stays in flight and is retried on restart", group_id)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+                INFLIGHT.set(self._inflight)
+
+    def publish(self, group: Group) -> None:
+        """Append to `scored` and leave `inflight` in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.scored, {"group": encode_group(group), "group_id": group.group_id})
+        pipe.hdel(self.keys.inflight, group.group_id)
+        pipe.hincrby(self.keys.ledger, "scored", 1)
+        pipe.execute()
+        SCORED.inc()
+
+    # ------------------------------------------------------------------ main loop
+    def _submit(self, pool: ThreadPoolExecutor, stop: threading.Event, *args: Any) -> None:
+        with self._lock:
+            self._inflight += 1
+            INFLIGHT.set(self._inflight)
+        pool.submit(self.process, *args, stop)
+
+    def resume_inflight(self, pool: ThreadPoolExecutor, stop: threading.Event) -> int:
+        """Re-run groups a previous controller admitted but never published."""
+        pending = self.client.hgetall(self.keys.inflight)
+        for raw_id, raw_meta in pending.items():
+            meta = json.loads(raw_meta)
+            record = self.by_id.get(meta["prompt_id"])
+            if record is None:
+                log.error("in-flight group %s names unknown prompt %s", raw_id, meta["prompt_id"])
+                continue
+            self._submit(pool, stop, raw_id.decode(), record, meta["epoch"], meta["v"])
+        return len(pending)
+
+    def run(self, stop: threading.Event) -> None:
+        cfg, shared = self.config.controller, self.config.shared
+        start = Cursor.decode(self.client.get(self.keys.cursor))
+        prompts = iterate(self.records, start, shared.seed, cfg.dataset.shuffle)
+        with ThreadPoolExecutor(cfg.max_groups_in_flight + 1, "group") as pool:
+            resumed = self.resume_inflight(pool, stop)
+            log.info("controller starts at %s with %d groups resumed", start.encode(), resumed)
+            while not stop.is_set() and not self.client.exists(self.keys.done):
+                if not self.can_admit():
+                    time.sleep(0.01)
+                    continue
+                cursor, record = next(prompts)
+                group_id, version = self.admit(cursor, record)
+                self._submit(pool, stop, group_id, record, cursor.epoch, version)
+            stop.set()
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            inflight = self._inflight
+        return {
+            "in_flight": inflight,
+            "cursor": Cursor.decode(self.client.get(self.keys.cursor)).encode(),
+            "version": self.version(),
+            "prompts": len(self.records),
+        }
+
+
+def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Controller, HttpServer]:
+    controller = Controller(config, client)
+    app = create_http_app("controller", status=controller.status)
+    server = config.controller.server
+    return controller, serve_http(app, server.host, server.http_port)
