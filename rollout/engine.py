@@ -1,0 +1,110 @@
+"""The rollout engine interface: what the rollout service needs from an inference engine.
+
+Kept narrow on purpose so that the torch engine and the vLLM engine both implement all of
+it; the gRPC service, limits and weight transport live elsewhere. Prompts and responses
+are token ids: tokenisation belongs to the caller, so the learner, the engine and the
+reward see exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from services.common.types import FinishReason
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample the n responses of one prompt.
+
+    `temperature == 0` means greedy decoding. The engine's EOS token always stops a
+    sample (unless `ignore_eos`); `stop_token_ids` add more stop tokens. The stop token
+    is part of the returned response (the learner trains on it).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.n >= 1, "n must be >= 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"{message}, got {self}")
+
+
+@dataclass
+class SampleOutput:
+    """One generated response: token ids with the log-prob of each under the sampler."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class StreamedSample:
+    """A sample as it completes: which prompt (`request_index`) and which of its n."""
+
+    request_index: int
+    sample_index: int
+    output: SampleOutput
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """An inference engine that samples responses and takes new weights in place.
+
+    Implementations are thread-safe: weights are never swapped in the middle of a
+    batch, so every sample is produced by exactly the version it is tagged with.
+    """
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently in use."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        """All `params.n` samples of every prompt: `result[prompt][sample]`."""
+        ...
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Iterator[StreamedSample]:
+        """The same samples, each yielded as soon as it is complete (any order)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace (some of) the weights and set the version.
+
+        Every tensor is checked (known name, same shape, same dtype) before any is
+        applied; on a mismatch a ValueError names it and the old weights stay in use.
+        """
+        ...
+
+    def pause(self) -> None:
+        """Finish the batch in flight, then start no new work until `resume()`."""
+        ...
+
+    def resume(self) -> None:
+        """Undo `pause()`."""
+        ...

@@ -1,0 +1,380 @@
+"""Torch rollout engine: batched sampling with a KV cache from a local Hugging Face model.
+
+Runs anywhere (CPU or GPU) and implements `rollout.engine.RolloutEngine`.
+
+Batching. All (prompt, sample) rows of a call are sorted by prompt length and cut into
+buckets of at most `max_batch_size` rows. A bucket prefills each distinct prompt once
+(left-padded, with attention mask and position ids), copies its KV cache to the prompt's
+n rows, then decodes one token per step for every unfinished row; rows that stop are
+dropped from the batch and the cache, so they cost nothing afterwards. This is bucketed,
+not continuous, batching: a bucket runs until its longest row finishes.
+
+Log-probs. For each sampled token the engine returns `log_softmax(logits / T)` computed
+in fp32 over the full vocabulary, i.e. *before* top-p / top-k truncation. That is exactly
+what the learner recomputes with a plain forward pass over prompt + response, so with
+DAPO's training setting (top_p = 1, top_k = -1) engine and learner agree to fp32
+rounding; with truncation on, the values are the untruncated policy's log-probs at that
+temperature (the learner's view), not those of the truncated sampler. Greedy decoding
+(T = 0) reports `log_softmax(logits)`, i.e. T = 1.
+
+Randomness. Each prompt's n × max_tokens uniforms come from its own `torch.Generator`
+seeded from (seed, prompt index); sampling inverts the CDF with them. A sample therefore
+depends only on the seed, its prompt index, its sample index and the weights, not on
+which other rows share its batch.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from rollout.config import TorchEngineConfig
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SEED_STRIDE = 1_000_003  # mixes the prompt index into the request seed
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' picks CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def plan_batches(
+    prompt_lengths: Sequence[int], n: int, max_batch_size: int
+) -> list[list[tuple[int, int]]]:
+    """(prompt index, sample index) rows, sorted by prompt length, in buckets.
+
+    Sorting keeps similar lengths together (little padding) and the n rows of a prompt
+    adjacent (one prefill per prompt per bucket).
+    """
+    order = sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], i))
+    rows = [(i, j) for i in order for j in range(n)]
+    return [rows[k : k + max_batch_size] for k in range(0, len(rows), max_batch_size)]
+
+
+def draw_uniforms(seed: int, prompt_index: int, n: int, max_tokens: int) -> torch.Tensor:
+    """The [n, max_tokens] uniforms in [0, 1) of one prompt, reproducible from the seed."""
+    gen = torch.Generator().manual_seed(seed * _SEED_STRIDE + prompt_index)
+    return torch.rand(n, max_tokens, generator=gen, dtype=torch.float64)
+
+
+def _truncated_sorted_probs(
+    probs: torch.Tensor, top_p: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probabilities sorted descending with the top-k / top-p tail zeroed, and their ids."""
+    sorted_probs, sorted_ids = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if top_k > 0:
+        drop |= rank >= top_k
+    if top_p < 1.0:
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop |= (mass_before >= top_p) & (rank > 0)
+    return sorted_probs.masked_fill(drop, 0.0), sorted_ids
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of `logits` [B, V]; return (token ids, log-probs) [B].
+
+    Log-probs are of the full temperature-scaled distribution (see module docstring).
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = (logits / params.temperature).log_softmax(-1)
+    probs = logprobs.exp()
+    ids: torch.Tensor | None = None
+    if params.top_p < 1.0 or params.top_k > 0:
+        probs, ids = _truncated_sorted_probs(probs, params.top_p, params.top_k)
+    cdf = probs.cumsum(-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    picked = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)
+    tokens = (picked if ids is None else ids.gather(-1, picked)).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _left_pad(
+    prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded input ids and attention mask, both [B, longest]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@dataclass
+class _DecodeState:
+    """The live rows of a bucket; every tensor is indexed by live row."""
+
+    rows: torch.Tensor  # [B] index of the row in the bucket
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, T] attention mask over cache + next token
+    next_pos: torch.Tensor  # [B] position id of the next token
+    uniforms: torch.Tensor  # [B, max_tokens]
+    logits: torch.Tensor  # [B, V] logits for the next token
+
+    def keep(self, live: torch.Tensor) -> None:
+        """Drop finished rows from every tensor and from the KV cache."""
+        idx = live.nonzero().squeeze(-1)
+        self.cache.batch_select_indices(idx)
+        self.rows, self.mask, self.next_pos = self.rows[idx], self.mask[idx], self.next_pos[idx]
+        self.uniforms, self.logits = self.uniforms[idx], self.logits[idx]
+
+
+@dataclass
+class _BucketResult:
+    """Decoded tokens of a bucket: [R, max_tokens] buffers plus per-row length."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    stopped: torch.Tensor
+
+
+class TorchEngine:
+    """A Hugging Face causal LM sampling in buckets with a KV cache; thread-safe."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "float32",
+        max_batch_size: int = 256,
+        eos_token_ids: Sequence[int] | None = None,
+        version: int = 0,
+    ) -> None:
+        self.device = resolve_device(device)
+        self.max_batch_size = max_batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
+        self.model.to(self.device).eval()
+        self.eos_token_ids = (
+            list(eos_token_ids) if eos_token_ids is not None else self._default_eos()
+        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
+        self._version = version
+        self._paused = False
+        self._cond = threading.Condition(threading.RLock())
+
+    @classmethod
+    def from_config(cls, model_path: str | Path, config: TorchEngineConfig) -> TorchEngine:
+        """Build from the rollout server's engine config."""
+        return cls(
+            model_path,
+            device=config.device,
+            dtype=config.dtype,
+            max_batch_size=config.max_batch_size,
+        )
+
+    def _default_eos(self) -> list[int]:
+        """EOS ids from the generation config, else the tokenizer."""
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights in use."""
+        return self._version
+
+    # -- generation -------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        """All n samples of every prompt: `result[prompt][sample]`."""
+        result: list[list[SampleOutput | None]] = [[None] * params.n for _ in prompts]
+        for item in self.stream(prompts, params):
+            result[item.request_index][item.sample_index] = item.output
+        return [[s for s in samples if s is not None] for samples in result]
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Iterator[StreamedSample]:
+        """Samples bucket by bucket; bad prompts raise ValueError here, not on first use."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        return self._stream([list(p) for p in prompts], params, seed)
+
+    def _stream(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        """Run buckets one at a time; no lock is held while the caller consumes."""
+        buckets = plan_batches([len(p) for p in prompts], params.n, self.max_batch_size)
+        for bucket in buckets:
+            with self._cond:
+                while self._paused:
+                    self._cond.wait()
+                done = self._run_bucket(bucket, prompts, params, seed)
+            yield from done
+
+    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def _run_bucket(
+        self,
+        bucket: list[tuple[int, int]],
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+    ) -> list[StreamedSample]:
+        """Prefill and decode one bucket; the caller holds the lock."""
+        state = self._prefill(bucket, prompts, params, seed)
+        result = self._decode(state, params, len(bucket))
+        return self._outputs(bucket, result)
+
+    def _prefill(
+        self,
+        bucket: list[tuple[int, int]],
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int,
+    ) -> _DecodeState:
+        """Run each distinct prompt once, then copy its cache to its sample rows."""
+        distinct = list(dict.fromkeys(i for i, _ in bucket))
+        slot = {i: k for k, i in enumerate(distinct)}
+        ids, mask = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        expand = torch.tensor([slot[i] for i, _ in bucket], device=self.device)
+        cache.batch_select_indices(expand)
+        uniforms = {i: draw_uniforms(seed, i, params.n, params.max_tokens) for i in distinct}
+        return _DecodeState(
+            rows=torch.arange(len(bucket), device=self.device),
+            cache=cache,
+            mask=mask[expand],
+            next_pos=positions[expand, -1] + 1,
+            uniforms=torch.stack([uniforms[i][j] for i, j in bucket]).to(self.device),
+            logits=out.logits[expand, -1],
+        )
+
+    def _decode(self, state: _DecodeState, params: SamplingParams, n_rows: int) -> _BucketResult:
+        """Sample until every row hit a stop token or max_tokens."""
+        shape = (n_rows, params.max_tokens)
+        res = _BucketResult(
+            tokens=torch.zeros(shape, dtype=torch.long, device=self.device),
+            logprobs=torch.zeros(shape, dtype=torch.float32, device=self.device),
+            lengths=torch.zeros(n_rows, dtype=torch.long, device=self.device),
+            stopped=torch.zeros(n_rows, dtype=torch.bool, device=self.device),
+        )
+        stop_ids = self._stop_ids(params)
+        for step in range(params.max_tokens):
+            tokens, logprobs = sample_next(state.logits, params, state.uniforms[:, step])
+            res.tokens[state.rows, step] = tokens
+            res.logprobs[state.rows, step] = logprobs
+            res.lengths[state.rows] = step + 1
+            stopped = torch.isin(tokens, stop_ids)
+            res.stopped[state.rows] = stopped
+            if step + 1 == params.max_tokens or bool(stopped.all()):
+                break
+            if bool(stopped.any()):
+                state.keep(~stopped)
+                tokens = tokens[~stopped]
+            self._step(state, tokens)
+        return res
+
+    def _step(self, state: _DecodeState, tokens: torch.Tensor) -> None:
+        """Feed the sampled tokens; leaves the next logits in `state`."""
+        ones = torch.ones_like(state.mask[:, :1])
+        state.mask = torch.cat([state.mask, ones], dim=-1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=state.mask,
+            position_ids=state.next_pos[:, None],
+            past_key_values=state.cache,
+            use_cache=True,
+        )
+        state.logits = out.logits[:, -1]
+        state.next_pos = state.next_pos + 1
+
+    def _outputs(self, bucket: list[tuple[int, int]], res: _BucketResult) -> list[StreamedSample]:
+        """Turn the bucket's buffers into per-sample outputs (one device sync)."""
+        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+        lengths, stopped = res.lengths.tolist(), res.stopped.tolist()
+        version = self._version
+        return [
+            StreamedSample(
+                request_index=i,
+                sample_index=j,
+                output=SampleOutput(
+                    token_ids=tokens[r][: lengths[r]],
+                    logprobs=logprobs[r][: lengths[r]],
+                    finish_reason="stop" if stopped[r] else "length",
+                    policy_version=version,
+                ),
+            )
+            for r, (i, j) in enumerate(bucket)
+        ]
+
+    # -- weights and flow control -----------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Check every tensor first, then copy all of them in between two buckets."""
+        updates = list(named_tensors)
+        targets = self.model.state_dict(keep_vars=True)
+        for name, tensor in updates:
+            _check_tensor(name, tensor, targets)
+        with self._cond, torch.no_grad():
+            for name, tensor in updates:
+                targets[name].copy_(tensor.to(self.device))
+            self._version = version
+
+    def pause(self) -> None:
+        """Wait for the bucket in flight, then hold new buckets until `resume()`."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Let generation continue."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first mismatch of one incoming tensor."""
+    if name not in targets:
+        raise ValueError(f"unknown weight {name!r}; weights left unchanged")
+    want = targets[name]
+    if tuple(tensor.shape) != tuple(want.shape):
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}; "
+            "weights left unchanged"
+        )
+    if tensor.dtype != want.dtype:
+        raise ValueError(
+            f"weight {name!r} has dtype {tensor.dtype}, expected {want.dtype}; "
+            "weights left unchanged"
+        )
