@@ -43,17 +43,18 @@ def group_advantages(rewards: Tensor, epsilon: float = 1e-6, norm_by_std: bool =
     """Group-relative advantages over the last dim: `(R - mean) / (std + epsilon)`.
 
     `rewards` is `[..., G]` (the G responses of one prompt on the last dim); the result has
-    the same shape and is later broadcast to every token of its response. A group of one
-    has std 0 (no Bessel correction is possible), so its advantage is 0.
+    the same shape (float32 for integer rewards) and is later broadcast to every token of
+    its response. Computed in float64. A group of equal rewards (a group of one included)
+    gets exactly 0 whatever `epsilon`, never rounding noise or NaN.
     """
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     r = rewards.to(torch.float64)
     centred = r - r.mean(dim=-1, keepdim=True)
-    if not norm_by_std:
-        return centred.to(out_dtype)
-    correction = 1 if r.shape[-1] > 1 else 0
-    std = r.std(dim=-1, keepdim=True, correction=correction)
-    return (centred / (std + epsilon)).to(out_dtype)
+    if norm_by_std:
+        correction = 1 if r.shape[-1] > 1 else 0
+        centred = centred / (r.std(dim=-1, keepdim=True, correction=correction) + epsilon)
+    all_equal = (r == r[..., :1]).all(dim=-1, keepdim=True)
+    return torch.where(all_equal, torch.zeros_like(centred), centred).to(out_dtype)
 
 
 @dataclass(frozen=True)

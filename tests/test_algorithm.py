@@ -122,10 +122,12 @@ def test_group_advantages_values_and_std_switch() -> None:
 
 
 def test_group_advantages_equal_rewards_and_singletons_are_zero_not_nan() -> None:
-    for rewards in (torch.ones(2, 4), torch.full((1, 16), -1.0), torch.tensor([[0.7]])):
+    cases = (torch.ones(2, 4), torch.full((1, 16), 0.1), torch.tensor([[0.7]]))
+    for rewards in cases:
         for norm in (True, False):
-            adv = group_advantages(rewards, norm_by_std=norm)
-            assert torch.equal(adv, torch.zeros_like(rewards))
+            for eps in (0.0, 1e-6):
+                adv = group_advantages(rewards, epsilon=eps, norm_by_std=norm)
+                assert torch.equal(adv, torch.zeros_like(rewards))
     assert group_advantages(torch.tensor([[1, 0]])).dtype == torch.float32
 
 
