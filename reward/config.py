@@ -9,6 +9,7 @@ from pydantic import Field
 from services.common.server_config import ServerConfig, StrictModel
 
 VerifierName = Literal["dapo", "math_verify", "cascade", "first_integer"]
+StartMethod = Literal["forkserver", "spawn"]
 
 
 class RewardConfig(StrictModel):
@@ -32,4 +33,23 @@ class RewardConfig(StrictModel):
     max_items: int = Field(4096, ge=1, description="Most items in one request.")
     max_response_chars: int = Field(
         1_000_000, ge=1, description="Longest response accepted, in characters."
+    )
+    max_ground_truth_chars: int = Field(
+        10_000, ge=1, description="Longest ground truth accepted, in characters."
+    )
+    max_request_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Largest HTTP request body (413 beyond); gRPC uses server.max_message_bytes.",
+    )
+    soft_timeout_s: int = Field(
+        2,
+        ge=0,
+        description="math-verify's own SIGALRM limit per parse/verify call, whole seconds; "
+        "cheaper than a kill. 0 = off: only the hard timeout_s bounds an item.",
+    )
+    start_method: StartMethod = Field(
+        "forkserver",
+        description="How workers start: forkserver (math-verify preloaded, fast replacement) "
+        "or spawn (a fresh interpreter each).",
     )

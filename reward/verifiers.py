@@ -1,0 +1,225 @@
+"""The answer checks: the paper's `dapo` rule, math-verify, their cascade, first integer.
+
+Everything here is a pure function of (response, ground truth) returning a `Verdict`;
+nothing raises on bad input. The functions run inside the worker processes of
+`reward.pool` (math-verify's SIGALRM timeouts need a process's main thread, and some of
+its inputs can only be stopped by killing the process), but they are plain functions, so
+tests and the in-process benchmark call them directly.
+
+The `dapo` rule reproduces the verdicts of the reference "math_dapo" rule that produced
+the paper's numbers (DAPO.md, "Reward"), quirks included, because rewards that differ
+from the reference change which groups are informative. Its quirks, on purpose:
+
+- Only the last 300 characters of the response are read. An `Answer:` line further
+  back is invisible; a response cut in the middle of its answer line is judged on the
+  cut text.
+- The answer is the *last* match of `(?i)Answer\\s*:\\s*([^\\n]+)` in that window, so
+  "The answer: 3" inside reasoning counts, and "answer :" with any case too. `\\s*`
+  may cross a newline, so `Answer:\\n42` reads 42. No match gives the literal pred
+  `[INVALID]`, which never equals a normalised ground truth.
+- Normalisation (applied to both sides) keeps only the text after the last `=`, then
+  deletes "an " and "a " *anywhere* (so "banana " loses letters), every space, `\\$`,
+  `\\ `, and a list of unit words as substrings ("cm", "sue", "ways", "units", ...:
+  "ways" also vanishes from "always"). Only the first `$...$` span survives. `\\text{}`,
+  `\\textbf{}`, `\\overline{}` are unwrapped non-greedily (first closing brace) and
+  `\\boxed{...}` greedily (last closing brace), so `\\boxed{\\boxed{5}}` gives 5.
+  `\\fracab` becomes `\\frac{a}{b}` and `\\sqrt2` becomes `\\sqrt{2}`.
+- A period is dropped only right before a `$` (`$42.$`); "Answer: 42." stays "42." and
+  is wrong against 42. Thousands separators are dropped only when the rest is all
+  digits (`str.isdigit`, so Unicode digits count too): "1,000" equals "1000" but
+  "1,000.5" keeps its comma.
+- The comparison is exact string equality after normalisation: "0.5" is not
+  "\\frac{1}{2}" (that is what the `cascade` verifier adds).
+
+`math_verify` follows math-verify's contract: `parse` both sides, `verify(gold, pred)`
+with gold first. `cascade` (the default) asks the rule first and math-verify only when
+the rule says wrong, reading the rule's `Answer:` text when there is one (more precise
+than re-extracting from the whole response), else the whole response. `first_integer`
+is for the toy tasks whose tiny models never emit EOS (ENVIRONMENT.md): "9+9+" reads 9.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+INVALID = "[INVALID]"
+RULE_WINDOW_CHARS = 300
+ANSWER_PATTERN = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+# Replaced in this order, each everywhere in the string (Minerva / lm-eval normalisation).
+_SUBSTITUTIONS: tuple[tuple[str, str], ...] = (
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
+)
+# Deleted in this order, as substrings. The reference list has no "ft" (Minerva's has).
+_UNIT_WORDS = (
+    "square ways integers dollars mph inches hours km units \\ldots sue points feet minutes "
+    "digits cents degrees cm gm pounds meters meals edges students childrentickets multiples"
+).split()
+_TEX_NOISE = (
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
+)
+_REMOVED = (*_UNIT_WORDS, *_TEX_NOISE)
+# Regex rewrites, in order: first $...$ span; unwrap \text, \textbf, \overline (lazy) and
+# \boxed (greedy); shorthand \fracab and \sqrta.
+_REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), r"$\3$"),
+    (re.compile(r"(\\text\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\textbf\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\overline\{)(.*?)(\})"), r"\2"),
+    (re.compile(r"(\\boxed\{)(.*)(\})"), r"\2"),
+    (re.compile(r"(frac)([^{])(.)"), r"frac{\2}{\3}"),
+    (re.compile(r"(sqrt)([^{])"), r"sqrt{\2}"),
+)
+_FIRST_INTEGER = re.compile(r"-?[0-9]+")
+_MAX_INT_DIGITS = 4000  # below CPython's int-from-str limit (4300)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One verification outcome. `error` is set when the check failed or timed out."""
+
+    correct: bool
+    pred: str
+    verifier: str
+    error: str = ""
+
+
+def normalize_final_answer(text: str) -> str:
+    """Minerva / lm-eval answer normalisation, exactly as the reference rule does it."""
+    text = text.split("=")[-1]
+    for before, after in _SUBSTITUTIONS:
+        text = text.replace(before, after)
+    for expr in _REMOVED:
+        text = text.replace(expr, "")
+    for pattern, repl in _REWRITES:
+        text = pattern.sub(repl, text)
+    text = text.replace("$", "")
+    if text.replace(",", "").isdigit():
+        text = text.replace(",", "")
+    return text.strip()
+
+
+def extract_answer_line(response: str) -> str | None:
+    """The raw text of the last `Answer:` match in the rule's 300-character window."""
+    matches = ANSWER_PATTERN.findall(response[-RULE_WINDOW_CHARS:])
+    return matches[-1] if matches else None
+
+
+@lru_cache(maxsize=4096)
+def _normalized_gold(ground_truth: str) -> str:
+    """Ground truths repeat G times per group, so normalise each once per worker."""
+    return normalize_final_answer(ground_truth)
+
+
+def verify_dapo(response: str, ground_truth: str) -> Verdict:
+    """The paper's rule: last-300-chars `Answer:` match, normalised, exact match."""
+    raw = extract_answer_line(response)
+    pred = normalize_final_answer(INVALID if raw is None else raw)
+    return Verdict(pred == _normalized_gold(ground_truth), pred, "dapo")
+
+
+def verify_first_integer(response: str, ground_truth: str) -> Verdict:
+    """The first integer in the response against the integer ground truth."""
+    match = _FIRST_INTEGER.search(response)
+    if match is None:
+        return Verdict(False, "", "first_integer")
+    pred, gold = match.group(), ground_truth.strip()
+    return Verdict(_same_integer(pred, gold), pred, "first_integer")
+
+
+def _same_integer(pred: str, gold: str) -> bool:
+    """Integer equality ("007" is 7); string equality when either side is not one."""
+    if len(pred) < _MAX_INT_DIGITS and _FIRST_INTEGER.fullmatch(gold) and len(gold) < _MAX_INT_DIGITS:
+        return int(pred) == int(gold)
+    return pred == gold
+
+
+def _gold_for_math_verify(ground_truth: str) -> str:
+    """Wrap a bare ground truth so math-verify's LaTeX extraction sees all of it."""
+    if "$" in ground_truth or "\\boxed" in ground_truth:
+        return ground_truth
+    return f"${ground_truth}$"
+
+
+def verify_math_verify(response: str, ground_truth: str, timeout_s: int = 0) -> Verdict:
+    """math-verify: parse both, verify(gold, pred). `timeout_s` is its own SIGALRM limit
+    (0 = none; then only killing the worker bounds it). Errors become `Verdict.error`."""
+    from math_verify import parse, verify  # imported lazily: workers preload it
+
+    limit = timeout_s or None
+    try:
+        gold = parse(_gold_for_math_verify(ground_truth), parsing_timeout=limit, raise_on_error=True)
+        pred = parse(response, parsing_timeout=limit, raise_on_error=True)
+        correct = bool(verify(gold, pred, timeout_seconds=limit, raise_on_error=True))
+    except BaseException as exc:  # noqa: B036 - math-verify's TimeoutException is a BaseException
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        return Verdict(False, "", "math_verify", _describe(exc))
+    return Verdict(correct, _pred_text(pred), "math_verify")
+
+
+def _pred_text(parsed: list[object]) -> str:
+    """math-verify returns [sympy object, extracted string]; report the string."""
+    strings = [p for p in parsed if isinstance(p, str)]
+    return strings[-1] if strings else (str(parsed[0]) if parsed else "")
+
+
+def _describe(exc: BaseException) -> str:
+    """A one-line error naming the failure, short enough for a metric log."""
+    kind = "timeout" if "Timeout" in type(exc).__name__ else "error"
+    return f"math_verify {kind}: {type(exc).__name__}: {str(exc)[:200]}"
+
+
+def verify_cascade(response: str, ground_truth: str, timeout_s: int = 0) -> Verdict:
+    """The rule first; math-verify only when the rule says wrong."""
+    rule = verify_dapo(response, ground_truth)
+    if rule.correct:
+        return rule
+    line = extract_answer_line(response)
+    return verify_math_verify(response if line is None else line, ground_truth, timeout_s)
+
+
+Check = Callable[[str, str, int], Verdict]
+VERIFIERS: dict[str, Check] = {
+    "dapo": lambda r, g, _t: verify_dapo(r, g),
+    "math_verify": verify_math_verify,
+    "cascade": verify_cascade,
+    "first_integer": lambda r, g, _t: verify_first_integer(r, g),
+}
+
+
+def run_verifier(name: str, response: str, ground_truth: str, timeout_s: int = 0) -> Verdict:
+    """Run the named verifier; any failure becomes a wrong verdict with an error."""
+    check = VERIFIERS.get(name)
+    if check is None:
+        return Verdict(False, "", name, f"unknown verifier {name!r}")
+    try:
+        return check(response, ground_truth, timeout_s)
+    except Exception as exc:  # a bug in a rule must not take the batch down
+        return Verdict(False, "", name, f"{name} error: {type(exc).__name__}: {str(exc)[:200]}")
