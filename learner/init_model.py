@@ -1,0 +1,265 @@
+"""Build a small model from nothing: a locally trained tokenizer plus a random-weight Qwen2.
+
+Nothing is downloaded: the machines this project runs on reach no model hub, and RL from
+scratch on a CPU needs a model small enough to learn in minutes. The output directory loads
+with `AutoTokenizer.from_pretrained(dir)` and `AutoModelForCausalLM.from_pretrained(dir)`.
+
+Presets:
+
+- `tiny`: the setup measured to learn the synthetic digit tasks on a 2-core CPU. A
+  character-level tokenizer whose alphabet is that of the synthetic prompts and answers
+  plus `+` (14 tokens, `<eos>` is eos and pad); Qwen2 with 2 layers, hidden 64, 4 heads
+  (2 KV), FFN 256, tied embeddings (124,352 parameters). Its chat template renders only the
+  message contents, so a prompt is `3,7,1=` and nothing more. Characters outside the
+  alphabet are dropped when encoding (no unknown token: it would only be noise).
+- `small`: a byte-level BPE tokenizer trained on a few thousand synthetic math lines (any
+  text, AIME prompts included, encodes losslessly) with a ChatML template; Qwen2 with
+  2 layers, hidden 128, 2 heads (head_dim 64, which vLLM's CPU kernels accept).
+
+Both tokenizers are byte-level BPEs with Qwen2's own pre-tokenizer and are saved as
+`Qwen2Tokenizer`: transformers 5 rebuilds any qwen2 checkpoint's tokenizer that way from
+its vocab and merges, so anything else would tokenize differently once reloaded.
+
+The tokenizer depends only on the preset; `seed` sets the weights alone, so models of
+different seeds share token ids. Heavy libraries are imported inside functions so that
+`PRESETS` can be read (e.g. for CLI choices) without importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.common.data import iter_synthetic_corpus
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+PROVENANCE_FILE = "dapo_model.json"
+
+TINY_EOS = "<eos>"
+TINY_EXTRA_CHARS = "+"  # not in any synthetic prompt yet, but addition tasks need it
+# Only contents: the tiny model sees `3,7,1=` and answers right after it.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
+    "{% endif %}{% endfor %}"
+)
+
+SMALL_EOS, SMALL_PAD, SMALL_START = "<|im_end|>", "<|endoftext|>", "<|im_start|>"
+SMALL_VOCAB_SIZE = 1024
+SMALL_CORPUS_LINES = 4000
+SMALL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Qwen2 dimensions of a preset."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape plus the function that builds its tokenizer."""
+
+    shape: ModelShape
+    build_tokenizer: Callable[[], PreTrainedTokenizerFast]
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: `<eos>` then the synthetic alphabet, sorted, no merges."""
+    alphabet = sorted(set("".join(iter_synthetic_corpus())) | set(TINY_EXTRA_CHARS))
+    vocab = {TINY_EOS: 0, **{ch: i + 1 for i, ch in enumerate(alphabet)}}
+    # unk is only a label here: the BPE model has none, and a 15th token would be dead weight.
+    special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
+    return _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special)
+
+
+def build_small_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained with `tokenizers` on synthetic math text; ChatML specials."""
+    from tokenizers import AddedToken, trainers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    tok = _qwen2_pipeline({}, [])
+    trainer = trainers.BpeTrainer(
+        vocab_size=SMALL_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=[SMALL_PAD, SMALL_START, SMALL_EOS],
+        initial_alphabet=ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(math_corpus(SMALL_CORPUS_LINES), trainer=trainer)
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    special = {"eos_token": SMALL_EOS, "pad_token": SMALL_PAD, "unk_token": SMALL_PAD}
+    wrapped = _qwen2_tokenizer(model["vocab"], merges, SMALL_CHAT_TEMPLATE, special)
+    # Only eos/pad/unk are special by default; the template's start marker must be one token.
+    wrapped.add_tokens([AddedToken(SMALL_START, special=True)], special_tokens=True)
+    return wrapped
+
+
+def _qwen2_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+    """A `tokenizers` BPE with exactly the normalizer/pre-tokenizer Qwen2Tokenizer builds.
+
+    transformers 5 always rebuilds a qwen2 checkpoint's tokenizer as `Qwen2Tokenizer` from
+    the saved vocab and merges, so training with any other pipeline would tokenize
+    differently after `AutoTokenizer.from_pretrained`.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges) if vocab else models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _qwen2_tokenizer(
+    vocab: dict[str, int],
+    merges: list[tuple[str, str]],
+    chat_template: str,
+    special: dict[str, str],
+) -> PreTrainedTokenizerFast:
+    """Wrap vocab and merges in the class `AutoTokenizer` will load them as."""
+    from transformers import Qwen2Tokenizer
+
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        bos_token=None,
+        chat_template=chat_template,
+        clean_up_tokenization_spaces=False,
+        **special,
+    )
+
+
+_WORDS = (
+    "Find the number of positive integers such that Let be a real number complex triangle "
+    "with sides area probability of choosing sum product remainder when divided by Compute "
+    "the value the largest possible smallest integer polynomial roots circle radius points "
+    "on a line equation solutions Suppose that and are relatively prime Determine how many "
+    "ways there are to arrange digits in base square rectangle the greatest common divisor"
+).split()
+_INSTRUCTION = (
+    "Solve the following math problem step by step. The last line of your response should "
+    "be of the form Answer: $Answer (without quotes) where $Answer is the answer to the "
+    'problem.\n\n{}\n\nRemember to put your answer on its own line after "Answer:".'
+)
+
+
+def math_corpus(n_lines: int, seed: int = 0) -> Iterator[str]:
+    """Synthetic math text in the style of DAPO prompts and answers (fixed seed)."""
+    rng = random.Random(seed)
+    makers = (_arith_line, _latex_line, _word_line, _answer_line)
+    for i in range(n_lines):
+        line = makers[i % len(makers)](rng)
+        yield _INSTRUCTION.format(line) if i % 50 == 0 else line
+
+
+_OPS = (("+", operator.add), ("-", operator.sub), ("*", operator.mul))
+
+
+def _arith_line(rng: random.Random) -> str:
+    a, b = rng.randint(0, 999), rng.randint(1, 999)
+    op, fn = rng.choice(_OPS)
+    return f"{a} {op} {b} = {fn(a, b)}"
+
+
+def _latex_line(rng: random.Random) -> str:
+    a, b, c = (rng.randint(1, 20) for _ in range(3))
+    forms = (
+        f"$\\frac{{{a}}}{{{b}}} + \\frac{{{c}}}{{{b}}} = \\frac{{{a + c}}}{{{b}}}$",
+        f"$x^{a} + {b}x - {c} = 0$ where $|z|={a}$",
+        f"\\[\\sqrt{{{a * a}}} = {a}\\quad (a_{{{b}}}, b_{{{c}}})\\]",
+        f"The answer is $\\boxed{{{a * b}}}$, since $\\binom{{{a}}}{{2}} \\cdot {c}$.",
+    )
+    return rng.choice(forms)
+
+
+def _word_line(rng: random.Random) -> str:
+    words = rng.choices(_WORDS, k=rng.randint(6, 16))
+    return " ".join(words).capitalize() + rng.choice([".", "?", ", and $n$ is odd."])
+
+
+def _answer_line(rng: random.Random) -> str:
+    return f"Answer: {rng.randint(0, 999)}"
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(ModelShape(64, 256, 2, 4, 2, 256, True), build_tiny_tokenizer),
+    "small": Preset(ModelShape(128, 512, 2, 2, 2, 4096, True), build_small_tokenizer),
+}
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int) -> Any:
+    """Random-weight Qwen2 sized for `tokenizer`, seeded without touching global RNG state."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    eos_ids = list(dict.fromkeys([tokenizer.eos_token_id, tokenizer.pad_token_id]))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        **asdict(shape),
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Write tokenizer, random model and `dapo_model.json` for `preset` into `out_dir`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+    spec = PRESETS[preset]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = spec.build_tokenizer()
+    model: PreTrainedModel = build_model(spec.shape, tokenizer, seed)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    provenance = {
+        "preset": preset,
+        "seed": seed,
+        "num_parameters": model.num_parameters(),
+        "vocab_size": len(tokenizer),
+    }
+    (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+    return out

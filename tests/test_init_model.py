@@ -1,0 +1,196 @@
+"""Offline model init: tokenizer + random Qwen2 saved so the Auto classes load them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from learner.init_model import (  # noqa: E402
+    PRESETS,
+    PROVENANCE_FILE,
+    build_small_tokenizer,
+    init_model,
+)
+from services.common.data import SYNTHETIC_TASKS, load_records, synthetic_records  # noqa: E402
+
+AIME = Path(os.environ.get("DAPO_AIME_PARQUET", "/work/shared/data/aime-2024.parquet"))
+TINY_PARAMS = 124_352  # see test_tiny_parameter_count for the arithmetic
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("small") / "model", "small", seed=0)
+
+
+def _synthetic_texts() -> list[str]:
+    texts = []
+    for task in SYNTHETIC_TASKS:
+        for split in ("train", "test"):
+            texts += [
+                t for r in synthetic_records(task, split=split) for t in (r.prompt, r.ground_truth)
+            ]
+    return texts
+
+
+# --------------------------------------------------------------------------- tiny
+
+
+def test_tiny_loads_with_auto_classes(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    assert len(tok) == 14 and model.config.vocab_size == 14
+    assert tok.eos_token == tok.pad_token == "<eos>"
+    assert tok.eos_token_id == tok.pad_token_id == 0 and tok.bos_token is None
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (64, 2, 256)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    gen = model.generation_config
+    assert (gen.eos_token_id, gen.pad_token_id) == (0, 0)
+
+
+def test_tiny_vocabulary_is_the_synthetic_alphabet(tiny_dir: Path) -> None:
+    vocab = AutoTokenizer.from_pretrained(tiny_dir).get_vocab()
+    assert set(vocab) == {"<eos>", "+", ",", "=", *"0123456789"}
+    assert vocab["<eos>"] == 0
+
+
+def test_tiny_parameter_count(tiny_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    h, ffn, kv, vocab = 64, 256, 32, 14  # kv = 2 KV heads x head_dim 16
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h  # q, k, v carry biases; o does not
+    layer = attention + 3 * h * ffn + 2 * h  # gate/up/down + two RMSNorms
+    expected = vocab * h + 2 * layer + h  # tied embeddings counted once, final norm
+    assert expected == TINY_PARAMS
+    assert model.num_parameters() == TINY_PARAMS
+    assert json.loads((tiny_dir / PROVENANCE_FILE).read_text()) == {
+        "preset": "tiny",
+        "seed": 0,
+        "num_parameters": TINY_PARAMS,
+        "vocab_size": 14,
+    }
+
+
+def test_tiny_tokenizer_round_trips_synthetic_text(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    for text in _synthetic_texts() + ["12+34=46"]:
+        ids = tok(text).input_ids
+        assert len(ids) == len(text), text  # one token per character
+        assert tok.decode(ids) == text
+    assert tok.decode(tok("3,7,1=").input_ids + [tok.eos_token_id]) == "3,7,1=<eos>"
+
+
+def test_tiny_chat_template_is_the_bare_prompt(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    chat = [{"role": "user", "content": "3,7,1="}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == "3,7,1="
+    ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert list(ids) == tok("3,7,1=").input_ids
+    full = chat + [{"role": "assistant", "content": "7"}]
+    assert tok.apply_chat_template(full, tokenize=False) == "3,7,1=7<eos>"
+
+
+def test_tiny_model_generates_in_a_batch(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    batch = tok(["3,7,1=", "4,2="], return_tensors="pt", padding=True)
+    out = model.generate(**batch, min_new_tokens=4, max_new_tokens=4, do_sample=False)
+    width = batch.input_ids.shape[1]
+    assert out.shape == (2, width + 4)
+    assert torch.equal(out[:, :width], batch.input_ids)
+    assert int(out.max()) < 14
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / "model.safetensors")
+
+
+def test_same_seed_same_weights_other_seed_differs(tiny_dir: Path, tmp_path: Path) -> None:
+    again = _weights(init_model(tmp_path / "a", "tiny", seed=0))
+    other = _weights(init_model(tmp_path / "b", "tiny", seed=1))
+    first = _weights(tiny_dir)
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    # The tokenizer depends on the preset only, so seeds share token ids.
+    assert (tmp_path / "b" / "tokenizer.json").read_text() == (
+        tiny_dir / "tokenizer.json"
+    ).read_text()
+
+
+def test_init_leaves_global_rng_alone(tmp_path: Path) -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    init_model(tmp_path, "tiny", seed=7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_unknown_preset_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown model preset 'huge'; valid presets: tiny, small"
+    ):
+        init_model(tmp_path / "out", "huge")
+    assert not (tmp_path / "out").exists()
+    assert set(PRESETS) == {"tiny", "small"}
+
+
+# --------------------------------------------------------------------------- small
+
+
+def test_small_loads_with_auto_classes(small_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(small_dir)
+    model = AutoModelForCausalLM.from_pretrained(small_dir)
+    cfg = model.config
+    assert cfg.hidden_size // cfg.num_attention_heads == 64
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (128, 2)
+    assert cfg.vocab_size == len(tok) > 300
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    gen = model.generation_config
+    assert set(gen.eos_token_id) == {tok.eos_token_id, tok.pad_token_id}
+    assert gen.pad_token_id == tok.pad_token_id
+    assert json.loads((small_dir / PROVENANCE_FILE).read_text())["preset"] == "small"
+
+
+def test_small_chat_template(small_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(small_dir)
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok(text).input_ids) == text
+    assert tok.convert_tokens_to_ids("<|im_start|>") in tok(text).input_ids
+
+
+def test_small_tokenizer_is_deterministic() -> None:
+    first, second = build_small_tokenizer(), build_small_tokenizer()
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
+
+
+@pytest.mark.skipif(
+    not AIME.is_file(), reason=f"AIME parquet not found at {AIME} (set DAPO_AIME_PARQUET)"
+)
+def test_small_tokenizer_round_trips_aime(small_dir: Path) -> None:
+    loaded = AutoTokenizer.from_pretrained(small_dir)
+    fresh = build_small_tokenizer()
+    for record in load_records(AIME, unique=True):
+        ids = loaded(record.prompt).input_ids
+        assert loaded.decode(ids) == record.prompt
+        # What was trained is what AutoTokenizer rebuilds: identical ids.
+        assert fresh(record.prompt).input_ids == ids
+        assert len(ids) < 2 * len(record.prompt) // 3  # merges were learned
