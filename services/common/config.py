@@ -11,7 +11,7 @@ import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError
@@ -50,6 +50,9 @@ class SharedConfig(StrictModel):
     )
     model_path: str | None = Field(
         None, description="Model directory for rollout and learner unless they set their own."
+    )
+    model_init: Literal["tiny", "small"] | None = Field(
+        None, description="`dapo up` builds a random model of this preset if model_path is absent."
     )
 
 

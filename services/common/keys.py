@@ -45,6 +45,11 @@ class RunKeys:
         return self._key("done")
 
     @property
+    def metrics(self) -> str:
+        """Stream of per-step learner metrics (JSON), for progress bars and reports."""
+        return self._key("metrics")
+
+    @property
     def cursor(self) -> str:
         """The controller's position in the prompt stream (epoch:index)."""
         return self._key("cursor")

@@ -20,6 +20,7 @@ TINY: dict[str, Any] = {
         "overlong_buffer_length": 0,
         "max_staleness": 1,
         "model_path": "runs/models/tiny",
+        "model_init": "tiny",
     },
     "controller": {
         "dataset": {"kind": "synthetic", "synthetic_task": "max3"},

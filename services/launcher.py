@@ -1,0 +1,190 @@
+"""`dapo up`: Redis plus the five services as separate OS processes on this machine.
+
+Each service is `python -m services.cli <role> --config <run>/config.yaml` with ports 0
+(picked free and printed), registering itself in Redis so the others find it. The
+launcher shows a progress bar from the learner's metrics stream, stops everything on
+Ctrl-C, on a crashed service or when the learner reports the last step, and writes
+`<run>/report.json`. No child outlives it: each gets SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from services.common.config import DapoConfig, dump_config
+from services.common.errors import DapoError
+from services.common.keys import RunKeys
+from services.common.redis_server import RedisServer, connect, start_redis
+from services.ledger import read_ledger
+
+log = logging.getLogger(__name__)
+
+ROLES = ("reward", "learner", "rollout", "buffer", "controller")
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log_file: IO[bytes]
+
+
+@dataclass
+class Launch:
+    """The processes and Redis of one `dapo up`."""
+
+    config: DapoConfig
+    run_dir: Path
+    redis_server: RedisServer | None = None
+    children: list[Child] = field(default_factory=list)
+
+    def start_child(self, role: str, config_path: Path) -> None:
+        log_path = self.run_dir / "logs" / f"{role}.log"
+        log_file = log_path.open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", role, "--config", str(config_path)],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+        self.children.append(Child(role, proc, log_file))
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+            child.log_file.close()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+
+def ensure_model(config: DapoConfig) -> None:
+    """Build the preset's random model if its directory is missing (demo, tests)."""
+    path = config.model_path
+    if path is None:
+        raise DapoError("no model: set shared.model_path (or learner/rollout model_path)")
+    if Path(path).is_dir():
+        return
+    if config.shared.model_init is None:
+        raise DapoError(f"model directory not found: {path}")
+    from learner.init_model import init_model
+
+    init_model(Path(path), preset=config.shared.model_init, seed=config.shared.seed)
+    print(f"built a random {config.shared.model_init} model in {path}")
+
+
+def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> Path:
+    """Start Redis if needed and write the resolved config every child reads."""
+    updates: dict[str, Any] = {}
+    if config.shared.redis_url is None:
+        launch.redis_server = start_redis()
+        updates["redis_url"] = launch.redis_server.url
+    data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
+    for section in ROLES:
+        getattr(data, section).server.grpc_port = 0
+        getattr(data, section).server.http_port = 0
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(dump_config(data))
+    launch.config = data
+    return path
+
+
+def last_metrics(client: Any, keys: RunKeys) -> dict[str, Any] | None:
+    entries = client.xrevrange(keys.metrics, count=1)
+    return json.loads(entries[0][1][b"json"]) if entries else None
+
+
+def monitor(launch: Launch) -> int:
+    """Progress bar until the run is done, a child dies, or Ctrl-C; returns the exit code."""
+    from tqdm import tqdm
+
+    config = launch.config
+    assert config.shared.redis_url
+    client = connect(config.shared.redis_url)
+    keys = RunKeys(config.shared.run_name)
+    total = config.learner.total_steps
+    with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
+        while not client.exists(keys.done):
+            dead = launch.dead_child()
+            if dead is not None:
+                bar.write(f"{dead.role} exited with code {dead.proc.returncode}; "
+                          f"see {launch.run_dir / 'logs' / (dead.role + '.log')}")  # fmt: skip
+                return 1
+            m = last_metrics(client, keys)
+            if m is not None and m["step"] > bar.n:
+                bar.update(m["step"] - bar.n)
+                ledger = read_ledger(client, config.shared.run_name)
+                kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}",
+                                kept=f"{kept:.2f}", tok_s=f"{m['tokens'] / m['seconds']:.0f}",
+                                v=m["step"])  # fmt: skip
+            time.sleep(0.2)
+    return 0
+
+
+def write_report(launch: Launch, started: float, code: int) -> Path:
+    config = launch.config
+    client = connect(config.shared.redis_url or "")
+    keys = RunKeys(config.shared.run_name)
+    steps = [json.loads(f[b"json"]) for _, f in client.xrange(keys.metrics)]
+    ledger = read_ledger(client, config.shared.run_name)
+    report = {
+        "run": config.shared.run_name,
+        "exit_code": code,
+        "wall_seconds": round(time.monotonic() - started, 2),
+        "steps": steps,
+        "ledger": ledger.as_dict(),
+    }
+    path = launch.run_dir / "report.json"
+    path.write_text(json.dumps(report, indent=2))
+    return path
+
+
+def launch(config: DapoConfig, run_dir: str | None = None, steps: int | None = None) -> int:
+    """Run the whole system until the learner's last step; clean up whatever happens."""
+    if steps is not None:
+        config.learner.total_steps = steps
+    out = Path(run_dir or Path("runs") / config.shared.run_name)
+    ensure_model(config)
+    started = time.monotonic()
+    state = Launch(config, out)
+    code = 1
+    try:
+        config_path = prepare(config, out, state)
+        for role in ROLES:
+            state.start_child(role, config_path)
+        code = monitor(state)
+    except KeyboardInterrupt:
+        print("interrupted; stopping every service", file=sys.stderr)
+        code = 130
+    finally:
+        report = None
+        if state.config.shared.redis_url:
+            try:
+                report = write_report(state, started, code)
+            except Exception as exc:  # reporting must never block the clean-up
+                print(f"could not write the report: {exc}", file=sys.stderr)
+        state.stop()
+    if report is not None:
+        print(f"report: {report}")
+    return code

@@ -1,0 +1,140 @@
+"""The ledger: where every admitted group is, checked against the streams themselves.
+
+    admitted = in_flight + scored                      (controller)
+    scored   = kept + filtered + pending_scored        (buffer)
+    kept     = trained + dropped + pending_train       (learner)
+    ⇒ admitted = trained + filtered + dropped + pending + in flight
+
+Counters are written in the same Redis transactions that move the groups, and the
+pending counts come from the streams' consumer-group state, so a mismatch means a bug
+(or a group lost), never a race.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import redis
+
+from services.common.keys import RunKeys
+
+BUFFER_GROUP, LEARNER_GROUP = "buffer", "learner"
+
+
+def unconsumed(client: redis.Redis, stream: str, group: str) -> int:
+    """Entries of `stream` the group has not acked: delivered-but-pending plus undelivered."""
+    if not client.exists(stream):
+        return 0
+    for info in client.xinfo_groups(stream):
+        if info["name"].decode() != group:
+            continue
+        last = info["last-delivered-id"].decode()
+        undelivered = len(client.xrange(stream, min=f"({last}", max="+"))
+        return int(info["pending"]) + undelivered
+    return int(client.xlen(stream))  # group not created yet: nothing consumed
+
+
+@dataclass
+class Ledger:
+    admitted: int = 0
+    in_flight: int = 0
+    scored: int = 0
+    kept: int = 0
+    filtered: dict[str, int] = field(default_factory=dict)
+    pending_scored: int = 0
+    trained: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    pending_train: int = 0
+    version: int = 0
+
+    @property
+    def filtered_total(self) -> int:
+        return sum(self.filtered.values())
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+    def problems(self) -> list[str]:
+        """Every identity that does not hold, spelled out."""
+        checks = [
+            ("admitted = in_flight + scored", self.admitted, self.in_flight + self.scored),
+            (
+                "scored = kept + filtered + pending_scored",
+                self.scored,
+                self.kept + self.filtered_total + self.pending_scored,
+            ),
+            (
+                "kept = trained + dropped + pending_train",
+                self.kept,
+                self.trained + self.dropped_total + self.pending_train,
+            ),
+        ]
+        return [f"{name}: {lhs} != {rhs}" for name, lhs, rhs in checks if lhs != rhs]
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), ok=not self.problems(), problems=self.problems())
+
+
+def read_ledger(client: redis.Redis, run: str) -> Ledger:
+    """Snapshot the counters and stream state of a run (read in one MULTI for coherence)."""
+    keys = RunKeys(run)
+    pipe = client.pipeline(transaction=True)
+    pipe.hgetall(keys.ledger)
+    pipe.hlen(keys.inflight)
+    pipe.get(keys.version)
+    counters_raw, in_flight, version = pipe.execute()
+    counters = {k.decode(): int(v) for k, v in counters_raw.items()}
+    return Ledger(
+        admitted=counters.get("admitted", 0),
+        in_flight=int(in_flight),
+        scored=counters.get("scored", 0),
+        kept=counters.get("kept", 0),
+        filtered=_prefixed(counters, "filtered:"),
+        pending_scored=unconsumed(client, keys.scored, BUFFER_GROUP),
+        trained=counters.get("trained", 0),
+        dropped=_prefixed(counters, "dropped:"),
+        pending_train=unconsumed(client, keys.train, LEARNER_GROUP),
+        version=int(version or 0),
+    )
+
+
+def _prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:
+    return {k.removeprefix(prefix): v for k, v in counters.items() if k.startswith(prefix)}
+
+
+def format_ledger(ledger: Ledger) -> str:
+    rows = [
+        ("admitted", ledger.admitted),
+        ("in flight (controller)", ledger.in_flight),
+        ("scored", ledger.scored),
+        ("pending in `scored`", ledger.pending_scored),
+        ("kept (informative)", ledger.kept),
+        *((f"filtered: {k}", v) for k, v in sorted(ledger.filtered.items())),
+        ("pending in `train`", ledger.pending_train),
+        *((f"dropped: {k}", v) for k, v in sorted(ledger.dropped.items())),
+        ("trained", ledger.trained),
+        ("policy version", ledger.version),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    problems = ledger.problems()
+    lines.append("identity holds" if not problems else "MISMATCH: " + "; ".join(problems))
+    return "\n".join(lines)
+
+
+def print_ledger(config, as_json: bool = False) -> int:
+    """`dapo ledger`: print the run's ledger; exit 1 on any mismatch."""
+    from services.common.errors import DapoError
+    from services.common.redis_server import connect
+
+    if not config.shared.redis_url:
+        raise DapoError("pass --redis-url (or set shared.redis_url) to read a run's ledger")
+    ledger = read_ledger(connect(config.shared.redis_url), config.shared.run_name)
+    print(json.dumps(ledger.as_dict(), indent=2) if as_json else format_ledger(ledger))
+    if ledger.problems():
+        print("ledger mismatch", file=sys.stderr)
+        return 1
+    return 0
