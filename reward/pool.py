@@ -84,7 +84,9 @@ def worker_main(conn: Connection, soft_timeout_s: int) -> None:
         except (EOFError, OSError):
             return
         start = time.perf_counter()
-        verdict = run_verifier(msg["verifier"], msg["response"], msg["ground_truth"], soft_timeout_s)
+        verdict = run_verifier(
+            msg["verifier"], msg["response"], msg["ground_truth"], soft_timeout_s
+        )
         reply = {**verdict.__dict__, "seconds": time.perf_counter() - start}
         conn.send_bytes(json.dumps(reply).encode())
 

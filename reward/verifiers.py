@@ -155,7 +155,8 @@ def verify_first_integer(response: str, ground_truth: str) -> Verdict:
 
 def _same_integer(pred: str, gold: str) -> bool:
     """Integer equality ("007" is 7); string equality when either side is not one."""
-    if len(pred) < _MAX_INT_DIGITS and _FIRST_INTEGER.fullmatch(gold) and len(gold) < _MAX_INT_DIGITS:
+    small = len(pred) < _MAX_INT_DIGITS and len(gold) < _MAX_INT_DIGITS
+    if small and _FIRST_INTEGER.fullmatch(gold):
         return int(pred) == int(gold)
     return pred == gold
 
@@ -174,7 +175,8 @@ def verify_math_verify(response: str, ground_truth: str, timeout_s: int = 0) -> 
 
     limit = timeout_s or None
     try:
-        gold = parse(_gold_for_math_verify(ground_truth), parsing_timeout=limit, raise_on_error=True)
+        gold_text = _gold_for_math_verify(ground_truth)
+        gold = parse(gold_text, parsing_timeout=limit, raise_on_error=True)
         pred = parse(response, parsing_timeout=limit, raise_on_error=True)
         correct = bool(verify(gold, pred, timeout_seconds=limit, raise_on_error=True))
     except BaseException as exc:  # noqa: B036 - math-verify's TimeoutException is a BaseException

@@ -1,0 +1,165 @@
+"""The service core, free of gRPC and HTTP: check limits, verify in the pool, shape, count.
+
+Both front ends (gRPC `RewardService.Score` and `POST /v1/score`) translate their
+messages to `ScoreInput`s and back from `ScoreOutput`s and call `Scorer.score`; a
+`LimitExceeded` becomes INVALID_ARGUMENT or HTTP 422/413 naming the limit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from reward import metrics
+from reward.pool import Outcome, Task, VerifierPool
+from reward.shaping import OverlongShaping, is_overlong
+
+CORRECT_REWARD = 1.0
+WRONG_REWARD = -1.0
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """One response to score. `verifier=None` = the configured default; length 0 = unshaped."""
+
+    response: str
+    ground_truth: str
+    id: str = ""
+    verifier: str | None = None
+    response_length: int = 0
+    truncated: bool = False
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """The verdict on one item; `reward` already includes `overlong_penalty`."""
+
+    id: str
+    reward: float
+    correct: bool
+    pred: str
+    verifier: str
+    error: str
+    overlong_penalty: float
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request bounds (invariant 7: bounded input, clear refusal)."""
+
+    max_items: int
+    max_response_chars: int
+    max_ground_truth_chars: int
+
+
+class RequestError(ValueError):
+    """The request is unusable as sent: INVALID_ARGUMENT / HTTP `http_status`."""
+
+    def __init__(self, message: str, http_status: int = 422) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+
+
+class LimitExceeded(RequestError):
+    """A request breaks a limit; `limit` names the config field, `http_status` 422 or 413."""
+
+    def __init__(self, limit: str, message: str, http_status: int = 422) -> None:
+        super().__init__(message, http_status)
+        self.limit = limit
+
+
+def check_limits(items: Sequence[ScoreInput], limits: Limits) -> None:
+    """Raise LimitExceeded for the first limit the request breaks."""
+    if len(items) > limits.max_items:
+        raise LimitExceeded(
+            "max_items", f"{len(items)} items > reward.max_items={limits.max_items}"
+        )
+    for index, item in enumerate(items):
+        if len(item.response) > limits.max_response_chars:
+            raise LimitExceeded(
+                "max_response_chars",
+                f"item {index}: response has {len(item.response)} characters > "
+                f"reward.max_response_chars={limits.max_response_chars}",
+            )
+        if len(item.ground_truth) > limits.max_ground_truth_chars:
+            raise LimitExceeded(
+                "max_ground_truth_chars",
+                f"item {index}: ground_truth has {len(item.ground_truth)} characters > "
+                f"reward.max_ground_truth_chars={limits.max_ground_truth_chars}",
+            )
+
+
+class Scorer:
+    """Limits → pool → correctness reward + overlong penalty → metrics."""
+
+    def __init__(
+        self, pool: VerifierPool, limits: Limits, shaping: OverlongShaping, default_verifier: str
+    ) -> None:
+        self.pool, self.limits, self.shaping = pool, limits, shaping
+        self.default_verifier = default_verifier
+        self.items_scored = 0
+
+    def score(self, items: Sequence[ScoreInput], transport: str = "direct") -> list[ScoreOutput]:
+        """Score a batch; raises only LimitExceeded (before any work is done)."""
+        start = time.perf_counter()
+        try:
+            check_limits(items, self.limits)
+        except LimitExceeded as exc:
+            metrics.REJECTED.labels(exc.limit).inc()
+            raise
+        tasks = [
+            Task(item.verifier or self.default_verifier, item.response, item.ground_truth)
+            for item in items
+        ]
+        outputs = [self._shape(i, o) for i, o in zip(items, self.pool.run_all(tasks), strict=True)]
+        self._record(outputs, transport, time.perf_counter() - start)
+        return outputs
+
+    def _shape(self, item: ScoreInput, outcome: Outcome) -> ScoreOutput:
+        verdict = outcome.verdict
+        penalty = self.shaping.penalty(item.response_length)
+        metrics.VERIFY_SECONDS.observe(outcome.seconds)
+        _count(verdict.verifier, verdict.correct, verdict.error, outcome.timed_out)
+        return ScoreOutput(
+            id=item.id,
+            reward=(CORRECT_REWARD if verdict.correct else WRONG_REWARD) + penalty,
+            correct=verdict.correct,
+            pred=verdict.pred,
+            verifier=verdict.verifier,
+            error=verdict.error,
+            overlong_penalty=penalty,
+            truncated=is_overlong(item.response_length, self.shaping.max_len, item.truncated),
+        )
+
+    def _record(self, outputs: list[ScoreOutput], transport: str, seconds: float) -> None:
+        self.items_scored += len(outputs)
+        metrics.REQUEST_SECONDS.labels(transport).observe(seconds)
+        if outputs:
+            metrics.CORRECT_RATE.set(sum(o.correct for o in outputs) / len(outputs))
+
+    def status(self) -> dict[str, object]:
+        """What /status shows."""
+        return {
+            "ready": self.pool.ready,
+            "workers": self.pool.num_workers,
+            "worker_pids": self.pool.worker_pids(),
+            "pool_restarts": self.pool.restarts,
+            "items_scored": self.items_scored,
+            "default_verifier": self.default_verifier,
+            "timeout_s": self.pool.timeout_s,
+        }
+
+
+def _count(verifier: str, correct: bool, error: str, timed_out: bool) -> None:
+    """One item into the outcome counters."""
+    if timed_out:
+        outcome = "timeout"
+        metrics.TIMEOUTS.inc()
+    elif error:
+        outcome = "error"
+        metrics.ERRORS.inc()
+    else:
+        outcome = "correct" if correct else "wrong"
+    metrics.ITEMS.labels(verifier, outcome).inc()
