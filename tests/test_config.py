@@ -1,0 +1,110 @@
+"""Configuration: defaults are the paper's, every layer overrides, errors name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import ConfigError, DapoConfig, dump_config, load_config
+from services.common.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_are_the_papers_hyperparameters() -> None:
+    c = load_config(env={})
+    assert (c.learner.clip_ratio_low, c.learner.clip_ratio_high) == (0.2, 0.28)
+    assert c.learner.lr == 1e-6 and c.learner.weight_decay == 0.1 and c.learner.grad_clip == 1.0
+    assert c.learner.warmup_steps == 20 and c.learner.kl_coef == 0.0
+    assert c.learner.loss_agg_mode == "token_mean"
+    assert c.shared.group_size == 16 and c.learner.train_batch_groups == 512
+    batch = c.learner.train_batch_groups * c.shared.group_size
+    assert batch // c.learner.mini_batch_responses == 16  # 16 gradient updates per step
+    assert c.shared.max_response_length == 20480 and c.shared.overlong_buffer_length == 4096
+    assert c.shared.max_prompt_length == 2048
+    assert c.rollout.sampling.temperature == 1.0 and c.rollout.sampling.top_p == 1.0
+    assert c.buffer.dynamic_sampling and c.learner.overlong_filtering
+
+
+def test_layers_override_in_order(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("learner:\n  lr: 0.5\n  total_steps: 7\nshared:\n  group_size: 4\n")
+    env = {"DAPO_LEARNER__LR": "0.25", "DAPO_ROLLOUT__ENGINE__DTYPE": "bfloat16"}
+    c = load_config(path, preset="tiny", overrides=["shared.group_size=8"], env=env)
+    assert c.learner.total_steps == 7  # file over preset
+    assert c.learner.lr == 0.25  # env over file
+    assert c.shared.group_size == 8  # CLI over file
+    assert c.rollout.engine.dtype == "bfloat16"  # nested env
+    assert c.shared.run_name == "tiny"  # preset kept where nothing overrides
+
+
+def test_toml_files_load(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[shared]\nrun_name = "t"\n[rollout.engine]\nkind = "vllm"\n')
+    c = load_config(path, env={})
+    assert c.shared.run_name == "t" and c.rollout.engine.kind == "vllm"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"overrides": ["learner.clip_ratio_high=-1"]}, "learner.clip_ratio_high"),
+        ({"overrides": ["shared.group_size=1"]}, "shared.group_size"),
+        ({"overrides": ["learner.nope=1"]}, "learner.nope"),
+        ({"overrides": ["rollout.engine.kind=tpu"]}, "rollout.engine"),
+        ({"overrides": ["no-equals-sign"]}, "section.field=value"),
+        ({"preset": "huge"}, "unknown preset 'huge'"),
+        ({"path": "/does/not/exist.yaml"}, "config file not found"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs: dict, message: str) -> None:
+    path = kwargs.pop("path", None)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(path, env={}, **kwargs)
+
+
+def test_malformed_file_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("learner: [unclosed\n")
+    with pytest.raises(ConfigError, match="cannot parse"):
+        load_config(path, env={})
+    path.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path, env={})
+
+
+def test_dump_round_trips() -> None:
+    c = load_config(preset="tiny", env={})
+    assert DapoConfig.model_validate(yaml.safe_load(dump_config(c))) == c
+
+
+def test_tiny_example_equals_the_tiny_preset() -> None:
+    assert load_config(ROOT / "examples" / "tiny-cpu.yaml", env={}) == load_config(
+        preset="tiny", env={}
+    )
+
+
+def test_paper_example_keeps_the_paper_hyperparameters() -> None:
+    paper = load_config(ROOT / "examples" / "dapo-qwen2.5-32b.yaml", env={})
+    defaults = load_config(env={})
+    for section in ("learner", "shared"):
+        for name in (
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "lr",
+            "group_size",
+            "max_response_length",
+            "overlong_buffer_length",
+            "train_batch_groups",
+        ):
+            if hasattr(getattr(defaults, section), name):
+                assert getattr(getattr(paper, section), name) == getattr(
+                    getattr(defaults, section), name
+                ), name
+
+
+def test_every_preset_validates() -> None:
+    for name in PRESETS:
+        load_config(preset=name, env={})

@@ -1,0 +1,121 @@
+"""Shared runtime against real processes: redis-server, Redis Streams, gRPC, HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import grpc
+import httpx
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.errors import DapoError, PortInUseError
+from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.common.http import create_http_app, serve_http
+from services.common.keys import RunKeys
+from services.common.redis_server import RedisServer, connect, find_redis_server
+from services.common.registry import Registration, discover
+from services.common.server_config import ServerConfig
+from services.common.streams import StreamConsumer, add, forward_and_ack
+
+
+def test_redis_server_starts_answers_and_stops() -> None:
+    server = RedisServer().wait_ready()
+    client = redis.Redis.from_url(server.url)
+    assert client.ping()
+    pid = server.proc.pid
+    server.stop()
+    assert server.proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        import os
+
+        os.kill(pid, 0)
+
+
+def test_redis_binary_is_found() -> None:
+    out = subprocess.run([find_redis_server(), "--version"], capture_output=True, text=True)
+    assert "Redis server" in out.stdout
+
+
+def test_unreachable_redis_is_a_clear_error() -> None:
+    from services.common.net import free_port
+
+    with pytest.raises(DapoError, match="cannot reach Redis at redis://127.0.0.1"):
+        connect(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+
+
+def test_occupied_redis_port_fails_with_its_message(redis_server: RedisServer) -> None:
+    with pytest.raises(DapoError, match="redis-server exited at start"):
+        RedisServer(port=redis_server.port).wait_ready(timeout_s=5)
+
+
+def test_consumer_group_acks_and_reclaims(redis_client: redis.Redis) -> None:
+    ids = [add(redis_client, "s", {"n": str(i)}) for i in range(5)]
+    dead = StreamConsumer(redis_client, "s", "g", "dead")
+    got = dead.read(3)
+    assert [e.id for e in got] == ids[:3] and dead.pending() == 3
+    dead.ack([got[0].id])
+    alive = StreamConsumer(redis_client, "s", "g", "alive")
+    reclaimed = alive.reclaim(min_idle_ms=0)
+    assert [e.id for e in reclaimed] == ids[1:3]
+    assert [e.fields["n"] for e in alive.read(10)] == [b"3", b"4"]
+    assert [e.id for e in alive.read_own_pending(10)] == ids[1:]
+
+
+def test_forward_and_ack_moves_one_entry_with_its_counter(redis_client: redis.Redis) -> None:
+    add(redis_client, "in", {"x": b"1"})
+    add(redis_client, "in", {"x": b"2"})
+    consumer = StreamConsumer(redis_client, "in", "g", "c")
+    first, second = consumer.read(2)
+    forward_and_ack(consumer, first.id, "out", {"x": b"1"}, {"kept": 1}, "ledger")
+    forward_and_ack(consumer, second.id, None, None, {"filtered:all_wrong": 1}, "ledger")
+    assert redis_client.xlen("out") == 1 and consumer.pending() == 0
+    assert redis_client.hgetall("ledger") == {b"kept": b"1", b"filtered:all_wrong": b"1"}
+
+
+def test_registry_expires_dead_instances(redis_client: redis.Redis) -> None:
+    keys = RunKeys("t")
+    live = Registration(redis_client, keys, "rollout", "a", {"address": "x:1"}, ttl_s=0.3).start()
+    Registration(redis_client, keys, "rollout", "b", {"address": "y:2"}, ttl_s=0.3).refresh()
+    assert [i["instance"] for i in discover(redis_client, keys, "rollout")] == ["a", "b"]
+    threading.Event().wait(0.6)  # b never beats again; a does
+    assert [i["instance"] for i in discover(redis_client, keys, "rollout")] == ["a"]
+    live.update(ready=True)
+    assert discover(redis_client, keys, "rollout")[0]["ready"] is True
+    live.stop()
+    assert discover(redis_client, keys, "rollout") == []
+
+
+def test_http_app_standard_endpoints() -> None:
+    ready = {"v": False}
+    app = create_http_app("svc", ready=lambda: ready["v"], status=lambda: {"step": 3})
+    server = serve_http(app)
+    try:
+        assert httpx.get(f"{server.url}/healthz").json()["status"] == "ok"
+        assert httpx.get(f"{server.url}/readyz").status_code == 503
+        ready["v"] = True
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+        assert "python_gc" in httpx.get(f"{server.url}/metrics").text
+        assert httpx.get(f"{server.url}/status").json() == {"service": "svc", "step": 3}
+        with pytest.raises(PortInUseError, match=str(server.port)):
+            serve_http(create_http_app("other"), port=server.port)
+    finally:
+        server.stop()
+
+
+def test_grpc_server_serves_health_and_refuses_busy_port() -> None:
+    server, port = start_grpc_server(ServerConfig(), lambda s: None, ["dapo.v1.X"])
+    try:
+        stub = health_pb2_grpc.HealthStub(insecure_channel(f"127.0.0.1:{port}"))
+        for name in ("", "dapo.v1.X"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(PortInUseError, match=str(port)):
+            start_grpc_server(ServerConfig(grpc_port=port), lambda s: None, [])
+    finally:
+        server.stop(None)
