@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from reward.server import create_server
 from services.common.config import DapoConfig
-from services.common.lifecycle import announce, stop_event_on_signals
+from services.common.lifecycle import (
+    announce,
+    register_service,
+    stop_event_on_signals,
+    wait_until_stopped,
+)
 
 
 def run(config: DapoConfig) -> None:
@@ -12,9 +17,12 @@ def run(config: DapoConfig) -> None:
     stop = stop_event_on_signals()
     server = create_server(config)
     announce("reward", grpc=server.grpc_port, http=server.http_port)
+    registration = register_service(config, "reward", config.reward.server.host, server.grpc_port)
     try:
-        stop.wait()
+        wait_until_stopped(stop, registration)
     finally:
+        if registration is not None:
+            registration.stop()
         server.stop()
 
 

@@ -22,7 +22,8 @@ from the reference change which groups are informative. Its quirks, on purpose:
   `\\ `, and a list of unit words as substrings ("cm", "sue", "ways", "units", ...:
   "ways" also vanishes from "always"). Only the first `$...$` span survives. `\\text{}`,
   `\\textbf{}`, `\\overline{}` are unwrapped non-greedily (first closing brace) and
-  `\\boxed{...}` greedily (last closing brace), so `\\boxed{\\boxed{5}}` gives 5.
+  `\\boxed{...}` once, greedily (up to the last closing brace), so
+  `\\boxed{\\boxed{5}}` gives `\\boxed{5}` and is wrong against 5.
   `\\fracab` becomes `\\frac{a}{b}` and `\\sqrt2` becomes `\\sqrt{2}`.
 - A period is dropped only right before a `$` (`$42.$`); "Answer: 42." stays "42." and
   is wrong against 42. Thousands separators are dropped only when the rest is all
@@ -34,7 +35,8 @@ from the reference change which groups are informative. Its quirks, on purpose:
 `math_verify` follows math-verify's contract: `parse` both sides, `verify(gold, pred)`
 with gold first. `cascade` (the default) asks the rule first and math-verify only when
 the rule says wrong, reading the rule's `Answer:` text when there is one (more precise
-than re-extracting from the whole response), else the whole response. `first_integer`
+than re-extracting from the whole response; tried as is, then inside `$...$` so bare
+LaTeX like `\\frac12` parses), else the whole response. `first_integer`
 is for the toy tasks whose tiny models never emit EOS (ENVIRONMENT.md): "9+9+" reads 9.
 """
 
@@ -204,7 +206,14 @@ def verify_cascade(response: str, ground_truth: str, timeout_s: int = 0) -> Verd
     if rule.correct:
         return rule
     line = extract_answer_line(response)
-    return verify_math_verify(response if line is None else line, ground_truth, timeout_s)
+    if line is None:
+        return verify_math_verify(response, ground_truth, timeout_s)
+    verdict = verify_math_verify(line, ground_truth, timeout_s)
+    if verdict.correct or verdict.error or "$" in line:
+        return verdict
+    # Bare LaTeX such as `\frac12` or `\text{5}` is only read inside math delimiters.
+    wrapped = verify_math_verify(f"${line}$", ground_truth, timeout_s)
+    return wrapped if wrapped.correct or wrapped.error else verdict
 
 
 Check = Callable[[str, str, int], Verdict]
