@@ -124,22 +124,31 @@ def monitor(launch: Launch) -> int:
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
-        while not client.exists(keys.done):
+        while True:
+            done = bool(client.exists(keys.done))
             dead = launch.dead_child()
-            if dead is not None:
+            if dead is not None and not done:
                 bar.write(f"{dead.role} exited with code {dead.proc.returncode}; "
                           f"see {launch.run_dir / 'logs' / (dead.role + '.log')}")  # fmt: skip
                 return 1
-            m = last_metrics(client, keys)
-            if m is not None and m["step"] > bar.n:
-                bar.update(m["step"] - bar.n)
-                ledger = read_ledger(client, config.shared.run_name)
-                kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}",
-                                kept=f"{kept:.2f}", tok_s=f"{m['tokens'] / m['seconds']:.0f}",
-                                v=m["step"])  # fmt: skip
+            update_bar(bar, client, keys, config.shared.run_name)
+            if done:
+                return 0
             time.sleep(0.2)
-    return 0
+
+
+def update_bar(bar: Any, client: Any, keys: RunKeys, run: str) -> None:
+    """Advance the bar to the learner's last step and show its numbers."""
+    m = last_metrics(client, keys)
+    if m is None or m["step"] <= bar.n:
+        return
+    bar.update(m["step"] - bar.n)
+    ledger = read_ledger(client, run)
+    kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
+    bar.set_postfix(
+        reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
+        tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"],
+    )  # fmt: skip
 
 
 def write_report(launch: Launch, started: float, code: int) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 
 def stop_event_on_signals() -> threading.Event:
@@ -22,3 +23,38 @@ def announce(service: str, **ports: int) -> None:
     """Print the bound ports on one stdout line (port 0 in config means they were picked)."""
     fields = " ".join(f"{name}={port}" for name, port in ports.items())
     print(f"dapo {service} ready {fields}", flush=True)
+
+
+def advertised_address(host: str, port: int) -> str:
+    """host:port that other processes can dial (the hostname when bound to all interfaces)."""
+    import socket
+
+    return f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def register_service(config: Any, role: str, host: str, grpc_port: int) -> Any:
+    """Announce a service in the run's Redis registry (None when there is no Redis)."""
+    if not config.shared.redis_url:
+        return None
+    import uuid
+
+    from services.common.keys import RunKeys
+    from services.common.redis_server import connect
+    from services.common.registry import Registration
+
+    client = connect(config.shared.redis_url)
+    return Registration(
+        client, RunKeys(config.shared.run_name), role, f"{role}-{uuid.uuid4().hex[:8]}",
+        {"address": advertised_address(host, grpc_port), "ready": True},
+    ).start()  # fmt: skip
+
+
+def wait_until_stopped(stop: threading.Event, registration: Any, poll_s: float = 0.5) -> None:
+    """Block until a signal, or until the run's learner marked the run done."""
+    from services.common.keys import RunKeys
+
+    client = registration.client if registration is not None else None
+    done_key = RunKeys(registration.key.split(":")[1]).done if registration is not None else None
+    while not stop.wait(poll_s):
+        if client is not None and client.exists(done_key):
+            return
