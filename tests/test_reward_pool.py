@@ -1,0 +1,89 @@
+"""The killable worker pool with real worker processes (forkserver, math-verify preloaded).
+
+math-verify's own timeout is off here (soft_timeout_s=0), so the GIL-holding power tower
+can only be stopped by the pool killing its worker: that is the path under test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from reward.pool import Task, VerifierPool
+
+HARD_TIMEOUT_S = 1.5
+TOWER = "$9^{9^{9^{9^9}}}$"
+RESTART_REASONS: list[str] = []  # what the pool reported through on_restart
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[VerifierPool]:
+    pool = VerifierPool(
+        2, timeout_s=HARD_TIMEOUT_S, soft_timeout_s=0, on_restart=RESTART_REASONS.append
+    ).start()
+    assert pool.wait_ready(60), "verifier workers did not start"
+    yield pool
+    pool.close()
+
+
+def test_results_come_back_in_order(pool: VerifierPool) -> None:
+    tasks = [Task("cascade", f"Answer: {n}", str(n if n % 3 else n + 1)) for n in range(40)]
+    outcomes = pool.run_all(tasks)
+    assert [o.verdict.correct for o in outcomes] == [n % 3 != 0 for n in range(40)]
+    assert all(o.verdict.error == "" and o.seconds >= 0 for o in outcomes)
+
+
+def test_stuck_item_kills_only_its_worker(pool: VerifierPool) -> None:
+    before_pids, before_restarts = set(pool.worker_pids()), pool.restarts
+    start = time.monotonic()
+    stuck = pool.submit(Task("math_verify", TOWER, "5"))
+    time.sleep(0.2)  # let the tower occupy one worker
+    normal = pool.run_all(
+        [Task("cascade", f"Answer: \\frac{{{2 * n}}}{{2}}", str(n)) for n in range(20)]
+    )
+    assert all(o.verdict.correct for o in normal), normal
+    outcome = stuck.result(timeout=HARD_TIMEOUT_S + 5)
+    elapsed = time.monotonic() - start
+    assert outcome.timed_out and not outcome.verdict.correct
+    assert "timeout_s=1.5" in outcome.verdict.error
+    assert HARD_TIMEOUT_S <= elapsed < HARD_TIMEOUT_S + 2.0
+    after = set(pool.worker_pids())
+    assert len(before_pids & after) == 1 and len(after) == 2  # one replaced, one untouched
+    assert pool.restarts == before_restarts + 1
+    assert RESTART_REASONS[-1] == "timeout"
+    assert pool.wait_ready(30)
+    assert pool.run_all([Task("dapo", "Answer: 3", "3")])[0].verdict.correct
+
+
+def test_two_stuck_items_run_in_parallel_workers(pool: VerifierPool) -> None:
+    start = time.monotonic()
+    outcomes = pool.run_all(
+        [Task("math_verify", TOWER, "5"), Task("cascade", f"Answer: {TOWER}", "1")]
+    )
+    assert all(o.timed_out for o in outcomes)
+    assert time.monotonic() - start < HARD_TIMEOUT_S + 2.0  # not 2 x the timeout
+    assert pool.wait_ready(30)
+
+
+def test_worker_killed_from_outside_is_replaced(pool: VerifierPool) -> None:
+    assert pool.wait_ready(30)
+    victim, before = pool.worker_pids()[0], pool.restarts
+    os.kill(victim, signal.SIGKILL)
+    outcomes = pool.run_all([Task("dapo", f"Answer: {n}", str(n)) for n in range(10)])
+    assert all(o.verdict.correct for o in outcomes)  # a dead idle worker loses no task
+    deadline = time.monotonic() + 10
+    while victim in pool.worker_pids() and time.monotonic() < deadline:
+        pool.run_all([Task("dapo", "Answer: 1", "1")])
+    assert victim not in pool.worker_pids()
+    assert pool.restarts == before + 1 and RESTART_REASONS[-1] == "died"
+
+
+def test_closed_pool_answers_with_an_error() -> None:
+    pool = VerifierPool(1, timeout_s=1.0, soft_timeout_s=0)  # never started: no processes
+    pool.close()
+    outcome = pool.submit(Task("dapo", "Answer: 1", "1")).result(timeout=1)
+    assert not outcome.verdict.correct and "shut down" in outcome.verdict.error
