@@ -6,7 +6,9 @@ C code, so no thread can interrupt them. Each worker therefore runs one item at 
 in its main thread; a dispatcher thread in the server watches the deadlines and, when an
 item runs past `timeout_s`, kills that one worker, answers the item with a timeout error
 and starts a replacement. Other items, also of the same batch, carry on in the other
-workers.
+workers. A worker that dies on its own (crash, OOM killer) is replaced too; its item is
+retried once elsewhere, since it may have died before reading it, and a second death
+answers it with an error.
 
 Workers start from a forkserver that has already imported math-verify, so a replacement
 is ready in milliseconds instead of a second of imports. Messages on the pipes are JSON
@@ -35,6 +37,7 @@ from reward.verifiers import Verdict, run_verifier
 log = logging.getLogger(__name__)
 
 PRELOAD = ["reward.verifiers", "reward.preload"]
+MAX_DEATHS = 2  # a job that kills this many workers is answered with an error
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Task:
 class _Job:
     task: Task
     future: Future[Outcome] = field(default_factory=Future)
+    deaths: int = 0  # workers that died holding this job
 
 
 @dataclass
@@ -274,9 +278,15 @@ class VerifierPool:
         code = worker.process.exitcode
         job, worker.job = worker.job, None
         self._replace(worker, "died")
-        if job is not None:
-            reason = f"verifier worker died (exit code {code}) on this item"
-            job.future.set_result(_failed(job.task, reason, time.monotonic() - worker.started))
+        if job is None:
+            return
+        job.deaths += 1
+        if job.deaths < MAX_DEATHS:  # it may have died before reading it: run it elsewhere
+            with self._lock:
+                self._queue.appendleft(job)
+            return
+        reason = f"verifier worker died (exit code {code}) on this item {job.deaths} times"
+        job.future.set_result(_failed(job.task, reason, time.monotonic() - worker.started))
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
