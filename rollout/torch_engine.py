@@ -5,9 +5,9 @@ Runs anywhere (CPU or GPU) and implements `rollout.engine.RolloutEngine`.
 Batching. All (prompt, sample) rows of a call are sorted by prompt length and cut into
 buckets of at most `max_batch_size` rows. A bucket prefills each distinct prompt once
 (left-padded, with attention mask and position ids), copies its KV cache to the prompt's
-n rows, then decodes one token per step for every unfinished row; rows that stop are
-dropped from the batch and the cache, so they cost nothing afterwards. This is bucketed,
-not continuous, batching: a bucket runs until its longest row finishes.
+n rows, then decodes one token per step. Rows that stop are no longer recorded and, once
+they are a quarter of the batch, are dropped from it and from the KV cache. This is
+bucketed, not continuous, batching: a bucket runs until its longest row finishes.
 
 Log-probs. For each sampled token the engine returns `log_softmax(logits / T)` computed
 in fp32 over the full vocabulary, i.e. *before* top-p / top-k truncation. That is exactly
@@ -120,21 +120,30 @@ def _left_pad(
 
 @dataclass
 class _DecodeState:
-    """The live rows of a bucket; every tensor is indexed by live row."""
+    """The rows of a bucket still in the batch; every tensor is indexed by batch row.
+
+    Finished rows stay (not `live`, outputs ignored) until they are a quarter of the batch,
+    then all are dropped at once: one cache copy per many finishes, not one per finish.
+    """
 
     rows: torch.Tensor  # [B] index of the row in the bucket
+    live: torch.Tensor  # [B] still sampling
     cache: DynamicCache
     mask: torch.Tensor  # [B, T] attention mask over cache + next token
     next_pos: torch.Tensor  # [B] position id of the next token
     uniforms: torch.Tensor  # [B, max_tokens]
     logits: torch.Tensor  # [B, V] logits for the next token
 
-    def keep(self, live: torch.Tensor) -> None:
-        """Drop finished rows from every tensor and from the KV cache."""
-        idx = live.nonzero().squeeze(-1)
+    def compact_if_sparse(self) -> None:
+        """Drop finished rows from every tensor and the KV cache once they pile up."""
+        dead = int((~self.live).sum())
+        if dead == 0 or 4 * dead < len(self.live):
+            return
+        idx = self.live.nonzero().squeeze(-1)
         self.cache.batch_select_indices(idx)
-        self.rows, self.mask, self.next_pos = self.rows[idx], self.mask[idx], self.next_pos[idx]
-        self.uniforms, self.logits = self.uniforms[idx], self.logits[idx]
+        self.rows, self.live, self.mask = self.rows[idx], self.live[idx], self.mask[idx]
+        self.next_pos, self.uniforms = self.next_pos[idx], self.uniforms[idx]
+        self.logits = self.logits[idx]
 
 
 @dataclass
@@ -273,6 +282,7 @@ class TorchEngine:
         uniforms = {i: draw_uniforms(seed, i, params.n, params.max_tokens) for i in distinct}
         return _DecodeState(
             rows=torch.arange(len(bucket), device=self.device),
+            live=torch.ones(len(bucket), dtype=torch.bool, device=self.device),
             cache=cache,
             mask=mask[expand],
             next_pos=positions[expand, -1] + 1,
@@ -292,17 +302,17 @@ class TorchEngine:
         stop_ids = self._stop_ids(params)
         for step in range(params.max_tokens):
             tokens, logprobs = sample_next(state.logits, params, state.uniforms[:, step])
-            res.tokens[state.rows, step] = tokens
-            res.logprobs[state.rows, step] = logprobs
-            res.lengths[state.rows] = step + 1
-            stopped = torch.isin(tokens, stop_ids)
-            res.stopped[state.rows] = stopped
-            if step + 1 == params.max_tokens or bool(stopped.all()):
+            live, rows = state.live, state.rows[state.live]
+            res.tokens[rows, step] = tokens[live]
+            res.logprobs[rows, step] = logprobs[live]
+            res.lengths[rows] = step + 1
+            hit = torch.isin(tokens, stop_ids) & live
+            res.stopped[rows] = hit[live]
+            state.live = live & ~hit
+            if step + 1 == params.max_tokens or not bool(state.live.any()):
                 break
-            if bool(stopped.any()):
-                state.keep(~stopped)
-                tokens = tokens[~stopped]
             self._step(state, tokens)
+            state.compact_if_sparse()
         return res
 
     def _step(self, state: _DecodeState, tokens: torch.Tensor) -> None:
