@@ -63,7 +63,7 @@ def plan_batches(
 
 def draw_uniforms(seed: int, prompt_index: int, n: int, max_tokens: int) -> torch.Tensor:
     """The [n, max_tokens] uniforms in [0, 1) of one prompt, reproducible from the seed."""
-    gen = torch.Generator().manual_seed(seed * _SEED_STRIDE + prompt_index)
+    gen = torch.Generator().manual_seed((seed * _SEED_STRIDE + prompt_index) % 2**63)
     return torch.rand(n, max_tokens, generator=gen, dtype=torch.float64)
 
 
@@ -222,10 +222,18 @@ class TorchEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> Iterator[StreamedSample]:
         """Samples bucket by bucket; bad prompts raise ValueError here, not on first use."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+        self._check_prompts(prompts)
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         return self._stream([list(p) for p in prompts], params, seed)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Reject what would crash the model (an out-of-range id is fatal on CUDA)."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        bad = [t for p in prompts for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
     def _stream(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
@@ -240,6 +248,7 @@ class TorchEngine:
             yield from done
 
     def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
+        """EOS (unless ignored) plus the request's own stop tokens."""
         ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
 

@@ -69,10 +69,12 @@ def test_eos_stops_a_sample(model_dir: Path) -> None:
     assert (len(ignored.token_ids), ignored.finish_reason) == (6, "length")
 
 
-def test_empty_prompt_is_rejected_on_call(model_dir: Path) -> None:
+def test_bad_prompts_are_rejected_on_call(model_dir: Path) -> None:
     engine = TorchEngine(model_dir, device="cpu")
     with pytest.raises(ValueError, match="at least one token"):
         engine.stream([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.stream([[1, len(engine.tokenizer)]], SamplingParams())
 
 
 @pytest.mark.parametrize(
