@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 INVALID = "[INVALID]"
@@ -100,6 +100,7 @@ _REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 _FIRST_INTEGER = re.compile(r"-?[0-9]+")
 _MAX_INT_DIGITS = 4000  # below CPython's int-from-str limit (4300)
+MAX_PRED_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -226,11 +227,17 @@ VERIFIERS: dict[str, Check] = {
 
 
 def run_verifier(name: str, response: str, ground_truth: str, timeout_s: int = 0) -> Verdict:
-    """Run the named verifier; any failure becomes a wrong verdict with an error."""
+    """Run the named verifier; any failure becomes a wrong verdict with an error.
+
+    The reported `pred` is cut to MAX_PRED_CHARS: a million-digit "integer" must not be
+    echoed back once per item."""
     check = VERIFIERS.get(name)
     if check is None:
         return Verdict(False, "", name, f"unknown verifier {name!r}")
     try:
-        return check(response, ground_truth, timeout_s)
+        verdict = check(response, ground_truth, timeout_s)
     except Exception as exc:  # a bug in a rule must not take the batch down
         return Verdict(False, "", name, f"{name} error: {type(exc).__name__}: {str(exc)[:200]}")
+    if len(verdict.pred) > MAX_PRED_CHARS:
+        verdict = replace(verdict, pred=verdict.pred[: MAX_PRED_CHARS - 3] + "...")
+    return verdict

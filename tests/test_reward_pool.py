@@ -87,3 +87,17 @@ def test_closed_pool_answers_with_an_error() -> None:
     pool.close()
     outcome = pool.submit(Task("dapo", "Answer: 1", "1")).result(timeout=1)
     assert not outcome.verdict.correct and "shut down" in outcome.verdict.error
+
+
+def test_math_verify_own_timeout_answers_without_a_kill() -> None:
+    """With soft_timeout_s set, SIGALRM in the worker's main thread ends the tower first."""
+    pool = VerifierPool(1, timeout_s=20.0, soft_timeout_s=1).start()
+    try:
+        assert pool.wait_ready(60)
+        pid = pool.worker_pids()
+        outcome = pool.run_all([Task("math_verify", TOWER, "5")])[0]
+        assert not outcome.timed_out and outcome.seconds < 10
+        assert outcome.verdict.error.startswith("math_verify timeout")
+        assert pool.worker_pids() == pid and pool.restarts == 0
+    finally:
+        pool.close()
