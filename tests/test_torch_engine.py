@@ -16,15 +16,15 @@ from engine_contract import (
     tokens_of,
 )
 
-from learner.init_model import init_model
 from rollout.config import TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.torch_engine import TorchEngine, plan_batches, sample_next
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("tiny"), preset="tiny", seed=0)
+def model_dir(tiny_model: Path) -> Path:
+    """The session's tiny model (conftest); engines here never write to it."""
+    return tiny_model
 
 
 class TestTorchEngineContract(EngineContract):
