@@ -48,8 +48,14 @@ class Batcher:
         self._thread.join(timeout=5)
 
     def _take_batch(self, first: _Request) -> tuple[list[_Request], _Request | None]:
-        """`first` plus queued requests with the same params, up to max_sequences."""
+        """`first` plus queued requests with the same params, up to max_sequences.
+
+        Seeded requests run alone: a prompt's random stream depends on its index in the
+        engine call, so merging would break reproducibility.
+        """
         batch, budget, held = [first], self.max_sequences - first.params.n, None
+        if first.params.seed is not None:
+            return batch, None
         while budget > 0:
             try:
                 nxt = self._queue.get(timeout=self.wait_s)
@@ -58,7 +64,7 @@ class Batcher:
             if nxt is None:
                 self._closed = True
                 break
-            if nxt.params != first.params or nxt.params.n > budget:
+            if nxt.params.seed is not None or nxt.params != first.params or nxt.params.n > budget:
                 held = nxt
                 break
             batch.append(nxt)
