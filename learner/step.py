@@ -140,8 +140,8 @@ def _update(
         policy.backward(loss)
         n = float(stats.tokens)
         sums += torch.tensor(
-            [float(loss) * counts.tokens, float(stats.clipped_high), float(stats.clipped_low),
-             float(masked_mean(entropy, inputs.loss_mask)) * n, n],
+            [float(loss.detach()) * counts.tokens, float(stats.clipped_high),
+             float(stats.clipped_low), float(masked_mean(entropy, inputs.loss_mask)) * n, n],
             dtype=torch.float64,
         )  # fmt: skip
     return sums
