@@ -92,16 +92,17 @@ def read_ledger(client: redis.Redis, run: str) -> Ledger:
         in_flight=int(in_flight),
         scored=counters.get("scored", 0),
         kept=counters.get("kept", 0),
-        filtered=_prefixed(counters, "filtered:"),
+        filtered=prefixed(counters, "filtered:"),
         pending_scored=unconsumed(client, keys.scored, BUFFER_GROUP),
         trained=counters.get("trained", 0),
-        dropped=_prefixed(counters, "dropped:"),
+        dropped=prefixed(counters, "dropped:"),
         pending_train=unconsumed(client, keys.train, LEARNER_GROUP),
         version=int(version or 0),
     )
 
 
-def _prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:
+def prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:
+    """Counters under `prefix:`, keyed by the rest of their name."""
     return {k.removeprefix(prefix): v for k, v in counters.items() if k.startswith(prefix)}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections import deque
 from typing import Any
 
 import redis
@@ -25,7 +27,7 @@ from services.common.streams import Entry, StreamConsumer, forward_and_ack
 log = logging.getLogger(__name__)
 
 DECISIONS = Counter("dapo_buffer_groups_total", "Scored groups by decision", ["reason"])
-KEPT_RATIO = Gauge("dapo_buffer_kept_ratio", "Fraction of groups kept in the last batch read")
+KEPT_RATIO = Gauge("dapo_buffer_kept_ratio", "Fraction kept over the recent window of groups")
 CONSUMER_GROUP = "buffer"
 
 
@@ -37,6 +39,8 @@ class Buffer:
         self.keys = RunKeys(config.shared.run_name)
         self.consumer = StreamConsumer(client, self.keys.scored, CONSUMER_GROUP, consumer)
         self.counts: dict[str, int] = {}
+        self.recent: deque[bool] = deque(maxlen=config.buffer.rate_window)
+        self._last_warning = 0.0
 
     def current_version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
@@ -59,7 +63,6 @@ class Buffer:
     def handle(self, entries: list[Entry]) -> None:
         """Decide and forward+ack each entry atomically."""
         version = self.current_version()
-        kept = 0
         for entry in entries:
             decision, group = self.classify(entry, version)
             forward = {"group": entry.fields["group"]} if decision.keep else None
@@ -72,9 +75,27 @@ class Buffer:
                 self.record_pass_rate(group.prompt_id, group.accuracy)
             DECISIONS.labels(decision.reason).inc()
             self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
-            kept += decision.keep
+            self.recent.append(decision.keep)
         if entries:
-            KEPT_RATIO.set(kept / len(entries))
+            self.watch_rate()
+
+    def watch_rate(self) -> None:
+        """Export the recent kept ratio; say so (at most every 30 s) when it collapses.
+
+        DAPO keeps sampling until a batch is full; with a low informative rate the run
+        slows down instead of aborting, and this is where the user learns why.
+        """
+        ratio = sum(self.recent) / len(self.recent)
+        KEPT_RATIO.set(ratio)
+        cfg = self.config.buffer
+        full = len(self.recent) == self.recent.maxlen
+        if full and ratio < cfg.low_rate_warning and time.monotonic() - self._last_warning > 30:
+            self._last_warning = time.monotonic()
+            log.warning(
+                "informative rate collapsed: %.1f%% of the last %d groups kept (%s); "
+                "generation per trained group is %.0fx — the task may be solved or too hard",
+                100 * ratio, len(self.recent), dict(self.counts), 1 / max(ratio, 1e-9),
+            )  # fmt: skip
 
     def record_pass_rate(self, prompt_id: str, accuracy: float) -> None:
         """Keep the last history_size pass rates per prompt for the controller."""

@@ -35,3 +35,9 @@ class ControllerConfig(StrictModel):
         2048, ge=1, description="Pause admission while `train` holds this many groups."
     )
     rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one Generate call.")
+    difficulty_window: int = Field(
+        0,
+        ge=0,
+        description="Skip a prompt for an epoch if its last N groups were all "
+        "correct or all wrong (difficulty-aware admission); 0 = off (DAPO).",
+    )

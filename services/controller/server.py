@@ -31,7 +31,15 @@ from services.common.keys import RunKeys
 from services.common.registry import discover
 from services.common.types import Group
 from services.controller import adapter
+from services.controller.admission import (
+    PipelineCounts,
+    backlog_allows,
+    difficulty_skip,
+    informative_rate,
+    staleness_allows,
+)
 from services.controller.dataset import Cursor, iterate, load_dataset
+from services.ledger import prefixed, read_ledger
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +48,8 @@ SCORED = Counter("dapo_controller_groups_scored_total", "Groups written to `scor
 RETRIES = Counter("dapo_controller_retries_total", "Failed calls retried", ["target"])
 INFLIGHT = Gauge("dapo_controller_groups_in_flight", "Groups being generated or scored")
 GROUP_SECONDS = Histogram("dapo_controller_group_seconds", "Admission to `scored`, seconds")
+SKIPPED = Counter("dapo_controller_prompts_skipped_total", "Prompts skipped", ["difficulty"])
+INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fraction")
 
 
 class Controller:
@@ -59,18 +69,36 @@ class Controller:
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
-    def train_backlog(self) -> int:
-        """Groups forwarded to `train` and not yet trained (ledger: kept - trained)."""
-        counts = self.client.hmget(self.keys.ledger, ["kept", "trained"])
-        kept, trained = (int(c or 0) for c in counts)
-        return kept - trained
+    def counts(self) -> PipelineCounts:
+        raw = self.client.hgetall(self.keys.ledger)
+        ledger = {k.decode(): int(v) for k, v in raw.items()}
+        return PipelineCounts(
+            admitted=ledger.get("admitted", 0), kept=ledger.get("kept", 0),
+            filtered=sum(prefixed(ledger, "filtered:").values()),
+            trained=ledger.get("trained", 0),
+            dropped=sum(prefixed(ledger, "dropped:").values()),
+        )  # fmt: skip
 
     def can_admit(self) -> bool:
-        cfg = self.config.controller
+        """Concurrency, back-pressure and staleness limits (services/controller/admission)."""
+        cfg, shared = self.config.controller, self.config.shared
         with self._lock:
             if self._inflight >= cfg.max_groups_in_flight:
                 return False
-        return self.train_backlog() < cfg.max_train_backlog
+        counts = self.counts()
+        rate = informative_rate(counts.kept, counts.filtered)
+        INFORMATIVE_RATE.set(rate)
+        return backlog_allows(counts, cfg.max_train_backlog) and staleness_allows(
+            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness
+        )
+
+    def skip_reason(self, record: PromptRecord) -> str | None:
+        """Difficulty-aware admission: 'easy'/'hard' prompts sit out (off by default)."""
+        window = self.config.controller.difficulty_window
+        if window == 0:
+            return None
+        raw = self.client.hget(self.keys.pass_rates, record.prompt_id)
+        return difficulty_skip(json.loads(raw) if raw else [], window)
 
     def admit(self, cursor: Cursor, record: PromptRecord) -> tuple[str, int]:
         """Record the group as in flight (atomically with the cursor and the ledger)."""
@@ -216,6 +244,11 @@ class Controller:
                     time.sleep(0.01)
                     continue
                 cursor, record = next(prompts)
+                reason = self.skip_reason(record)
+                if reason is not None:
+                    SKIPPED.labels(reason).inc()
+                    self.client.set(self.keys.cursor, cursor.encode())
+                    continue
                 group_id, version = self.admit(cursor, record)
                 self._submit(pool, stop, group_id, record, cursor.epoch, version)
             stop.set()
@@ -223,11 +256,13 @@ class Controller:
     def status(self) -> dict[str, Any]:
         with self._lock:
             inflight = self._inflight
+        ledger = read_ledger(self.client, self.config.shared.run_name)
         return {
             "in_flight": inflight,
             "cursor": Cursor.decode(self.client.get(self.keys.cursor)).encode(),
             "version": self.version(),
             "prompts": len(self.records),
+            "ledger": ledger.as_dict(),
         }
 
 
