@@ -1,0 +1,96 @@
+"""Dynamic sampling filters and admission control: small pure functions, checked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.buffer.filters import decide
+from services.common.types import Group, Sample
+from services.controller.admission import (
+    PipelineCounts,
+    backlog_allows,
+    difficulty_skip,
+    informative_rate,
+    staleness_allows,
+)
+
+
+def make_group(correct: list[bool], version: int = 3, rewards: list[float] | None = None) -> Group:
+    rewards = rewards or [1.0 if c else -1.0 for c in correct]
+    samples = [
+        Sample([1, 2], [-0.1, -0.2], "x", "stop", version, reward=r, correct=c)
+        for c, r in zip(correct, rewards, strict=True)
+    ]
+    return Group("g", "p", "q", [5], "1", samples=samples)
+
+
+def run(group: Group, **kw) -> str:
+    args = dict(group_size=4, current_version=3, max_staleness=0, metric="acc")
+    return decide(group, **{**args, **kw}).reason
+
+
+@pytest.mark.parametrize(
+    ("correct", "reason"),
+    [
+        ([True] * 4, "all_correct"),
+        ([False] * 4, "all_wrong"),
+        ([True, False, False, False], "kept"),
+        ([True, True, True, False], "kept"),
+    ],
+)
+def test_keep_iff_accuracy_strictly_between_0_and_1(correct: list[bool], reason: str) -> None:
+    assert run(make_group(correct)) == reason
+
+
+def test_reward_metric_keeps_groups_whose_rewards_vary() -> None:
+    # All wrong, but the overlong penalty differs: informative under the reward metric.
+    group = make_group([False] * 4, rewards=[-1.0, -1.0, -1.5, -1.0])
+    assert run(group, metric="reward") == "kept"
+    assert run(group, metric="acc") == "all_wrong"
+    assert run(make_group([False] * 4), metric="reward") == "no_variance"
+
+
+def test_staleness_bound() -> None:
+    assert run(make_group([True, False, True, False], version=2)) == "stale"
+    assert run(make_group([True, False, True, False], version=2), max_staleness=1) == "kept"
+
+
+def test_malformed_groups_are_refused_first() -> None:
+    assert run(make_group([True, False, True])) == "malformed"  # 3 of 4 samples
+    bad = make_group([True, False, True, False])
+    bad.samples[0].logprobs = [-0.1]
+    assert run(bad) == "malformed"
+    nan = make_group([True, False, True, False])
+    nan.samples[1].reward = float("nan")
+    assert run(nan) == "malformed"
+
+
+def test_dynamic_sampling_off_forwards_uninformative_groups() -> None:
+    assert run(make_group([True] * 4), dynamic_sampling=False) == "kept"
+
+
+def test_informative_rate_has_a_prior() -> None:
+    assert informative_rate(0, 0) == 0.5
+    assert informative_rate(10, 90, weight=0) == pytest.approx(0.1)
+
+
+def test_staleness_budget_is_k_plus_one_batches() -> None:
+    # 16 queued informative + 32 undecided at rate 0.5 = 32 expected.
+    counts = PipelineCounts(admitted=100, kept=40, filtered=28, trained=24, dropped=0)
+    assert counts.queued_informative == 16 and counts.undecided == 32
+    assert not staleness_allows(counts, 0.5, batch_groups=32, max_staleness=0)
+    assert staleness_allows(counts, 0.5, batch_groups=32, max_staleness=1)
+    assert staleness_allows(counts, 0.25, batch_groups=32, max_staleness=0)
+
+
+def test_backlog_limit() -> None:
+    counts = PipelineCounts(admitted=10, kept=10, trained=2, dropped=1)
+    assert backlog_allows(counts, 8) and not backlog_allows(counts, 7)
+
+
+def test_difficulty_skip() -> None:
+    assert difficulty_skip([1.0, 1.0], 2) == "easy"
+    assert difficulty_skip([0.5, 0.0, 0.0], 2) == "hard"
+    assert difficulty_skip([1.0, 0.5], 2) is None
+    assert difficulty_skip([1.0], 2) is None  # not enough history
+    assert difficulty_skip([1.0, 1.0], 0) is None  # off
