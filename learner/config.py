@@ -52,6 +52,9 @@ class LearnerConfig(StrictModel):
     checkpoint_dir: str | None = None
     checkpoint_every: int = Field(50, ge=1)
     weight_bucket_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    linger_s: float = Field(
+        30.0, ge=0, description="After the last step, keep serving the final weights this long."
+    )
 
     @model_validator(mode="after")
     def _clip_order(self) -> LearnerConfig:
