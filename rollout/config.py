@@ -49,4 +49,22 @@ class RolloutConfig(StrictModel):
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_n: int = Field(64, ge=1, description="Most samples per Generate request.")
+    max_request_bytes: int = Field(
+        1024 * 1024,
+        ge=64,
+        description="Largest Generate request (INVALID_ARGUMENT beyond); checked before "
+        "tokenising. Requests past server.max_message_bytes are refused by gRPC itself.",
+    )
+    max_concurrent_requests: int = Field(
+        64,
+        ge=1,
+        description="Generate calls served or queued at once; more get RESOURCE_EXHAUSTED, "
+        "so control RPCs (Pause, UpdateWeights, GetStatus) always find a free thread.",
+    )
+    drain_timeout_s: float = Field(
+        120.0, gt=0, description="How long Pause waits for in-flight requests to finish."
+    )
     weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")
+    registry_ttl_s: float = Field(
+        5.0, gt=0, description="Registry entry lifetime; a dead server vanishes after it."
+    )
