@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,28 +59,19 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def evaluate(
-    model: str | Path,
+def evaluate_engine(
+    engine: Any,
     records: list[PromptRecord],
-    n: int,
-    max_tokens: int,
-    temperature: float,
-    top_p: float,
+    params: Any,
     verifier: str,
     chat: bool,
 ) -> dict[str, Any]:
-    """Sample n responses per record, verify them, return the summary and per-prompt rows."""
+    """Sample with `engine`, verify in the reward pool, return summary + per-prompt rows."""
     from reward.scoring import ScoreInput
     from reward.server import create_scorer
-    from rollout.engine import SamplingParams
-    from rollout.torch_engine import TorchEngine
     from services.common.config import load_config
 
-    if not Path(model).is_dir():
-        raise DapoError(f"model directory not found: {model}")
     started = time.monotonic()
-    engine = TorchEngine(model)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     prompts = [prompt_ids(engine.tokenizer, r.prompt, chat) for r in records]
     outputs = engine.generate(prompts, params)
     texts = [[engine.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in row]
@@ -92,10 +84,11 @@ def evaluate(
         verdicts = scorer.score(items)
     finally:
         scorer.pool.close()
+    n = params.n
     correct = [[v.correct for v in verdicts[i * n : (i + 1) * n]] for i in range(len(records))]
     return {
         **summarise(correct, n),
-        "model": str(model),
+        "version": engine.version,
         "verifier": verifier,
         "seconds": round(time.monotonic() - started, 2),
         "per_prompt": [
@@ -103,6 +96,27 @@ def evaluate(
             for r, c, row in zip(records, correct, texts, strict=True)
         ],
     }
+
+
+def evaluate(
+    model: str | Path,
+    records: list[PromptRecord],
+    n: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    verifier: str,
+    chat: bool,
+) -> dict[str, Any]:
+    """Evaluate the weights stored in a model directory."""
+    from rollout.engine import SamplingParams
+    from rollout.torch_engine import TorchEngine
+
+    if not Path(model).is_dir():
+        raise DapoError(f"model directory not found: {model}")
+    engine = TorchEngine(model)
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
+    return {**evaluate_engine(engine, records, params, verifier, chat), "model": str(model)}
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -117,3 +131,77 @@ def run_eval(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=2))
         print(f"wrote {args.out}")
     return 0
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What `dapo up` evaluates before and after training."""
+
+    records: list[PromptRecord]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    verifier: str
+    chat: bool
+
+
+def eval_plan(config: Any) -> EvalPlan | None:
+    """The held-out evaluation a run's config asks for (None when there is none)."""
+    cfg, dataset = config.controller.eval, config.controller.dataset
+    if not cfg.enabled:
+        return None
+    data = cfg.data
+    if data is None and dataset.kind == "synthetic":
+        data = f"synthetic:{dataset.synthetic_task}"
+    if data is None:
+        return None
+    verifier = config.controller.verifier
+    return EvalPlan(
+        records=load_eval_data(data, cfg.limit),
+        n=cfg.n,
+        max_tokens=config.shared.max_response_length,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        verifier=config.reward.default_verifier if verifier == "default" else verifier,
+        chat=config.controller.apply_chat_template,
+    )
+
+
+def fetch_latest_weights(config: Any, engine: Any) -> None:
+    """Load the learner's latest weights into `engine` through its WeightService."""
+    from dapo.v1 import learner_pb2, learner_pb2_grpc
+    from services.common.grpc_server import insecure_channel
+    from services.common.keys import RunKeys
+    from services.common.redis_server import connect
+    from services.common.registry import discover
+    from services.common.tensor_codec import assemble_update, to_torch
+
+    learners = discover(
+        connect(config.shared.redis_url), RunKeys(config.shared.run_name), "learner"
+    )
+    if not learners:
+        raise DapoError("no learner registered: cannot fetch the final weights")
+    channel = insecure_channel(learners[0]["address"], config.learner.server.max_message_bytes)
+    try:
+        stub = learner_pb2_grpc.WeightServiceStub(channel)
+        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(), timeout=300)
+        version, tensors = assemble_update(buckets)
+        engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
+    finally:
+        channel.close()
+
+
+def run_eval_plan(plan: EvalPlan, config: Any, fetch_final: bool) -> dict[str, Any]:
+    """Evaluate the initial model, or (fetch_final) the learner's latest weights."""
+    from rollout.engine import SamplingParams
+    from rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(config.model_path)
+    if fetch_final:
+        fetch_latest_weights(config, engine)
+    params = SamplingParams(
+        n=plan.n, temperature=plan.temperature, top_p=plan.top_p, max_tokens=plan.max_tokens
+    )
+    result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
+    return {k: v for k, v in result.items() if k != "per_prompt"}

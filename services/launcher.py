@@ -24,7 +24,9 @@ from services.common.config import DapoConfig, dump_config
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer, connect, start_redis
+from services.evaluate import eval_plan, run_eval_plan
 from services.ledger import read_ledger
+from services.report import kept_ratios, save_report, summary_lines, write_plots
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ class Launch:
     run_dir: Path
     redis_server: RedisServer | None = None
     children: list[Child] = field(default_factory=list)
+    history: list[dict[str, int]] = field(default_factory=list)
+    evals: dict[str, Any] = field(default_factory=dict)
 
     def start_child(self, role: str, config_path: Path) -> None:
         log_path = self.run_dir / "logs" / f"{role}.log"
@@ -131,19 +135,22 @@ def monitor(launch: Launch) -> int:
                 bar.write(f"{dead.role} exited with code {dead.proc.returncode}; "
                           f"see {launch.run_dir / 'logs' / (dead.role + '.log')}")  # fmt: skip
                 return 1
-            update_bar(bar, client, keys, config.shared.run_name)
+            update_bar(bar, client, keys, config.shared.run_name, launch.history)
             if done:
                 return 0
             time.sleep(0.2)
 
 
-def update_bar(bar: Any, client: Any, keys: RunKeys, run: str) -> None:
-    """Advance the bar to the learner's last step and show its numbers."""
+def update_bar(
+    bar: Any, client: Any, keys: RunKeys, run: str, history: list[dict[str, int]]
+) -> None:
+    """Advance the bar to the learner's last step, show its numbers, record the ledger."""
     m = last_metrics(client, keys)
     if m is None or m["step"] <= bar.n:
         return
     bar.update(m["step"] - bar.n)
     ledger = read_ledger(client, run)
+    history.append({"step": m["step"], "kept": ledger.kept, "filtered": ledger.filtered_total})
     kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
@@ -162,11 +169,18 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "exit_code": code,
         "wall_seconds": round(time.monotonic() - started, 2),
         "steps": steps,
+        "kept_history": launch.history,
         "ledger": ledger.as_dict(),
+        **launch.evals,
     }
-    path = launch.run_dir / "report.json"
-    path.write_text(json.dumps(report, indent=2))
-    return path
+    if steps:
+        try:
+            write_plots(steps, kept_ratios(launch.history), launch.run_dir / "plots")
+        except ImportError:
+            print("matplotlib is not installed: no plots (pip install 'dapo[plots]')")
+    for line in summary_lines(report):
+        print(line)
+    return save_report(report, launch.run_dir)
 
 
 def launch(config: DapoConfig, run_dir: str | None = None, steps: int | None = None) -> int:
@@ -179,10 +193,15 @@ def launch(config: DapoConfig, run_dir: str | None = None, steps: int | None = N
     state = Launch(config, out)
     code = 1
     try:
+        plan = eval_plan(config)
+        if plan is not None:
+            state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
         config_path = prepare(config, out, state)
         for role in ROLES:
             state.start_child(role, config_path)
         code = monitor(state)
+        if plan is not None and code == 0:
+            state.evals["eval_after"] = run_eval_plan(plan, state.config, fetch_final=True)
     except KeyboardInterrupt:
         print("interrupted; stopping every service", file=sys.stderr)
         code = 130

@@ -24,6 +24,7 @@ TINY: dict[str, Any] = {
     },
     "controller": {
         "dataset": {"kind": "synthetic", "synthetic_task": "max3"},
+        "eval": {"n": 4},
         "apply_chat_template": False,
         "verifier": "first_integer",
         "max_groups_in_flight": 64,

@@ -180,3 +180,11 @@ def to_torch(raw: RawTensor) -> Any:
         return torch.empty(raw.shape, dtype=dtype)
     flat = torch.frombuffer(bytearray(raw.data), dtype=torch.uint8)
     return flat.view(dtype).reshape(raw.shape)
+
+
+def assemble_update(buckets: Iterable[tensor_pb2.WeightBucket]) -> tuple[int, list[RawTensor]]:
+    """Receive a whole update: (version, tensors), or TensorWireError if incomplete."""
+    assembler = WeightAssembler()
+    for bucket in buckets:
+        assembler.add(bucket)
+    return assembler.version or 0, assembler.result()

@@ -21,11 +21,27 @@ class DatasetConfig(StrictModel):
     shuffle: bool = True
 
 
+class EvalConfig(StrictModel):
+    """Held-out evaluation that `dapo up` runs before and after training."""
+
+    enabled: bool = Field(True, description="Evaluate the initial and the final policy.")
+    data: str | None = Field(
+        None,
+        description="Parquet/JSONL file, or synthetic:TASK; None = the training "
+        "task's held-out split when the dataset is synthetic (else no evaluation).",
+    )
+    n: int = Field(32, ge=1, description="Samples per prompt (avg@n; paper: 32).")
+    limit: int | None = Field(None, ge=1, description="Evaluate only the first N prompts.")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(0.7, gt=0, le=1, description="Paper's eval top-p.")
+
+
 class ControllerConfig(StrictModel):
     """Feeding prompts to rollout servers and scored groups to the buffer."""
 
     server: ServerConfig = Field(default_factory=lambda: ServerConfig(http_port=8004))
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     apply_chat_template: bool = Field(True, description="Render prompts as a chat turn.")
     verifier: Literal["default", "dapo", "math_verify", "cascade", "first_integer"] = Field(
         "default", description="Verifier asked of the reward service; default = its own."
