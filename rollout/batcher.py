@@ -1,5 +1,10 @@
 """Cross-request batching: concurrent Generate calls with equal sampling params share one
 engine call, so a server keeps its cores busy when the controller sends many groups.
+
+Samples are handed to their caller the moment the engine yields them (the engine yields
+each as soon as it is complete), not when the merged call ends. A request whose caller
+went away before its turn is skipped; one whose merged call fails before yielding
+anything is retried alone, so one bad prompt cannot fail its neighbours.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     out: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
 
 
 class Batcher:
@@ -26,7 +32,9 @@ class Batcher:
 
     def __init__(self, engine: RolloutEngine, max_sequences: int, wait_s: float = 0.005):
         self.engine, self.max_sequences, self.wait_s = engine, max_sequences, wait_s
+        self.running = 0  # sequences in the engine call now
         self._queue: queue.Queue[_Request | None] = queue.Queue()
+        self._held: _Request | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, daemon=True, name="batcher")
         self._thread.start()
@@ -35,58 +43,86 @@ class Batcher:
         """Queue one prompt; yields its samples as they finish (raises engine errors)."""
         request = _Request(list(prompt), params)
         self._queue.put(request)
-        while (item := request.out.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        try:
+            while (item := request.out.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            request.cancelled = True  # a no-op once done; skips it if still queued
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for their engine call."""
+        return self._queue.qsize() + (self._held is not None)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
 
-    def _take_batch(self, first: _Request) -> tuple[list[_Request], _Request | None]:
+    def _next(self, timeout: float | None) -> _Request | None:
+        """The next live request (None on close); raises queue.Empty after `timeout`."""
+        while True:
+            item = self._queue.get(timeout=timeout)
+            if item is None:
+                self._closed = True
+                return None
+            if not item.cancelled:
+                return item
+
+    def _take_batch(self, first: _Request) -> list[_Request]:
         """`first` plus queued requests with the same params, up to max_sequences.
 
         Seeded requests run alone: a prompt's random stream depends on its index in the
         engine call, so merging would break reproducibility.
         """
-        batch, budget, held = [first], self.max_sequences - first.params.n, None
-        if first.params.seed is not None:
-            return batch, None
-        while budget > 0:
+        batch, budget = [first], self.max_sequences - first.params.n
+        while first.params.seed is None and budget > 0 and not self._closed:
             try:
-                nxt = self._queue.get(timeout=self.wait_s)
+                nxt = self._next(self.wait_s)
             except queue.Empty:
                 break
             if nxt is None:
-                self._closed = True
                 break
             if nxt.params.seed is not None or nxt.params != first.params or nxt.params.n > budget:
-                held = nxt
+                self._held = nxt
                 break
             batch.append(nxt)
             budget -= nxt.params.n
-        return batch, held
+        return batch
 
     def _loop(self) -> None:
-        held: _Request | None = None
-        while not (self._closed and held is None):
-            first = held if held is not None else self._queue.get()
-            if first is None:
-                return
-            batch, held = self._take_batch(first)
-            self._run(batch)
+        while True:
+            first, self._held = self._held, None
+            if first is None or first.cancelled:
+                if self._closed:
+                    return
+                first = self._next(None)
+                if first is None:
+                    return
+            self._run(self._take_batch(first))
 
     def _run(self, batch: list[_Request]) -> None:
+        self.running = sum(r.params.n for r in batch)
+        try:
+            sent, error = self._deliver(batch)
+        finally:
+            self.running = 0
+        if error is not None and not sent and len(batch) > 1:
+            for request in batch:  # nothing reached anyone yet: find the culprit alone
+                self._run([request])
+            return
+        for request in batch:
+            if error is not None:
+                request.out.put(error)
+            request.out.put(_DONE)
+
+    def _deliver(self, batch: list[_Request]) -> tuple[int, Exception | None]:
+        """Stream one engine call to its callers: (samples sent, the error that ended it)."""
+        sent = 0
         try:
             for sample in self.engine.stream([r.prompt for r in batch], batch[0].params):
                 batch[sample.request_index].out.put(sample)
+                sent += 1
         except Exception as exc:  # surfaced to each waiting caller
-            for r in batch:
-                r.out.put(exc)
-        finally:
-            for r in batch:
-                r.out.put(_DONE)
+            return sent, exc
+        return sent, None

@@ -1,10 +1,14 @@
 """The rollout service: gRPC RolloutService over one engine, weight catch-up, registration.
 
-Weights: the learner publishes its version in Redis; a sync thread sees a newer version,
-pulls the full weights from the learner's WeightService, and loads them only once every
-byte has arrived and been checked (a half-received update is never applied). Versions
-only move forward. `/readyz` and the registry's `ready` flag stay false until the served
-version equals the published one, so a late or restarted server catches up before work.
+Generate streams each sample the moment the engine finishes it, tagged with the policy
+version that produced it. Weights arrive pushed (UpdateWeights) or pulled by
+`rollout.weights.WeightSync`; either way whole and newer, or not at all.
+
+Readiness. `ready` (GET /readyz, GetStatus, the registry's `ready` flag) means "not paused
+and serving the version the learner published". A server that starts late or restarts
+refuses Generate with UNAVAILABLE until it has caught up once; after that it keeps
+serving while it fetches a newer version (each sample says which version made it, and
+the buffer and learner enforce staleness).
 """
 
 from __future__ import annotations
@@ -12,104 +16,136 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import redis
-from prometheus_client import Counter, Gauge, Histogram
 
-from dapo.v1 import learner_pb2, learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc, tensor_pb2
+from dapo.v1 import rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from rollout import adapter
 from rollout.batcher import Batcher
-from rollout.engine import RolloutEngine
+from rollout.engine import RolloutEngine, SamplingParams
+from rollout.limits import Limits
+from rollout.metrics import RolloutMetrics
+from rollout.weights import WeightSync, WeightUpdater
 from services.common.config import DapoConfig
-from services.common.grpc_server import insecure_channel, start_grpc_server
+from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
-from services.common.registry import Registration, discover
-from services.common.tensor_codec import TensorWireError, WeightAssembler, to_torch
+from services.common.registry import Registration
+from services.common.tensor_codec import TensorWireError
 
 log = logging.getLogger(__name__)
 
-TOKENS = Counter("dapo_rollout_tokens_generated_total", "Tokens generated")
-SAMPLES = Counter("dapo_rollout_samples_total", "Samples generated", ["finish_reason"])
-IN_FLIGHT = Gauge("dapo_rollout_requests_in_flight", "Generate calls being served")
-QUEUE = Gauge("dapo_rollout_queue_depth", "Requests waiting for the engine")
-VERSION = Gauge("dapo_rollout_policy_version", "Policy version being served")
-WEIGHT_SECONDS = Histogram("dapo_rollout_weight_update_seconds", "Fetch + load of new weights")
+CONTROL_THREADS = 8  # gRPC threads beyond max_concurrent_requests, for the control RPCs
 
 
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """Validates requests, tokenises, batches through the engine, streams samples back."""
 
-    def __init__(self, config: DapoConfig, engine: RolloutEngine, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: DapoConfig,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        updater: WeightUpdater,
+        sync: WeightSync | None = None,
+    ) -> None:
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
+        self.updater, self.sync, self.metrics = updater, sync, updater.metrics
+        self.limits = Limits.from_config(config)
         max_sequences = getattr(config.rollout.engine, "max_batch_size", 256)
         self.batcher = Batcher(engine, max(max_sequences, config.rollout.max_n))
-        self.in_flight = 0
         self.paused = False
-        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.finished = 0  # Generate calls ended, for Pause's `drained`
+        self._cond = threading.Condition()
+        self.on_change: list[Callable[[], None]] = []  # pause, resume, new weights
+        self._watch_metrics()
+
+    def _watch_metrics(self) -> None:
+        self.metrics.watch("in_flight", lambda: self.in_flight)
+        self.metrics.watch("queue", self.batcher.pending)
+        self.metrics.watch("running", lambda: self.batcher.running)
+        self.metrics.watch("version", lambda: self.engine.version)
+        usage = getattr(self.engine, "kv_cache_usage", None)  # optional: vLLM knows it
+        if callable(usage):
+            self.metrics.cache_usage(usage)
+
+    def ready(self) -> bool:
+        return not self.paused and (self.sync is None or self.sync.ready())
+
+    def _changed(self) -> None:
+        for callback in self.on_change:
+            callback()
+
+    # -- Generate ---------------------------------------------------------------------
+
+    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        if self.sync is not None and not self.sync.caught_up.is_set():
+            self._refuse(context, "catching_up", grpc.StatusCode.UNAVAILABLE,
+                         "rollout server is catching up to the published weights")  # fmt: skip
+        try:
+            prompt, params = self._parse(request)
+        except ValueError as exc:
+            self._refuse(context, getattr(exc, "limit", "invalid"),
+                         grpc.StatusCode.INVALID_ARGUMENT, str(exc))  # fmt: skip
+        refusal = self._admit()
+        if refusal is not None:
+            self._refuse(context, *refusal)
+        yield from self._stream(request.request_id, prompt, params, context)
+
+    def _refuse(self, context: grpc.ServicerContext, reason: str, code: Any, message: str):
+        self.metrics.rejected.labels(reason).inc()
+        context.abort(code, message)
+
+    def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Limits first, then the tokenised prompt and engine params (ValueError if bad)."""
+        self.limits.check_request(request)
+        prompt = self._prompt_ids(request)
+        self.limits.check_prompt(prompt, len(self.tokenizer))
+        params = adapter.sampling_params(
+            request.sampling, request.n, self.config.rollout.sampling,
+            self.config.shared.max_response_length,
+        )  # fmt: skip
+        return prompt, params
 
     def _prompt_ids(self, request: rollout_pb2.GenerateRequest) -> list[int]:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
-        if request.apply_chat_template:
-            messages = [{"role": "user", "content": request.prompt}]
-            return list(
-                self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        try:
+            if request.apply_chat_template:
+                messages = [{"role": "user", "content": request.prompt}]
+                return list(
+                    self.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                    )
                 )
-            )
-        return self.tokenizer.encode(request.prompt, add_special_tokens=False)
+            return self.tokenizer.encode(request.prompt, add_special_tokens=False)
+        except Exception as exc:  # a template or tokenizer failure is the request's problem
+            raise ValueError(f"cannot tokenise the prompt: {exc}") from exc
 
-    def _check(self, request: rollout_pb2.GenerateRequest, prompt: list[int]) -> str | None:
-        """The first violated limit, named, or None."""
-        shared, cfg = self.config.shared, self.config.rollout
-        vocab = len(self.tokenizer)
-        if not 1 <= request.n <= cfg.max_n:
-            return f"n={request.n} outside [1, max_n={cfg.max_n}]"
-        if not prompt:
-            return "empty prompt"
-        if len(prompt) > shared.max_prompt_length:
-            return f"prompt has {len(prompt)} tokens > max_prompt_length={shared.max_prompt_length}"
-        if request.sampling.max_tokens > shared.max_response_length:
-            return (
-                f"max_tokens={request.sampling.max_tokens} > "
-                f"max_response_length={shared.max_response_length}"
-            )
-        if any(not 0 <= t < vocab for t in prompt):
-            return f"prompt token id outside the vocabulary [0, {vocab})"
+    def _admit(self) -> tuple[str, Any, str] | None:
+        """Count the call in flight, or say why not (paused, too many calls)."""
+        limit = self.config.rollout.max_concurrent_requests
+        with self._cond:
+            if self.paused:
+                return "paused", grpc.StatusCode.UNAVAILABLE, "rollout server is paused"
+            if self.in_flight >= limit:
+                message = f"{self.in_flight} requests in flight = rollout.max_concurrent_requests"
+                return "busy", grpc.StatusCode.RESOURCE_EXHAUSTED, message
+            self.in_flight += 1
         return None
 
-    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
-        if self.paused:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "rollout server is paused")
-        prompt = self._prompt_ids(request)
-        problem = self._check(request, prompt)
-        if problem is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    def _stream(
+        self, request_id: str, prompt: list[int], params: SamplingParams, context: Any
+    ) -> Iterator[rollout_pb2.GenerateResponse]:
         try:
-            params = adapter.sampling_params(
-                request.sampling, request.n, self.config.rollout.sampling,
-                self.config.shared.max_response_length,
-            )  # fmt: skip
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        yield from self._stream(request.request_id, prompt, params)
-
-    def _stream(self, request_id: str, prompt: list[int], params: Any) -> Iterator[Any]:
-        with self._lock:
-            self.in_flight += 1
-            IN_FLIGHT.set(self.in_flight)
-        try:
-            QUEUE.set(self.batcher.pending())
             for sample in self.batcher.submit(prompt, params):
                 out = sample.output
-                TOKENS.inc(len(out.token_ids))
-                SAMPLES.labels(out.finish_reason).inc()
+                self.metrics.generated(len(out.token_ids), out.finish_reason)
                 text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 yield rollout_pb2.GenerateResponse(
                     request_id=request_id,
@@ -117,97 +153,58 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     prompt_token_ids=prompt,
                     completion=adapter.completion(out, text),
                 )
+        except ValueError as exc:  # the engine refused this prompt or these params
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            log.exception("generation failed")
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         finally:
-            with self._lock:
+            with self._cond:
                 self.in_flight -= 1
-                IN_FLIGHT.set(self.in_flight)
+                self.finished += 1
+                self._cond.notify_all()
+
+    # -- control ----------------------------------------------------------------------
 
     def Pause(self, request, context):
-        self.paused = True
+        """Refuse new calls, wait for those in flight (bounded), then hold the engine."""
+        with self._cond:
+            self.paused = True
+            start = self.finished
+        self._changed()  # the registry says "not ready" while we drain
+        timeout = self.config.rollout.drain_timeout_s
+        remaining = context.time_remaining() if context is not None else None
+        with self._cond:
+            self._cond.wait_for(lambda: self.in_flight == 0, min(timeout, remaining or timeout))
+            drained = self.finished - start
         self.engine.pause()
-        return rollout_pb2.PauseResponse(drained=0)
+        return rollout_pb2.PauseResponse(drained=drained)
 
     def Resume(self, request, context):
-        self.paused = False
+        with self._cond:
+            self.paused = False
         self.engine.resume()
+        self._changed()
         return rollout_pb2.ResumeResponse()
 
     def UpdateWeights(self, request_iterator: Iterator[tensor_pb2.WeightBucket], context):
+        """Apply a pushed update whole, or report why not (the old weights stay)."""
         try:
-            version = apply_update(self.engine, request_iterator)
+            version = self.updater.apply(request_iterator)
         except (TensorWireError, ValueError) as exc:
+            log.warning("pushed weight update rejected: %s", exc)
             return rollout_pb2.UpdateWeightsResponse(
                 version=self.engine.version, applied=False, error=str(exc)
             )
+        self._changed()
         return rollout_pb2.UpdateWeightsResponse(version=version, applied=True)
 
     def GetStatus(self, request, context):
         return rollout_pb2.RolloutStatus(
-            version=self.engine.version, paused=self.paused, ready=not self.paused,
+            version=self.engine.version, paused=self.paused, ready=self.ready(),
             requests_in_flight=self.in_flight, engine=self.config.rollout.engine.kind,
             model=str(self.config.rollout.model_path or self.config.shared.model_path),
         )  # fmt: skip
-
-
-def apply_update(engine: RolloutEngine, buckets: Iterator[tensor_pb2.WeightBucket]) -> int:
-    """Assemble a whole update, then load it; raise on anything wrong (old weights stay)."""
-    started = time.monotonic()
-    assembler = WeightAssembler()
-    for bucket in buckets:
-        assembler.add(bucket)
-    tensors = assembler.result()
-    version = assembler.version or 0
-    if version <= engine.version:
-        raise ValueError(f"version {version} is not newer than served {engine.version}")
-    engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
-    WEIGHT_SECONDS.observe(time.monotonic() - started)
-    VERSION.set(version)
-    return version
-
-
-class WeightSync:
-    """Pulls new weights from the learner whenever the published version moves ahead."""
-
-    def __init__(self, config: DapoConfig, client: redis.Redis, engine: RolloutEngine) -> None:
-        self.config, self.client, self.engine = config, client, engine
-        self.keys = RunKeys(config.shared.run_name)
-        self.on_change: list[Any] = []
-
-    def published(self) -> int:
-        return int(self.client.get(self.keys.version) or 0)
-
-    def ready(self) -> bool:
-        return self.engine.version >= self.published()
-
-    def sync_once(self) -> bool:
-        """Fetch and load the latest version if newer; True if weights changed."""
-        target = self.published()
-        if target <= self.engine.version:
-            return False
-        learners = discover(self.client, self.keys, "learner")
-        if not learners:
-            return False
-        channel = insecure_channel(
-            learners[0]["address"], self.config.learner.server.max_message_bytes
-        )
-        try:
-            stub = learner_pb2_grpc.WeightServiceStub(channel)
-            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=300)
-            version = apply_update(self.engine, buckets)
-        finally:
-            channel.close()
-        log.info("loaded weights version=%d", version)
-        return True
-
-    def run(self, stop: threading.Event) -> None:
-        while not stop.wait(self.config.rollout.weight_poll_s):
-            try:
-                changed = self.sync_once()
-            except (grpc.RpcError, TensorWireError, ValueError, redis.RedisError) as exc:
-                log.warning("weight sync failed, will retry: %s", exc)
-                continue
-            for callback in self.on_change if changed else ():
-                callback()
 
 
 def build_engine(config: DapoConfig) -> RolloutEngine:
@@ -220,7 +217,11 @@ def build_engine(config: DapoConfig) -> RolloutEngine:
     if model is None or not Path(model).is_dir():
         raise DapoError(f"model directory not found: {model} (set rollout.model_path)")
     if config.rollout.engine.kind == "vllm":
-        raise DapoError("the vLLM engine is not available yet; use engine.kind=torch")
+        try:
+            from rollout.vllm_engine import VllmEngine  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise DapoError(f"the vLLM engine needs the extra dapo[vllm]: {exc}") from exc
+        return VllmEngine.from_config(model, config.rollout.engine)
     from rollout.torch_engine import TorchEngine
 
     return TorchEngine.from_config(model, config.rollout.engine)
@@ -231,51 +232,76 @@ class RolloutServer:
 
     def __init__(self, config: DapoConfig, client: redis.Redis | None, engine: RolloutEngine):
         self.config, self.client, self.engine = config, client, engine
-        self.servicer = RolloutServicer(config, engine, engine.tokenizer)  # type: ignore[attr-defined]
+        self.metrics = RolloutMetrics()
+        self.updater = WeightUpdater(engine, self.metrics)
+        self.sync = WeightSync(config, client, self.updater) if client is not None else None
+        tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+        self.servicer = RolloutServicer(config, engine, tokenizer, self.updater, self.sync)
+        self.servicer.on_change.append(self._announce)
         self.stop_event = threading.Event()
-        self.sync = WeightSync(config, client, engine) if client is not None else None
         self.registration: Registration | None = None
+        self._announced: dict[str, Any] = {}
+        self._announce_lock = threading.Lock()
         self.grpc_server, self.grpc_port = start_grpc_server(
             config.rollout.server,
             lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(self.servicer, s),
             ["dapo.v1.RolloutService"],
+            max_workers=config.rollout.max_concurrent_requests + CONTROL_THREADS,
         )
-        app = create_http_app("rollout", ready=self.ready, status=self.status)
+        app = create_http_app(
+            "rollout", ready=self.ready, status=self.status, registry=self.metrics.registry
+        )
         self.http: HttpServer = serve_http(
             app, config.rollout.server.host, config.rollout.server.http_port
         )
 
     def ready(self) -> bool:
-        return not self.servicer.paused and (self.sync is None or self.sync.ready())
+        return self.servicer.ready()
 
     def status(self) -> dict[str, Any]:
+        published = self.sync.published() if self.sync is not None else None
         return {
             "version": self.engine.version,
+            "published_version": published,
             "ready": self.ready(),
+            "paused": self.servicer.paused,
             "in_flight": self.servicer.in_flight,
+            "queue": self.servicer.batcher.pending(),
             "engine": self.config.rollout.engine.kind,
         }
 
     def start(self) -> RolloutServer:
-        """Catch up with the learner, then register as a server that takes work."""
+        """Register as not ready, then catch up with the learner in the background."""
         if self.client is None or self.sync is None:
             return self
         host = self.config.rollout.server.host
-        address = f"{socket.gethostname() if host == '0.0.0.0' else host}:{self.grpc_port}"
+        name = socket.gethostname() if host == "0.0.0.0" else host
         self.registration = Registration(
             self.client, RunKeys(self.config.shared.run_name), "rollout",
             f"rollout-{uuid.uuid4().hex[:8]}",
-            {"address": address, "ready": False, "version": self.engine.version},
+            {"address": f"{name}:{self.grpc_port}", "http": f"{name}:{self.http.port}",
+             "ready": False, "version": self.engine.version},
+            ttl_s=self.config.rollout.registry_ttl_s,
         ).start()  # fmt: skip
-        self.sync.on_change.append(self._announce)
-        self._announce()
-        threading.Thread(target=self.sync.run, args=(self.stop_event,), daemon=True).start()
+        threading.Thread(
+            target=self.sync.run, args=(self.stop_event, self._announce),
+            daemon=True, name="weight-sync",
+        ).start()  # fmt: skip
         return self
 
     def _announce(self) -> None:
-        VERSION.set(self.engine.version)
-        if self.registration is not None:
-            self.registration.update(ready=self.ready(), version=self.engine.version)
+        """Tell the registry about readiness and version, when they changed."""
+        if self.registration is None:
+            return
+        state = {"ready": self.ready(), "version": self.engine.version}
+        with self._announce_lock:
+            if state == self._announced:
+                return
+            try:
+                self.registration.update(**state)
+                self._announced = state
+            except redis.RedisError as exc:
+                log.warning("registry update failed, the heartbeat will retry: %s", exc)
 
     def stop(self) -> None:
         self.stop_event.set()

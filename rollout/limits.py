@@ -1,0 +1,76 @@
+"""Request limits of a rollout server; each violation names the config field it breaks.
+
+The service turns `LimitExceeded` into gRPC INVALID_ARGUMENT. Size, n and max_tokens are
+checked before tokenising, so an oversized prompt costs no tokenizer time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from dapo.v1 import rollout_pb2
+from services.common.config import DapoConfig
+
+
+class LimitExceeded(ValueError):
+    """A request breaks a limit; `limit` is the config field, e.g. 'shared.max_prompt_length'."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds a Generate request must respect."""
+
+    max_request_bytes: int
+    max_n: int
+    max_prompt_length: int
+    max_response_length: int
+
+    @classmethod
+    def from_config(cls, config: DapoConfig) -> Limits:
+        return cls(
+            max_request_bytes=config.rollout.max_request_bytes,
+            max_n=config.rollout.max_n,
+            max_prompt_length=config.shared.max_prompt_length,
+            max_response_length=config.shared.max_response_length,
+        )
+
+    def check_request(self, request: rollout_pb2.GenerateRequest) -> None:
+        """Size, n and max_tokens; raise LimitExceeded for the first broken one."""
+        size = request.ByteSize()
+        if size > self.max_request_bytes:
+            _fail("rollout.max_request_bytes", f"request of {size} bytes", self.max_request_bytes)
+        if not 1 <= request.n <= self.max_n:
+            raise LimitExceeded(
+                "rollout.max_n", f"n={request.n} is outside [1, rollout.max_n={self.max_n}]"
+            )
+        max_tokens = request.sampling.max_tokens
+        if max_tokens > self.max_response_length:
+            _fail(
+                "shared.max_response_length", f"max_tokens={max_tokens}", self.max_response_length
+            )
+
+    def check_prompt(self, prompt: Sequence[int], vocab_size: int) -> None:
+        """Length and token ids of the tokenised prompt."""
+        if not prompt:
+            raise LimitExceeded("prompt", "the prompt is empty")
+        if len(prompt) > self.max_prompt_length:
+            _fail(
+                "shared.max_prompt_length",
+                f"prompt of {len(prompt)} tokens",
+                self.max_prompt_length,
+            )
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise LimitExceeded(
+                "vocab_size", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def _fail(limit: str, what: str, bound: int) -> NoReturn:
+    raise LimitExceeded(limit, f"{what} exceeds {limit}={bound}")

@@ -1,0 +1,131 @@
+"""New weights for a rollout server: pushed over UpdateWeights or pulled from the learner.
+
+Both paths go through `WeightUpdater.apply`, which loads an update only once every byte
+of it has arrived and been checked (a half-received update is never applied), and only
+if its version is newer than the one served (versions only move forward, also when a
+push and a pull race). The engine checks names, dtypes and shapes before touching any
+weight, so a bad bucket leaves the previous weights and version in place.
+
+`WeightSync` watches the learner's published version in Redis and pulls the full
+weights from the learner's WeightService whenever it moves ahead; `caught_up` is set the
+first time the served version reaches the published one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import grpc
+import redis
+
+from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
+from rollout.engine import RolloutEngine
+from rollout.metrics import RolloutMetrics
+from services.common.config import DapoConfig
+from services.common.grpc_server import insecure_channel
+from services.common.keys import RunKeys
+from services.common.registry import discover
+from services.common.tensor_codec import TensorWireError, WeightAssembler, to_torch
+
+log = logging.getLogger(__name__)
+
+
+class StaleUpdate(ValueError):
+    """An update whose version is not newer than the one served."""
+
+
+class WeightUpdater:
+    """Applies whole updates to one engine, one load at a time."""
+
+    def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        self._lock = threading.Lock()
+
+    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
+        """Assemble, check and load one update; raise (old weights stay) on anything wrong."""
+        started = time.perf_counter()
+        try:
+            version = self._apply(buckets)
+        except Exception:
+            self.metrics.weight_failures.inc()
+            raise
+        self.metrics.weight_seconds.observe(time.perf_counter() - started)
+        return version
+
+    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
+        assembler = WeightAssembler()
+        for bucket in buckets:
+            self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
+            assembler.add(bucket)
+        tensors = assembler.result()
+        version = assembler.version or 0
+        with self._lock:
+            self._check_newer(version)
+            self.engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
+        return version
+
+    def _check_newer(self, version: int) -> None:
+        if version <= self.engine.version:
+            raise StaleUpdate(f"version {version} is not newer than served {self.engine.version}")
+
+
+class WeightSync:
+    """Pulls new weights from the learner whenever the published version moves ahead."""
+
+    def __init__(self, config: DapoConfig, client: redis.Redis, updater: WeightUpdater) -> None:
+        self.config, self.client, self.updater = config, client, updater
+        self.keys = RunKeys(config.shared.run_name)
+        self.caught_up = threading.Event()
+
+    @property
+    def served(self) -> int:
+        return self.updater.engine.version
+
+    def published(self) -> int:
+        """The learner's latest committed version (0 before its first step)."""
+        return int(self.client.get(self.keys.version) or 0)
+
+    def ready(self) -> bool:
+        """Serving the published version; False while lagging or when Redis is away."""
+        try:
+            return self.served >= self.published()
+        except redis.RedisError:
+            return False
+
+    def sync_once(self) -> bool:
+        """Fetch and load the latest version if newer; True if weights changed."""
+        target = self.published()
+        if target <= self.served:
+            self.caught_up.set()
+            return False
+        learners = discover(self.client, self.keys, "learner")
+        if not learners:
+            log.info("version %d published but no learner registered yet", target)
+            return False
+        max_bytes = self.config.learner.server.max_message_bytes
+        with insecure_channel(learners[0]["address"], max_bytes) as channel:
+            stub = learner_pb2_grpc.WeightServiceStub(channel)
+            offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
+            if offered <= self.served:
+                return False  # the learner's snapshot is not there yet
+            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
+            version = self.updater.apply(buckets)
+        log.info("loaded weights version=%d (published %d)", version, target)
+        if version >= target:
+            self.caught_up.set()
+        return True
+
+    def run(self, stop: threading.Event, after_each: Callable[[], None]) -> None:
+        """Sync now, then every `weight_poll_s`; call `after_each` after every attempt."""
+        while not stop.is_set():
+            try:
+                self.sync_once()
+            except StaleUpdate as exc:
+                log.debug("weight sync raced another update: %s", exc)
+            except (grpc.RpcError, TensorWireError, ValueError, redis.RedisError) as exc:
+                log.warning("weight sync failed, will retry: %s", exc)
+            after_each()
+            stop.wait(self.config.rollout.weight_poll_s)
