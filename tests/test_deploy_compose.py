@@ -1,0 +1,266 @@
+"""docker-compose.yml, .env.example and the Dockerfiles, checked without a Docker engine:
+the real docker-compose parser (Debian's docker-compose 1.29, which validates against the
+Compose schema) resolves the file for both profiles, and the resolved services are checked
+for what a run needs; the Dockerfiles are parsed; the entry point's GPU claim runs."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_deploy_tools import DEPLOY, ROOT, require_tool, run_tool
+
+from services.common.config import load_config
+
+DAPO_HTTP = {"reward": 8001, "buffer": 8005, "controller": 8004, "learner": 8003, "rollout": 8002}
+PROFILES = {
+    "gpu": (ROOT / ".env.example", {"learner": "learner", "rollout": "rollout"}),
+    "cpu": (DEPLOY / "compose" / "cpu.env", {"learner": "learner-cpu", "rollout": "rollout-cpu"}),
+}
+
+
+def compose_config(env_file: Path, compose_file: Path = ROOT / "docker-compose.yml"):
+    binary = require_tool("docker-compose", "docker-compose")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAPO_", "COMPOSE_"))}
+    env.pop("REDIS_PASSWORD", None)
+    return run_tool(binary, "-f", str(compose_file), "--project-directory", str(ROOT),
+                    "--env-file", str(env_file), "config", cwd=ROOT, env=env)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(PROFILES))
+def resolved(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    done = compose_config(PROFILES[request.param][0])
+    assert done.returncode == 0, done.stderr
+    return request.param, yaml.safe_load(done.stdout)
+
+
+def active(config: dict[str, Any], profile: str) -> dict[str, dict[str, Any]]:
+    """The services `docker compose up` starts with COMPOSE_PROFILES=profile."""
+    return {name: s for name, s in config["services"].items()
+            if not s.get("profiles") or profile in s["profiles"]}  # fmt: skip
+
+
+def mounts(service: dict[str, Any]) -> dict[str, str]:
+    """target → source of a resolved service's volumes (short or long syntax)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target = volume.split(":")[:2]
+        else:
+            source, target = volume["source"], volume["target"]
+        out[target] = source
+    return out
+
+
+def test_the_parser_rejects_a_broken_file(tmp_path: Path) -> None:
+    broken = tmp_path / "docker-compose.yml"
+    text = (ROOT / "docker-compose.yml").read_text()
+    broken.write_text(text.replace("condition: service_healthy", "condition: service_happy"))
+    done = compose_config(ROOT / ".env.example", broken)
+    assert done.returncode != 0 and "service_happy" in done.stderr
+
+
+def test_redis_password_is_required(tmp_path: Path) -> None:
+    env_file = tmp_path / "empty.env"
+    env_file.write_text("COMPOSE_PROFILES=gpu\n")
+    done = compose_config(env_file)
+    assert done.returncode != 0 and "set REDIS_PASSWORD in .env" in done.stderr
+
+
+def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
+    profile, config = resolved
+    services = active(config, profile)
+    roles = PROFILES[profile][1]
+    expected = {"redis", "reward", "buffer", "controller", "prometheus", "grafana"}
+    assert expected | set(roles.values()) <= set(services)
+    other = "cpu" if profile == "gpu" else "gpu"
+    assert not set(PROFILES[other][1].values()) & set(services)
+    gpu_services = {n for n, s in services.items() if "deploy" in s and "resources" in s["deploy"]}
+    assert gpu_services == ({"learner", "rollout"} if profile == "gpu" else set())
+
+
+def test_redis_is_durable_and_password_protected(resolved) -> None:
+    _, config = resolved
+    redis = config["services"]["redis"]
+    command = " ".join(redis["command"])
+    assert "--appendonly yes" in command and '--requirepass "$$REDIS_PASSWORD"' in command
+    assert mounts(redis)["/data"] == "redis-data" and "redis-data" in config["volumes"]
+    password = redis["environment"]["REDIS_PASSWORD"]
+    url = config["services"]["controller"]["environment"]["DAPO_SHARED__REDIS_URL"]
+    assert password and url == f"redis://:{password}@redis:6379/0"
+
+
+def test_dapo_services_have_healthchecks_ports_and_ordering(resolved) -> None:
+    profile, config = resolved
+    services = config["services"]
+    names = {role: PROFILES[profile][1].get(role, role) for role in DAPO_HTTP}
+    for role, port in DAPO_HTTP.items():
+        service = services[names[role]]
+        assert service["command"][0] == role
+        assert str(port) in service["command"]
+        check = " ".join(service["healthcheck"]["test"])
+        assert f"127.0.0.1:{port}/" in check and ("/readyz" in check or "/healthz" in check)
+        env = service["environment"]
+        assert env["DAPO_HTTP_PORT"] == str(port)
+        assert env[f"DAPO_{role.upper()}__SERVER__HOST"] == "0.0.0.0"
+        assert "ports" not in service  # only the monitoring UIs are published
+        assert service["depends_on"]  # nothing starts before Redis (or its producer)
+    conditions = {
+        (name, dep): spec["condition"]
+        for name, service in services.items()
+        for dep, spec in service.get("depends_on", {}).items()
+    }
+    assert conditions[("controller", "reward")] == "service_healthy"
+    assert conditions[(names["rollout"], names["learner"])] == "service_healthy"
+    assert all(c in ("service_healthy", "service_completed_successfully")
+               for c in conditions.values())  # fmt: skip
+    for name, service in services.items():
+        if name != "gpu-slots-reset" and name != "init-model":
+            assert "healthcheck" in service, name
+
+
+def test_rollout_servers_are_found_by_prometheus_under_one_name(resolved) -> None:
+    profile, config = resolved
+    services = config["services"]
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
+    for role in DAPO_HTTP:
+        job = jobs[f"dapo-{role}"]
+        hosts = [t.split(":")[0] for c in job.get("static_configs", []) for t in c["targets"]]
+        hosts += [n for c in job.get("dns_sd_configs", []) for n in c["names"]]
+        assert hosts == [role]
+        name = PROFILES[profile][1].get(role, role)
+        aliases = services[name].get("networks", {}).get("default", {}) or {}
+        assert name == role or role in aliases.get("aliases", []), (profile, role)
+
+
+def test_monitoring_mounts_the_project_files(resolved) -> None:
+    _, config = resolved
+    found = mounts(config["services"]["prometheus"]) | mounts(config["services"]["grafana"])
+    assert found["/etc/prometheus"] == str(DEPLOY / "prometheus")
+    assert found["/etc/grafana/provisioning"] == str(DEPLOY / "grafana" / "provisioning")
+    assert found["/var/lib/grafana/dashboards"] == str(DEPLOY / "grafana" / "dashboards")
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dapo.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    source = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_the_run_config_of_each_profile_loads(resolved) -> None:
+    profile, config = resolved
+    learner = config["services"][PROFILES[profile][1]["learner"]]
+    source = mounts(learner)["/etc/dapo/run.yaml"]
+    env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
+    run = load_config(source, env=env)
+    assert run.shared.redis_url and run.shared.redis_url.startswith("redis://:")
+    assert run.learner.server.host == "0.0.0.0"
+    if profile == "cpu":
+        assert run.model_path == "/models/tiny" and run.rollout.engine.kind == "torch"
+        init = config["services"]["init-model"]
+        assert "--out /models/tiny --preset tiny" in " ".join(init["entrypoint"])
+    else:
+        assert run.model_path == "/models/policy" and run.rollout.engine.kind == "vllm"
+
+
+def test_env_example_names_every_variable_the_compose_file_uses() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    used = set(re.findall(r"\$\{([A-Z_]+)", text))
+    example = {line.split("=")[0] for line in (ROOT / ".env.example").read_text().splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    assert used - {"DAPO_MODEL_PATH"} <= example, used - example
+
+
+# ---------------------------------------------------------------- Dockerfiles
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def stages(path: Path) -> list[list[tuple[str, str]]]:
+    found: list[list[tuple[str, str]]] = []
+    for ins in instructions(path):
+        if ins[0] == "FROM":
+            found.append([])
+        if found:
+            found[-1].append(ins)
+    return found
+
+
+def dockerignored(relative: str) -> bool:
+    patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p and not p.startswith("#")]  # fmt: skip
+    return any(fnmatch.fnmatch(relative, p) or relative.startswith(p + "/") for p in patterns)
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.slim", "Dockerfile.gpu"])
+def test_dockerfile_is_pinned_multistage_nonroot_and_healthchecked(name: str) -> None:
+    path = DEPLOY / "docker" / name
+    args = dict(a.split("=", 1) for w, a in instructions(path) if w == "ARG" and "=" in a)
+    built = stages(path)
+    assert len(built) >= 2, "multi-stage"
+    for stage in built:
+        image = stage[0][1].split()[0]
+        image = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+        repo, _, tag = image.partition(":")
+        assert tag and tag != "latest" and re.search(r"\d+\.\d+", tag), image
+    final = dict(built[-1])
+    user = final["USER"].split(":")[0]
+    assert user not in ("root", "0") and int(user) >= 1000
+    assert "/healthz" in final["HEALTHCHECK"] and final["ENTRYPOINT"]
+    copies = [a for stage in built for w, a in stage if w == "COPY" and "--from" not in a]
+    for copy in copies:
+        sources = [s for s in copy.split()[:-1] if not s.startswith("--")]
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert not dockerignored(source.rstrip("/")), f"{source} is in .dockerignore"
+
+
+def test_slim_image_stays_torch_free() -> None:
+    path = DEPLOY / "docker" / "Dockerfile.slim"
+    installs = " ".join(a for w, a in instructions(path) if w == "RUN" and "pip install" in a)
+    extras = re.findall(r'"\.\[([a-z,-]+)\]"', installs)
+    assert extras == ["reward"]
+    assert not re.search(r"\b(torch|vllm|deepspeed)\b(?!\|)", installs.split("&& !")[0])
+    gpu = " ".join(a for w, a in instructions(DEPLOY / "docker" / "Dockerfile.gpu") if w == "RUN")
+    assert "vllm==" in gpu and "deepspeed==" in gpu and '".[rollout,learner,reward]"' in gpu
+
+
+def _entrypoint(tmp_path: Path, hostname: str, slots: str) -> subprocess.CompletedProcess[str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "dapo").write_text('#!/bin/sh\necho "dapo $* gpu=${CUDA_VISIBLE_DEVICES:-none}"\n')
+    (bin_dir / "hostname").write_text(f"#!/bin/sh\necho {hostname}\n")
+    for tool in ("dapo", "hostname"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "DAPO_GPU_SLOTS": slots,
+           "DAPO_GPU_LOCK_DIR": str(tmp_path / "locks")}  # fmt: skip
+    (tmp_path / "locks").mkdir(exist_ok=True)
+    script = DEPLOY / "docker" / "entrypoint.sh"
+    return subprocess.run(["sh", str(script), "rollout", "--config", "x"], env=env,
+                          capture_output=True, text=True, timeout=10)  # fmt: skip
+
+
+def test_entrypoint_gives_each_replica_its_own_gpu(tmp_path: Path) -> None:
+    first = _entrypoint(tmp_path, "replica-a", "0,1")
+    second = _entrypoint(tmp_path, "replica-b", "0,1")
+    again = _entrypoint(tmp_path, "replica-a", "0,1")  # a restart keeps its GPU
+    third = _entrypoint(tmp_path, "replica-c", "0,1")
+    assert first.stdout.strip() == "dapo rollout --config x gpu=0"
+    assert second.stdout.strip() == "dapo rollout --config x gpu=1"
+    assert again.stdout.strip() == "dapo rollout --config x gpu=0"
+    assert third.returncode == 1 and "every GPU in DAPO_GPU_SLOTS=0,1 is taken" in third.stderr
