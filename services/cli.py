@@ -21,6 +21,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "learner": ("learner.__main__", "learner"),
 }
 NEEDS_REDIS = {"controller", "buffer", "learner"}
+TORCH_ROLES = {"rollout", "learner"}
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +63,10 @@ def run_service(role: str, args: argparse.Namespace) -> int:
     if role in NEEDS_REDIS and not config.shared.redis_url:
         raise DapoError(f"{role} needs Redis: pass --redis-url or set shared.redis_url")
     setup_logging(role)
+    if config.shared.torch_threads and role in TORCH_ROLES:
+        import torch
+
+        torch.set_num_threads(config.shared.torch_threads)
     importlib.import_module(module).run(config)
     return 0
 

@@ -51,6 +51,12 @@ class SharedConfig(StrictModel):
     model_path: str | None = Field(
         None, description="Model directory for rollout and learner unless they set their own."
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Intra-op threads of torch processes (None = torch's default); "
+        "on a small CPU box several torch processes must not oversubscribe the cores.",
+    )
     model_init: Literal["tiny", "small"] | None = Field(
         None, description="`dapo up` builds a random model of this preset if model_path is absent."
     )

@@ -21,6 +21,7 @@ TINY: dict[str, Any] = {
         "max_staleness": 1,
         "model_path": "runs/models/tiny",
         "model_init": "tiny",
+        "torch_threads": 1,
     },
     "controller": {
         "dataset": {"kind": "synthetic", "synthetic_task": "max3"},
@@ -40,7 +41,7 @@ TINY: dict[str, Any] = {
         "mini_batch_responses": 128,
         "micro_batch_tokens": 4096,
         "overlong_filtering": False,
-        "total_steps": 60,
+        "total_steps": 100,
         "zero_stage": 0,
         "dtype": "float32",
         "checkpoint_every": 20,
