@@ -10,6 +10,11 @@ workers. A worker that dies on its own (crash, OOM killer) is replaced too; its 
 retried once elsewhere, since it may have died before reading it, and a second death
 answers it with an error.
 
+Each worker gets up to PIPELINE_DEPTH jobs ahead, so it starts the next item the moment
+it finishes one instead of idling for a round trip through the dispatcher; the deadline
+applies to the oldest job only, timed from when the one before it came back. Jobs queued
+behind a killed job have not started and go back to the front of the queue.
+
 Workers start from a forkserver that has already imported math-verify, so a replacement
 is ready in milliseconds instead of a second of imports. Messages on the pipes are JSON
 (no pickle on any queue); JSON also carries lone surrogates intact.
@@ -38,6 +43,11 @@ log = logging.getLogger(__name__)
 
 PRELOAD = ["reward.verifiers", "reward.preload"]
 MAX_DEATHS = 2  # a job that kills this many workers is answered with an error
+PIPELINE_DEPTH = 2  # jobs sent ahead to a worker, so it never waits for the dispatcher
+# A job sent ahead sits in the pipe until the worker is free; above this size it could
+# fill the pipe and block the dispatcher (and with it every deadline), so it waits.
+PIPELINE_MAX_BYTES = 32 * 1024
+STARTUP_FAILURES_BEFORE_GIVING_UP = 5
 
 
 @dataclass(frozen=True)
@@ -63,15 +73,28 @@ class _Job:
     task: Task
     future: Future[Outcome] = field(default_factory=Future)
     deaths: int = 0  # workers that died holding this job
+    _payload: bytes | None = None
+
+    @property
+    def payload(self) -> bytes:
+        """The JSON message for the worker, encoded once."""
+        if self._payload is None:
+            task = self.task
+            message = {"verifier": task.verifier, "response": task.response}
+            message["ground_truth"] = task.ground_truth
+            self._payload = json.dumps(message).encode()
+        return self._payload
 
 
 @dataclass
 class _Worker:
+    """One process and the jobs sent to it, oldest (the one it is running) first."""
+
     process: Any  # a multiprocessing Process of the pool's context
     conn: Connection
     ready: bool = False
-    job: _Job | None = None
-    started: float = 0.0
+    jobs: deque[_Job] = field(default_factory=deque)
+    started: float = 0.0  # when the oldest job started (≈ when the one before it returned)
 
 
 def worker_main(conn: Connection, soft_timeout_s: int) -> None:
@@ -127,6 +150,7 @@ class VerifierPool:
         self._wake_r.setblocking(False)
         self._workers: list[_Worker] = []
         self._closed = threading.Event()
+        self._startup_failures = 0  # consecutive workers that died before becoming ready
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
         self.restarts = 0
 
@@ -218,7 +242,7 @@ class VerifierPool:
         self._enforce_deadlines()
 
     def _wait_timeout(self) -> float:
-        busy = [w.started for w in self._workers if w.job is not None]
+        busy = [w.started for w in self._workers if w.jobs]
         if not busy:
             return 1.0
         return max(0.0, min(busy) + self.timeout_s - time.monotonic())
@@ -233,30 +257,34 @@ class VerifierPool:
     def _by_conn(self, conn: object) -> _Worker | None:
         return next((w for w in self._workers if w.conn is conn), None)
 
-    def _next_job(self) -> _Job | None:
+    def _next_job(self, ahead: bool) -> _Job | None:
+        """The next queued job; when sending `ahead` of a busy worker, only a small one."""
         with self._lock:
-            return self._queue.popleft() if self._queue else None
+            if not self._queue:
+                return None
+            if ahead and len(self._queue[0].payload) > PIPELINE_MAX_BYTES:
+                return None
+            return self._queue.popleft()
 
     def _assign(self) -> None:
-        for worker in self._workers:
-            if not worker.ready or worker.job is not None:
-                continue
-            job = self._next_job()
-            if job is None:
-                return
-            self._send(worker, job)
+        """Top every ready worker up to PIPELINE_DEPTH jobs, idle workers first."""
+        for depth in range(PIPELINE_DEPTH):
+            for worker in list(self._workers):
+                if not worker.ready or len(worker.jobs) > depth:
+                    continue
+                job = self._next_job(ahead=depth > 0)
+                if job is None:
+                    return
+                self._send(worker, job)
 
     def _send(self, worker: _Worker, job: _Job) -> None:
-        payload = {"verifier": job.task.verifier, "response": job.task.response}
-        payload["ground_truth"] = job.task.ground_truth
-        worker.job, worker.started = job, time.monotonic()
+        if not worker.jobs:
+            worker.started = time.monotonic()
+        worker.jobs.append(job)
         try:
-            worker.conn.send_bytes(json.dumps(payload).encode())
-        except OSError:  # it died while idle: the task never started, so run it elsewhere
-            worker.job = None
-            with self._lock:
-                self._queue.appendleft(job)
-            self._replace(worker, "died")
+            worker.conn.send_bytes(job.payload)
+        except OSError:  # it died: let _worker_died requeue (or fail) what it held
+            self._worker_died(worker)
 
     def _receive(self, worker: _Worker | None) -> None:
         if worker is None:
@@ -268,15 +296,27 @@ class VerifierPool:
             return
         if "ready" in msg:
             worker.ready = True
+            self._startup_failures = 0
             return
-        job, worker.job = worker.job, None
-        if job is not None:
+        if worker.jobs:
+            job = worker.jobs.popleft()
+            worker.started = time.monotonic()  # the worker moves on to the next job now
             seconds = msg.pop("seconds")
             job.future.set_result(Outcome(Verdict(**msg), seconds))
 
+    def _requeue_unstarted(self, worker: _Worker) -> _Job | None:
+        """Put the jobs behind the oldest back in front of the queue; return the oldest."""
+        if not worker.jobs:
+            return None
+        head, *waiting = worker.jobs
+        worker.jobs.clear()
+        with self._lock:
+            self._queue.extendleft(reversed(waiting))
+        return head
+
     def _worker_died(self, worker: _Worker) -> None:
-        code = worker.process.exitcode
-        job, worker.job = worker.job, None
+        code, elapsed = worker.process.exitcode, time.monotonic() - worker.started
+        job = self._requeue_unstarted(worker)
         self._replace(worker, "died")
         if job is None:
             return
@@ -286,15 +326,15 @@ class VerifierPool:
                 self._queue.appendleft(job)
             return
         reason = f"verifier worker died (exit code {code}) on this item {job.deaths} times"
-        job.future.set_result(_failed(job.task, reason, time.monotonic() - worker.started))
+        job.future.set_result(_failed(job.task, reason, elapsed))
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
-            job = worker.job
-            if job is None or now - worker.started < self.timeout_s:
+            if not worker.jobs or now - worker.started < self.timeout_s:
                 continue
-            worker.job = None
+            job = self._requeue_unstarted(worker)
+            assert job is not None
             message = f"timeout: verification exceeded timeout_s={self.timeout_s:g}; worker killed"
             outcome = _failed(job.task, message, now - worker.started, timed_out=True)
             self._replace(worker, "timeout")
@@ -313,18 +353,35 @@ class VerifierPool:
         return _Worker(process, parent)
 
     def _replace(self, worker: _Worker, reason: str) -> None:
-        """Kill one worker and put a fresh one in its slot."""
+        """Kill one worker and put a fresh one in its slot (once, however often called)."""
+        was_ready = worker.ready
         self._stop_worker(worker)
-        if self._closed.is_set():
+        if self._closed.is_set() or worker not in self._workers:
             return
+        if not was_ready:
+            self._startup_failed(worker.process.exitcode)
         index = self._workers.index(worker)
         self._workers[index] = self._spawn()
         self.restarts += 1
         log.warning("reward verifier worker replaced (%s)", reason)
         self._on_restart(reason)
 
+    def _startup_failed(self, exitcode: int | None) -> None:
+        """A worker died before it was ready: back off instead of a respawn storm, and
+        after a few in a row answer what waits, since no worker may ever start."""
+        self._startup_failures += 1
+        log.error("reward verifier worker failed to start (exit code %s)", exitcode)
+        if self._startup_failures >= STARTUP_FAILURES_BEFORE_GIVING_UP:
+            with self._lock:
+                waiting, self._queue = list(self._queue), deque()
+            for job in waiting:
+                reason = f"verifier workers cannot start (exit code {exitcode})"
+                job.future.set_result(_failed(job.task, reason))
+        self._closed.wait(min(0.05 * 2**self._startup_failures, 5.0))
+
     @staticmethod
     def _stop_worker(worker: _Worker) -> None:
+        worker.ready = False  # nothing more is sent to it
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join(timeout=5)

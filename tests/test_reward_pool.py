@@ -101,3 +101,20 @@ def test_math_verify_own_timeout_answers_without_a_kill() -> None:
         assert pool.worker_pids() == pid and pool.restarts == 0
     finally:
         pool.close()
+
+
+def test_big_item_behind_a_stuck_one_does_not_block_the_deadline() -> None:
+    """A 1 MB item must not be piped ahead to a stuck worker: the dispatcher would block on
+    the full pipe and never enforce the deadline."""
+    pool = VerifierPool(1, timeout_s=HARD_TIMEOUT_S, soft_timeout_s=0).start()
+    try:
+        assert pool.wait_ready(60)
+        start = time.monotonic()
+        stuck = pool.submit(Task("math_verify", TOWER, "5"))
+        time.sleep(0.1)
+        big = pool.submit(Task("dapo", "x" * 1_000_000 + "\nAnswer: 4", "4"))
+        assert stuck.result(timeout=HARD_TIMEOUT_S + 10).timed_out
+        assert big.result(timeout=10).verdict.correct
+        assert time.monotonic() - start < HARD_TIMEOUT_S + 3.0
+    finally:
+        pool.close()
