@@ -162,7 +162,9 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
     config = launch.config
     client = connect(config.shared.redis_url or "")
     keys = RunKeys(config.shared.run_name)
-    steps = [json.loads(f[b"json"]) for _, f in client.xrange(keys.metrics)]
+    # A stream id starts with its Redis server time in ms: when the step was committed.
+    steps = [dict(json.loads(f[b"json"]), committed_at=int(eid.split(b"-")[0]) / 1000)
+             for eid, f in client.xrange(keys.metrics)]  # fmt: skip
     ledger = read_ledger(client, config.shared.run_name)
     report = {
         "run": config.shared.run_name,

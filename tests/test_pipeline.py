@@ -37,22 +37,27 @@ def children_of(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.parametrize("max_staleness", [0, 1])
 def test_data_flows_through_every_service(
-    tmp_path: Path, tiny_model: Path, redis_server: RedisServer
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, max_staleness: int
 ) -> None:
     run_dir = tmp_path / "run"
     client = redis.Redis.from_url(redis_server.url)
     client.flushdb()
     result = dapo_up(run_dir, tiny_model, "--steps", "3", "--redis-url", redis_server.url,
-                     "--set", "shared.run_name=skeleton")  # fmt: skip
+                     "--set", "shared.run_name=pipeline",
+                     "--set", f"shared.max_staleness={max_staleness}",
+                     "--set", "controller.eval.enabled=false")  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     ledger = report["ledger"]
     assert ledger["ok"], ledger["problems"]
     assert ledger["version"] == 3 and [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert ledger["trained"] == 3 * 16  # train_batch_groups of the tiny preset
+    # The staleness of every trained group respects the bound.
+    assert all(0 <= s["staleness"] <= max_staleness for s in report["steps"])
 
-    keys = RunKeys("skeleton")
+    keys = RunKeys("pipeline")
     forwarded = [decode_group(f[b"group"]) for _, f in client.xrange(keys.train)]
     assert forwarded and all(0 < g.accuracy < 1 for g in forwarded)
     # New weights reached the rollout server: later groups were sampled by version >= 1.
@@ -63,8 +68,14 @@ def test_data_flows_through_every_service(
 
 def test_launcher_stops_its_own_redis_and_every_child(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
-    result = dapo_up(run_dir, tiny_model, "--steps", "1")
+    result = dapo_up(run_dir, tiny_model, "--steps", "2", "--set", "controller.eval.n=1",
+                     "--set", "controller.eval.limit=10")  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["eval_before"]["version"] == 0 and report["eval_after"]["version"] == 2
+    for name in ("reward", "accuracy", "response_length", "entropy", "kept_ratio"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 1000
+    assert "held-out avg@1" in result.stdout
     url = yaml.safe_load((run_dir / "config.yaml").read_text())["shared"]["redis_url"]
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()

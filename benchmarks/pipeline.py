@@ -1,0 +1,174 @@
+"""The asynchronous pipeline against its baselines, measured in one run on this machine.
+
+1. Overlap: `dapo up` on the tiny preset with max_staleness 0 (synchronous) and 1
+   (one version of overlap). From the synchronous run, T_train = learner seconds per
+   step and T_gen = the rest of a step; the ideal async speedup is
+   (T_gen + T_train) / max(T_gen, T_train). Target: measured speedup >= 0.9 x ideal.
+2. Service overhead: responses/s of `dapo up` (max_staleness 1) vs a plain
+   single-process generate-score-train loop (benchmarks/_plain_dapo.py) with the same
+   model, task and hyperparameters. Target: >= 0.5x.
+3. Dynamic-sampling cost: generated groups per trained group vs the inherent
+   1 / p(informative), with and without difficulty-aware admission, on a dataset where
+   half the prompts are trivially uninformative (their gold answer is unreachable, so
+   every group is all-wrong). Reported, with the target that difficulty-aware admission
+   lowers generated/trained.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "pipeline.json"
+STEPS = 30
+
+
+def tiny_config(run: str, model: Path, *overrides: str) -> Any:
+    from services.common.config import load_config
+
+    return load_config(
+        preset="tiny",
+        env={},
+        overrides=[f"shared.run_name={run}", f"shared.model_path={model}",
+                   f"learner.total_steps={STEPS}", "controller.eval.enabled=false",
+                   "learner.linger_s=0", *overrides],
+    )  # fmt: skip
+
+
+def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
+    """One `dapo up` (its own Redis, all five processes); returns its report + rates."""
+    from services.launcher import launch
+
+    started = time.perf_counter()
+    code = launch(config, run_dir=str(run_dir))
+    wall = time.perf_counter() - started
+    report = json.loads((run_dir / "report.json").read_text())
+    steps = report["steps"]
+    ledger = report["ledger"]
+    # The training phase: from the start of the first step to the commit of the last.
+    span = steps[-1]["committed_at"] - steps[0]["committed_at"] if steps else wall
+    train_phase = span + (steps[0]["seconds"] if steps else 0.0)
+    decided = ledger["kept"] + sum(ledger["filtered"].values())
+    responses = ledger["scored"] * config.shared.group_size
+    return {
+        "exit_code": code,
+        "steps": len(steps),
+        "wall_seconds": round(wall, 2),
+        "train_phase_seconds": round(train_phase, 2),
+        "responses_generated": responses,
+        "responses_per_s": responses / train_phase,
+        "learner_seconds_per_step": sum(s["seconds"] for s in steps) / max(len(steps), 1),
+        "step_seconds": train_phase / max(len(steps), 1),
+        "groups_generated": ledger["scored"],
+        "groups_trained": ledger["trained"],
+        "generated_per_trained": ledger["scored"] / max(ledger["trained"], 1),
+        "p_informative": ledger["kept"] / max(decided, 1),
+        "ledger_ok": ledger["ok"],
+        "final_accuracy": steps[-1]["accuracy"] if steps else None,
+    }
+
+
+def half_trivial_dataset(path: Path, n: int = 200) -> Path:
+    """n max3 prompts, half with an unreachable gold answer ("10": all-wrong groups)."""
+    from services.common.data import synthetic_records, write_records
+
+    records = synthetic_records("max3", n, seed=0)
+    for record in records[::2]:
+        record.ground_truth = "10"
+        record.prompt_id += "-unreachable"
+    return write_records(records, path)
+
+
+def plain_rate(model: Path) -> dict[str, Any]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_plain_dapo", ROOT / "_plain_dapo.py")
+    assert spec and spec.loader
+    plain = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plain)
+    import torch
+
+    torch.set_num_threads(1)
+    result = plain.run_plain(tiny_config("plain", model), STEPS)
+    return {
+        "steps": result.steps,
+        "wall_seconds": round(result.wall_seconds, 2),
+        "responses_per_s": result.responses / result.wall_seconds,
+        "gen_seconds": round(result.gen_seconds, 2),
+        "train_seconds": round(result.train_seconds, 2),
+        "generated_per_trained": result.groups_generated / max(result.groups_trained, 1),
+    }
+
+
+def check(name: str, value: float, target: float, higher: bool = True) -> dict[str, Any]:
+    ok = value >= target if higher else value <= target
+    return {"name": name, "value": round(value, 3), "target": target, "ok": bool(ok)}
+
+
+def main() -> None:
+    from learner.init_model import init_model
+
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-pipeline-") as tmp:
+        work = Path(tmp)
+        model = init_model(work / "model", preset="tiny", seed=0)
+        runs = {
+            "sync": run_up(tiny_config("sync", model, "shared.max_staleness=0"), work / "sync"),
+            "async": run_up(tiny_config("async", model, "shared.max_staleness=1"), work / "async"),
+        }
+        data = half_trivial_dataset(work / "half.jsonl")
+        mixed = ["controller.dataset.kind=jsonl", f"controller.dataset.path={data}"]
+        runs["mixed"] = run_up(tiny_config("mixed", model, *mixed), work / "mixed")
+        runs["mixed_difficulty"] = run_up(
+            tiny_config("mixedd", model, *mixed, "controller.difficulty_window=1"),
+            work / "mixedd",
+        )
+        plain = plain_rate(model)
+
+    sync, asyn = runs["sync"], runs["async"]
+    t_train = sync["learner_seconds_per_step"]
+    t_gen = max(sync["step_seconds"] - t_train, 0.0)
+    ideal = (t_gen + t_train) / max(t_gen, t_train)
+    speedup = asyn["responses_per_s"] / sync["responses_per_s"]
+    overhead = asyn["responses_per_s"] / plain["responses_per_s"]
+    mixed, mixed_d = runs["mixed"], runs["mixed_difficulty"]
+    result = {
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "steps_per_run": STEPS,
+        "runs": runs,
+        "plain_loop": plain,
+        "overlap": {
+            "t_gen_s": t_gen,
+            "t_train_s": t_train,
+            "ideal_speedup": ideal,
+            "measured_speedup": speedup,
+        },  # fmt: skip
+        "dynamic_sampling": {
+            "inherent_1_over_p": 1 / max(mixed["p_informative"], 1e-9),
+            "generated_per_trained": mixed["generated_per_trained"],
+            "generated_per_trained_difficulty_aware": mixed_d["generated_per_trained"],
+        },
+        "checks": [
+            check("async speedup / ideal overlap bound", speedup / ideal, 0.9),
+            check("dapo up responses/s / plain loop", overhead, 0.5),
+            check(
+                "generated per trained: difficulty-aware / plain admission",
+                mixed_d["generated_per_trained"] / mixed["generated_per_trained"],
+                1.0,
+                higher=False,
+            ),  # fmt: skip
+            check(
+                "ledger holds in every run", float(all(r["ledger_ok"] for r in runs.values())), 1.0
+            ),  # fmt: skip
+        ],
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
