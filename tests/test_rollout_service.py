@@ -35,7 +35,8 @@ from services.common.tensor_codec import RawTensor, encode_buckets, from_torch
 
 MAX_N, MAX_PROMPT, MAX_RESPONSE, MAX_REQUEST_BYTES = 4, 12, 8, 2048
 PROMPT = [3, 5, 7, 9]
-SEEDED = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+SEEDED = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=4, seed=5)
+HTTP = httpx.Client(timeout=5)
 
 
 def make_config(run: str = "svc", **rollout: Any) -> DapoConfig:
@@ -75,10 +76,10 @@ class Served:
 
     def fingerprint(self) -> list[tuple[list[int], list[float]]]:
         """A seeded generation: equal iff the weights are equal."""
-        return [(list(c.token_ids), [round(x, 4) for x in c.logprobs]) for c in self.generate(n=2)]
+        return [(list(c.token_ids), [round(x, 4) for x in c.logprobs]) for c in self.generate(n=1)]
 
     def readyz(self) -> int:
-        return httpx.get(f"{self.url}/readyz", timeout=5).status_code
+        return HTTP.get(f"{self.url}/readyz").status_code
 
     def push(self, buckets: Iterator[Any]) -> rollout_pb2.UpdateWeightsResponse:
         return self.stub.UpdateWeights(buckets, timeout=60)
@@ -116,7 +117,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
 
 def metric(served: Served, name: str) -> float:
     """The value of one unlabelled sample in /metrics."""
-    for line in httpx.get(f"{served.url}/metrics", timeout=5).text.splitlines():
+    for line in HTTP.get(f"{served.url}/metrics").text.splitlines():
         if line.startswith(f"{name} "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -282,3 +283,153 @@ def test_late_joiner_catches_up_and_readyz_flips(
         wait_for(lambda: s.readyz() == 200)
         assert s.engine.version == 2 and s.fingerprint() != at_v1
     assert discover(redis_client, keys, "rollout") == []  # stop() deregisters
+
+
+# -- limits ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model: Path) -> Iterator[Served]:
+    config = make_config()
+    config.rollout.server.max_message_bytes = 64 * 1024
+    with serve(tiny_model, config) as s:
+        yield s
+
+
+def _request(n: int = 1, prompt: str = "", ids: tuple[int, ...] = (3, 4), **sampling: Any):
+    return rollout_pb2.GenerateRequest(
+        prompt=prompt, prompt_token_ids=[] if prompt else list(ids), n=n,
+        sampling=rollout_pb2.SamplingParams(**{"max_tokens": 2, **sampling}),
+    )  # fmt: skip
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+LIMIT_CASES = {
+    "n_zero": (_request(n=0), INVALID, "rollout.max_n=4"),
+    "n_too_many": (_request(n=MAX_N + 1), INVALID, "rollout.max_n=4"),
+    "prompt_ids_too_long": (
+        _request(ids=(3,) * (MAX_PROMPT + 1)), INVALID, "shared.max_prompt_length=12"
+    ),
+    "prompt_text_too_long": (_request(prompt="12+34=" * 8), INVALID, "shared.max_prompt_length"),
+    "max_tokens": (
+        _request(max_tokens=MAX_RESPONSE + 1), INVALID, "shared.max_response_length=8"
+    ),
+    "request_bytes": (_request(prompt="7" * 3000), INVALID, "rollout.max_request_bytes=2048"),
+    "token_outside_vocab": (_request(ids=(3, 999)), INVALID, "vocabulary"),
+    "empty_prompt": (_request(ids=()), INVALID, "empty"),
+    "top_p": (_request(top_p=1.5), INVALID, "top_p"),
+    "temperature": (_request(temperature=-1.0), INVALID, "temperature"),
+    "past_max_message_bytes": (
+        _request(prompt="7" * 70_000), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LIMIT_CASES)
+def test_limit_violation_names_the_limit(limited: Served, case: str) -> None:
+    request, code, needle = LIMIT_CASES[case]
+    with pytest.raises(grpc.RpcError) as err:
+        list(limited.stub.Generate(request, timeout=30))
+    assert err.value.code() == code
+    assert needle in (err.value.details() or "")
+
+
+def test_server_keeps_serving_after_bad_requests(limited: Served) -> None:
+    for request, _, _ in LIMIT_CASES.values():
+        with pytest.raises(grpc.RpcError):
+            list(limited.stub.Generate(request, timeout=30))
+    assert len(limited.generate(n=MAX_N)) == MAX_N
+    assert limited.readyz() == 200
+
+
+# -- batching, streaming, pause --------------------------------------------------------
+
+
+class Recording:
+    """An engine wrapper that records each engine call and can hold one after its first
+    sample (until `gate` is set) to show that samples reach the client before the rest."""
+
+    def __init__(self, inner: TorchEngine) -> None:
+        self.inner = inner
+        self.calls: list[int] = []  # prompts per engine call
+        self.gate: threading.Event | None = None
+        self.gate_timed_out = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def stream(self, prompts: Any, params: Any) -> Iterator[Any]:
+        self.calls.append(len(prompts))
+        return self._gated(self.inner.stream(prompts, params))
+
+    def _gated(self, samples: Iterator[Any]) -> Iterator[Any]:
+        for k, sample in enumerate(samples):
+            yield sample
+            if k == 0 and self.gate is not None and not self.gate.wait(10):
+                self.gate_timed_out = True
+
+
+def test_concurrent_calls_are_batched_and_each_gets_its_n(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config(), wrap=Recording) as s:
+        batcher, results = s.server.servicer.batcher, {}
+
+        def call(i: int, n: int) -> None:
+            results[i] = s.generate(n=n, prompt=[3 + i, 4], temperature=1.0, max_tokens=3)
+
+        def accounted() -> int:  # requests in an engine call or waiting for one
+            return sum(s.engine.calls) + batcher.pending()
+
+        s.engine.inner.pause()  # calls pile up behind the first one
+        threads = [threading.Thread(target=call, args=(i, 3)) for i in range(5)]
+        threads.append(threading.Thread(target=call, args=(5, 2)))  # other params: own call
+        for count, t in enumerate(threads, start=1):
+            t.start()
+            wait_for(lambda count=count: accounted() == count)
+        s.engine.inner.resume()
+        for t in threads:
+            t.join(timeout=60)
+        assert {i: len(r) for i, r in results.items()} == {0: 3, 1: 3, 2: 3, 3: 3, 4: 3, 5: 2}
+        assert sum(s.engine.calls) == 6 and len(s.engine.calls) <= 3 and max(s.engine.calls) >= 4
+
+
+def test_samples_stream_before_the_call_finishes(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config(), wrap=Recording) as s:
+        s.engine.gate = threading.Event()
+        stream = s.stub.Generate(_request(n=3), timeout=60)
+        first = next(stream)  # the engine is holding the other two samples
+        assert not s.engine.gate_timed_out and first.completion.policy_version == 0
+        s.engine.gate.set()
+        assert len(list(stream)) == 2 and not s.engine.gate_timed_out
+
+
+def test_pause_drains_in_flight_work_then_resume(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config(max_concurrent_requests=1), wrap=Recording) as s:
+        s.engine.gate = threading.Event()
+        held = s.stub.Generate(_request(n=2), timeout=60)
+        next(held)  # one call in flight: the limit
+        with pytest.raises(grpc.RpcError) as busy:
+            s.generate()
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "rollout.max_concurrent_requests" in (busy.value.details() or "")
+
+        pause = s.stub.Pause.future(rollout_pb2.PauseRequest(), timeout=30)
+        wait_for(lambda: s.server.servicer.paused)
+        assert s.readyz() == 503
+        with pytest.raises(grpc.RpcError) as refused:
+            s.generate()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        time.sleep(0.2)
+        assert not pause.done()  # still draining the held call
+        s.engine.gate.set()
+        assert len(list(held)) == 1
+        assert pause.result().drained == 1
+        status = s.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=5)
+        assert status.paused and not status.ready and status.requests_in_flight == 0
+
+        s.stub.Resume(rollout_pb2.ResumeRequest(), timeout=5)
+        assert s.readyz() == 200 and len(s.generate(n=2)) == 2
+        assert s.stub.Pause(rollout_pb2.PauseRequest(), timeout=5).drained == 0
