@@ -47,10 +47,24 @@ class LearnerConfig(StrictModel):
     micro_batch_tokens: int = Field(32768, ge=1, description="Token budget of a micro-batch.")
     total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
     # -- engine --
-    zero_stage: int = Field(2, ge=0, le=3)
-    dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = Field(50, ge=1)
+    engine: Literal["torch", "deepspeed"] = Field(
+        "deepspeed", description="deepspeed (ZeRO, data parallel) or a plain torch loop."
+    )
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Training dtype (DeepSpeed keeps fp32 master weights)."
+    )
+    cpu_shm_allreduce: bool = Field(
+        False, description="DeepSpeed's shared-memory all-reduce on CPU (a ~1 min JIT build)."
+    )
+    checkpoint_dir: str | None = Field(
+        None, description="Checkpoints go here; unset: none, and entries are acked every step."
+    )
+    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every K steps (and on stop).")
+    resume: bool = Field(False, description="Restore the latest checkpoint in checkpoint_dir.")
+    export_dir: str | None = Field(
+        None, description="Final save_pretrained model (default: <checkpoint_dir>/final)."
+    )
     weight_bucket_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     linger_s: float = Field(
         30.0, ge=0, description="After the last step, keep serving the final weights this long."

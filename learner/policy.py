@@ -25,12 +25,16 @@ class Policy(Protocol):
         """Logits `[B, L, V]`."""
         ...
 
-    def backward(self, loss: Tensor) -> None:
-        """Accumulate gradients of `loss` (no scaling)."""
+    def backward(self, loss: Tensor, last: bool = True) -> None:
+        """Accumulate gradients of `loss` (no scaling); `last`: the mini-batch's last one."""
         ...
 
     def step(self) -> float:
         """Clip, apply and zero the accumulated gradients; return the pre-clip grad norm."""
+        ...
+
+    def advance_schedule(self) -> None:
+        """One rollout step done (the warm-up counts rollout steps)."""
         ...
 
     def lr(self) -> float: ...
@@ -73,7 +77,7 @@ class TorchPolicy:
         out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
         return out.logits
 
-    def backward(self, loss: Tensor) -> None:
+    def backward(self, loss: Tensor, last: bool = True) -> None:
         loss.backward()
 
     def step(self) -> float:
@@ -91,3 +95,44 @@ class TorchPolicy:
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self.model.state_dict().items()
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
+        from learner.deepspeed_policy import save_hf
+
+        save_hf(self.model, dict(self.model.state_dict()), out_dir, tokenizer_dir)
+
+    def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
+        """Model, optimizer, schedule and `client_state` in one file; `latest` written last."""
+        root = Path(directory)
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "client": client_state,
+        }
+        torch.save(state, root / tag / "torch_state.pt")
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag)
+        tmp.replace(root / "latest")
+
+    def load_checkpoint(self, directory: str | Path) -> dict | None:
+        """Restore the latest checkpoint; its client state, or None if there is none."""
+        latest = Path(directory) / "latest"
+        if not latest.is_file():
+            return None
+        path = Path(directory) / latest.read_text().strip() / "torch_state.pt"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["client"]
+
+
+def build_policy(model_path: str | Path, cfg: LearnerConfig) -> Policy:
+    """The configured engine over the model directory."""
+    if cfg.engine == "deepspeed":
+        from learner.deepspeed_policy import DeepSpeedPolicy
+
+        return DeepSpeedPolicy(load_model(model_path, "float32"), cfg)
+    return TorchPolicy(load_model(model_path, cfg.dtype), cfg)

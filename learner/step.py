@@ -1,10 +1,14 @@
-"""One DAPO training step over a batch of informative groups.
+"""One DAPO training step over a batch of informative groups, on one rank or many.
 
 π_old is recomputed on the learner at the start of the step; the responses are then
-split into mini-batches (one optimizer update each) and each mini-batch into micro-batches
-by token budget. The token-level loss of every micro-batch is divided by the token count
-of its whole mini-batch, known before the micro-batch loop, so gradient accumulation
-gives exactly the full-batch gradient.
+split into mini-batches (one optimizer update each, the same seeded split on every
+rank), each mini-batch is dealt to the data-parallel ranks by token count, and each
+rank's share is cut into micro-batches by token budget. Before the micro-batch loop the
+mini-batch's loss token and sequence counts are all-reduced, and every micro-batch's
+loss is divided by those global counts, so gradient accumulation and data parallelism
+give exactly the full-batch gradient. Ranks run the same number of forwards (ZeRO-3
+gathers parameters in each forward): a rank that has fewer micro-batches runs dummy
+ones whose loss is multiplied by zero.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import torch
 
 from learner.algorithm import agg_loss, masked_mean, per_token_loss
 from learner.batching import (
+    LossCounts,
     TrainSequence,
     assign_old_logprobs,
+    balance_across_ranks,
     collate,
     logprobs_for_inputs,
     loss_counts,
@@ -27,8 +33,11 @@ from learner.batching import (
     token_budget_micro_batches,
 )
 from learner.config import LearnerConfig
+from learner.dist import DataParallel, Single
 from learner.policy import Policy
 from services.common.types import Group
+
+MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
 
 
 @dataclass
@@ -42,6 +51,7 @@ class StepMetrics:
     grad_norm: float = 0.0
     lr: float = 0.0
     tokens: int = 0
+    tokens_per_s: float = 0.0
     response_length: float = 0.0
     reward_mean: float = 0.0
     accuracy: float = 0.0
@@ -58,23 +68,62 @@ def micro_batches(seqs: Sequence[TrainSequence], budget: int) -> list[list[Train
     return [[seqs[i] for i in batch] for batch in idx]
 
 
+def plan_micro_batches(
+    seqs: Sequence[TrainSequence], fallback: TrainSequence, budget: int, dp: DataParallel
+) -> list[MicroBatch]:
+    """This rank's micro-batches, padded with dummies to the largest count over ranks."""
+    lengths = [s.length for s in seqs]
+    idx = token_budget_micro_batches(lengths, budget) if seqs else []
+    target = dp.all_reduce_max(len(idx))
+    if seqs and len(idx) < target:
+        idx = token_budget_micro_batches(lengths, budget, min_count=target)
+    batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
+    batches += [([fallback], False)] * (target - len(batches))
+    return batches
+
+
+def rank_share(seqs: Sequence[TrainSequence], mini: list[int], dp: DataParallel) -> list[int]:
+    """The rows of mini-batch `mini` this rank trains (token totals balanced over ranks)."""
+    if dp.world_size == 1:
+        return list(mini)
+    shares = balance_across_ranks([seqs[i].length for i in mini], dp.world_size)
+    return [mini[j] for j in shares[dp.rank]]
+
+
+def global_counts(seqs: Sequence[TrainSequence], overlong: bool, dp: DataParallel) -> LossCounts:
+    """Loss tokens and sequences of the whole mini-batch, summed over ranks."""
+    local = loss_counts(seqs, overlong)
+    total = dp.all_reduce_sum(torch.tensor([local.tokens, local.sequences], dtype=torch.int64))
+    return LossCounts(tokens=int(total[0]), sequences=int(total[1]))
+
+
 @torch.no_grad()
 def recompute_old_logprobs(
-    policy: Policy, seqs: list[TrainSequence], cfg: LearnerConfig, pad_id: int, temperature: float
+    policy: Policy,
+    seqs: list[TrainSequence],
+    cfg: LearnerConfig,
+    pad_id: int,
+    temperature: float,
+    dp: DataParallel | None = None,
+    fallback: TrainSequence | None = None,
 ) -> float:
     """Fill each sequence's π_old; return the mean |learner − rollout| log-prob gap."""
-    gaps, count = 0.0, 0
-    for batch in micro_batches(seqs, cfg.micro_batch_tokens):
+    dp = dp or Single()
+    sums = torch.zeros(2, dtype=torch.float64)  # |gap| sum, token count
+    fallback = fallback or seqs[0]
+    for batch, real in plan_micro_batches(seqs, fallback, cfg.micro_batch_tokens, dp):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
         logits = policy.forward(inputs.input_ids, inputs.attention_mask)
+        if not real:
+            continue
         logprobs, _ = logprobs_for_inputs(logits, inputs.input_ids.to(logits.device), temperature)
         assign_old_logprobs(batch, inputs, logprobs)
         if inputs.rollout_logprobs is not None:
             mask = inputs.response_mask
             diff = (logprobs.float().cpu() - inputs.rollout_logprobs).abs()
-            gaps += float(diff[mask].sum())
-            count += int(mask.sum())
-    return gaps / max(count, 1)
+            sums += torch.tensor([float(diff[mask].sum()), float(mask.sum())], dtype=torch.float64)
+    sums = dp.all_reduce_sum(sums)
+    return float(sums[0]) / max(float(sums[1]), 1.0)
 
 
 def train_step(
@@ -85,18 +134,37 @@ def train_step(
     temperature: float,
     max_response_length: int,
     seed: int = 0,
+    dp: DataParallel | None = None,
 ) -> StepMetrics:
     """Recompute π_old, then one optimizer update per mini-batch."""
     started = time.monotonic()
+    dp = dp or Single()
     seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
+    minis = mini_batches(len(seqs), cfg.mini_batch_responses, seed)
+    shares = [rank_share(seqs, mb, dp) for mb in minis]
+    own = [seqs[i] for share in shares for i in share]
     metrics = StepMetrics()
-    metrics.logprob_gap = recompute_old_logprobs(policy, seqs, cfg, pad_id, temperature)
+    metrics.logprob_gap = recompute_old_logprobs(
+        policy, own, cfg, pad_id, temperature, dp, fallback=seqs[0]
+    )
     totals = torch.zeros(5, dtype=torch.float64)  # loss·tok, clip high, clip low, ent·tok, tok
-    for mb in mini_batches(len(seqs), cfg.mini_batch_responses, seed):
-        totals += _update(policy, [seqs[i] for i in mb], cfg, pad_id, temperature,
-                          max_response_length)  # fmt: skip
+    for mb, share in zip(minis, shares, strict=True):
+        totals += accumulate(
+            policy, [seqs[i] for i in share], cfg, pad_id, temperature, max_response_length,
+            dp, fallback=seqs[mb[0]],
+        )  # fmt: skip
         metrics.grad_norm = policy.step()
         metrics.updates += 1
+    _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
+    metrics.lr = policy.lr()
+    metrics.seconds = time.monotonic() - started
+    metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
+    return metrics
+
+
+def _fill_metrics(
+    metrics: StepMetrics, totals: torch.Tensor, seqs: list[TrainSequence], groups: Sequence[Group]
+) -> None:
     tokens = max(float(totals[4]), 1.0)
     metrics.loss = float(totals[0]) / tokens
     metrics.clip_frac_high = float(totals[1]) / tokens
@@ -107,23 +175,27 @@ def train_step(
     metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
     samples = [s for g in groups for s in g.samples]
     metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)
-    metrics.lr = policy.lr()
-    metrics.seconds = time.monotonic() - started
-    return metrics
 
 
-def _update(
+def accumulate(
     policy: Policy,
     seqs: list[TrainSequence],
     cfg: LearnerConfig,
     pad_id: int,
     temperature: float,
     max_response_length: int,
+    dp: DataParallel | None = None,
+    fallback: TrainSequence | None = None,
 ) -> torch.Tensor:
-    """Accumulate the gradient of one mini-batch; return its metric sums."""
-    counts = loss_counts(seqs, cfg.overlong_filtering)
+    """Accumulate this rank's share of one mini-batch's gradient; return its metric sums.
+
+    `seqs` is this rank's share; the counts are summed over ranks before any forward.
+    """
+    dp = dp or Single()
+    counts = global_counts(seqs, cfg.overlong_filtering, dp)
+    plan = plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp)
     sums = torch.zeros(5, dtype=torch.float64)
-    for batch in micro_batches(seqs, cfg.micro_batch_tokens):
+    for k, (batch, real) in enumerate(plan):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
         logits = policy.forward(inputs.input_ids, inputs.attention_mask)
         inputs = inputs.to(logits.device)
@@ -137,11 +209,16 @@ def _update(
             loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
             max_response_length,
         )  # fmt: skip
-        policy.backward(loss)
-        n = float(stats.tokens)
-        sums += torch.tensor(
-            [float(loss.detach()) * counts.tokens, float(stats.clipped_high),
-             float(stats.clipped_low), float(masked_mean(entropy, inputs.loss_mask)) * n, n],
-            dtype=torch.float64,
-        )  # fmt: skip
+        policy.backward(loss if real else loss * 0.0, last=k == len(plan) - 1)
+        if real:
+            sums += _micro_sums(float(loss.detach()), counts, stats, entropy, inputs.loss_mask)
     return sums
+
+
+def _micro_sums(loss: float, counts: LossCounts, stats, entropy, mask) -> torch.Tensor:
+    n = float(stats.tokens)
+    return torch.tensor(
+        [loss * counts.tokens, float(stats.clipped_high), float(stats.clipped_low),
+         float(masked_mean(entropy, mask)) * n, n],
+        dtype=torch.float64,
+    )  # fmt: skip

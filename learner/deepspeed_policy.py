@@ -1,0 +1,186 @@
+"""`DeepSpeedPolicy`: the `Policy` protocol on a DeepSpeed engine (ZeRO 0–3, fp32/bf16).
+
+How the DAPO normalisation survives DeepSpeed (checked against deepspeed 0.19.8's
+`runtime/engine.py`):
+
+- gradient accumulation: the config says `gradient_accumulation_steps = 1` and the step
+  marks the boundary itself (`set_gradient_accumulation_boundary(last)` before each
+  backward), so the number of micro-batches may differ from one mini-batch to the next;
+  `engine.backward(loss, scale_wrt_gas=False)` never divides by the accumulation count;
+- data parallelism: DeepSpeed *averages* gradients over ranks, while each rank's loss is
+  already divided by the global token count (a share of a sum), so the loss is
+  multiplied by the world size before backward: the average becomes the exact sum;
+- the optimizer is torch AdamW as DeepSpeed's client optimizer (no JIT-built ops); the
+  learning rate is set by this class (warm-up counts rollout steps, not updates);
+- on CPU, DeepSpeed's shared-memory all-reduce op is skipped unless asked for: building
+  it takes about a minute and gloo is enough (ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from learner.config import LearnerConfig
+from learner.dist import single_process_env
+from learner.policy import warmup_factor
+
+
+def init_distributed(cfg: LearnerConfig) -> None:
+    """Join (or create, for a single process) the torch.distributed group DeepSpeed uses."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu" and not cfg.cpu_shm_allreduce:
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    if not torch.distributed.is_initialized():
+        single_process_env()
+    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def ds_config(cfg: LearnerConfig) -> dict[str, Any]:
+    """The DeepSpeed config of one learner (the step owns accumulation and the lr)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.dtype == "bfloat16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedPolicy:
+    """A Hugging Face causal LM trained by a DeepSpeed engine."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig) -> None:
+        import deepspeed
+
+        init_distributed(cfg)
+        self.cfg, self.schedule_step = cfg, 0
+        self.world_size = torch.distributed.get_world_size()
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, config=ds_config(cfg)
+        )
+        self._set_lr()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.engine(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+        )
+        return out.logits
+
+    def backward(self, loss: Tensor, last: bool = True) -> None:
+        """Accumulate `loss`'s gradient; `last` marks the mini-batch's last micro-batch."""
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def step(self) -> float:
+        """Clip and apply the reduced gradients; return the pre-clip global grad norm."""
+        fallback = self._stage0_fp32_norm()
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm if norm is not None else fallback)
+
+    def _stage0_fp32_norm(self) -> float:
+        """DeepSpeed reports no norm for plain fp32 stage 0; grads are full there."""
+        if self.cfg.zero_stage > 0 or self.cfg.dtype != "float32":
+            return 0.0
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def advance_schedule(self) -> None:
+        """One rollout step done: warm-up counts rollout steps, not gradient updates."""
+        self.schedule_step += 1
+        self._set_lr()
+
+    def _set_lr(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * warmup_factor(self.schedule_step, self.cfg.warmup_steps)
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ------------------------------------------------------------ weights out
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Full weights in `state_dict` order; under ZeRO-3 gathered one tensor at a time.
+
+        Every rank must drain this iterator (the gathers are collectives).
+        """
+        import deepspeed
+
+        for name, tensor in self.module.state_dict(keep_vars=True).items():
+            if hasattr(tensor, "ds_id"):
+                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                    yield name, tensor.detach().clone()
+            else:
+                yield name, tensor.detach()
+
+    def full_gradients(self) -> dict[str, Tensor]:
+        """Reduced fp32 gradients by parameter name (after the last backward, before step)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        out = {}
+        for name, p in self.module.named_parameters():
+            grad = safe_get_full_grad(p)
+            if grad is not None:
+                out[name] = grad.detach().float().cpu().clone()
+        return out
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
+        """Export a transformers model directory (rank 0 writes; every rank gathers)."""
+        state = {name: t.cpu() for name, t in self.named_weights()}
+        if torch.distributed.get_rank() == 0:
+            save_hf(self.module, state, out_dir, tokenizer_dir)
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
+        """Engine, optimizer and this class's schedule; `latest` is written last."""
+        state = dict(client_state, schedule_step=self.schedule_step)
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
+
+    def load_checkpoint(self, directory: str | Path) -> dict | None:
+        """Restore the latest checkpoint; its client state, or None if there is none."""
+        if not (Path(directory) / "latest").is_file():
+            return None
+        path, client = self.engine.load_checkpoint(str(directory))
+        if path is None:
+            return None
+        self.schedule_step = int(client.get("schedule_step", 0))
+        self._set_lr()
+        return client
+
+
+def save_hf(
+    module: torch.nn.Module,
+    state: dict[str, Tensor],
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None,
+) -> None:
+    """`save_pretrained` with the given full weights, plus the tokenizer if known."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    module.save_pretrained(out, state_dict=state)
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)

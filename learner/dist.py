@@ -1,0 +1,126 @@
+"""Data-parallel plumbing for the learner: sums across ranks and the batch broadcast.
+
+The DAPO step only needs three collectives: a sum (token counts, metric totals), a max
+(the common micro-batch count) and, in the service, rank 0 sending the serialized batch
+to the other ranks. `Single` is the world-size-1 no-op; `TorchDist` uses
+torch.distributed (gloo on CPU, NCCL on GPU). The batch travels as a uint8 tensor of
+length-prefixed protobuf bytes — never pickle (`broadcast_object_list` pickles).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from services.common.adapters import decode_group, encode_group
+from services.common.net import free_port
+from services.common.types import Group
+
+
+class DataParallel(Protocol):
+    """The collectives the DAPO step uses."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor: ...
+
+    def all_reduce_max(self, value: int) -> int: ...
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes: ...
+
+
+class Single:
+    """One process: every collective is the identity."""
+
+    rank, world_size = 0, 1
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        return t
+
+    def all_reduce_max(self, value: int) -> int:
+        return value
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        assert payload is not None
+        return payload
+
+
+class TorchDist:
+    """torch.distributed's default group; `device` is where NCCL wants the tensors."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        import torch.distributed as dist
+
+        self.dist, self.device = dist, torch.device(device)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        out = t.to(self.device).clone()
+        self.dist.all_reduce(out, op=self.dist.ReduceOp.SUM)
+        return out.to(t.device)
+
+    def all_reduce_max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes:
+        """Rank 0's `payload` on every rank: its length first, then the bytes as uint8."""
+        size = torch.tensor([len(payload) if payload is not None else 0], device=self.device)
+        self.dist.broadcast(size, src=0)
+        if self.rank == 0:
+            assert payload is not None
+            buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        if buf.numel():
+            self.dist.broadcast(buf, src=0)
+        return buf.cpu().numpy().tobytes()
+
+
+def data_parallel(device: str = "cpu") -> DataParallel:
+    """`TorchDist` when torch.distributed is up with more than one rank, else `Single`."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return TorchDist(device)
+    return Single()
+
+
+def single_process_env() -> None:
+    """Launcher variables for a world of one, unless a launcher (torchrun) set them."""
+    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+# ------------------------------------------------------------------ the batch on the wire
+def pack_groups(groups: Sequence[Group]) -> bytes:
+    """Groups as `<u32 length><ScoredGroup protobuf>` records."""
+    parts = []
+    for group in groups:
+        data = encode_group(group)
+        parts.append(struct.pack("<I", len(data)) + data)
+    return b"".join(parts)
+
+
+def unpack_groups(payload: bytes) -> list[Group]:
+    """Inverse of `pack_groups`; raises ValueError on a truncated record."""
+    groups, pos = [], 0
+    while pos < len(payload):
+        if pos + 4 > len(payload):
+            raise ValueError("truncated group record header")
+        (size,) = struct.unpack_from("<I", payload, pos)
+        pos += 4
+        if pos + size > len(payload):
+            raise ValueError("truncated group record")
+        groups.append(decode_group(payload[pos : pos + size]))
+        pos += size
+    return groups

@@ -1,0 +1,69 @@
+"""Shared by the learner tests: a fixed, length-skewed batch and a data-parallel worker.
+
+Run as a script (`python tests/learner_fixtures.py grads MODEL OUT STAGE GAS`) under
+RANK/WORLD_SIZE/MASTER_* it accumulates one mini-batch's gradient with DeepSpeed on its
+share of the batch and rank 0 writes the reduced gradients to OUT (safetensors).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+from services.common.types import Group, Sample
+
+VOCAB = 14  # the tiny preset's character tokenizer
+
+
+def make_groups(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Group]:
+    """Groups of mixed rewards whose responses range from 1 to 12 tokens."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(3, 7))]
+        samples = []
+        for k in range(group_size):
+            length = rng.choice([1, 2, 3, 12]) if k else 12
+            tokens = [rng.randrange(1, VOCAB) for _ in range(length)]
+            logprobs = [-rng.uniform(1.5, 3.5) for _ in tokens]
+            reward = 1.0 if (k + g) % 2 else -1.0
+            samples.append(Sample(tokens, logprobs, "", "stop", 0, reward, reward > 0))
+        groups.append(Group(f"g{seed}-{g}", f"p{g}", "", prompt, "", samples=samples))
+    return groups
+
+
+def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
+    """One rank: π_old recompute, then accumulate one mini-batch on this rank's share."""
+    import torch
+    from safetensors.torch import save_file
+
+    from learner.batching import sequences_from_groups
+    from learner.config import LearnerConfig
+    from learner.deepspeed_policy import DeepSpeedPolicy
+    from learner.dist import data_parallel
+    from learner.policy import load_model
+    from learner.step import accumulate, plan_micro_batches, rank_share, recompute_old_logprobs
+
+    cfg = LearnerConfig(engine="deepspeed", zero_stage=stage, dtype="float32",
+                        micro_batch_tokens=micro_tokens, lr=1e-3)  # fmt: skip
+    torch.manual_seed(0)
+    policy = DeepSpeedPolicy(load_model(model), cfg)
+    dp = data_parallel()
+    seqs = sequences_from_groups(make_groups())
+    share = [seqs[i] for i in rank_share(seqs, list(range(len(seqs))), dp)]
+    recompute_old_logprobs(policy, share, cfg, 0, 1.0, dp, fallback=seqs[0])
+    for s in share:  # move π_old off π_θ so the clip branches matter
+        s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
+    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp))
+    accumulate(policy, share, cfg, 0, 1.0, 16, dp, fallback=seqs[0])
+    grads = policy.full_gradients()
+    if dp.rank == 0:
+        save_file(grads, out, metadata={"micro_batches": str(micro)})
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _, cmd, model_dir, out_path, zero, budget = sys.argv
+    assert cmd == "grads"
+    grads_worker(model_dir, out_path, int(zero), int(budget))
