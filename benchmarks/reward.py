@@ -103,8 +103,11 @@ def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
     golds, source = gold_answers()
     server = start_service(workers)
     soft = server.scorer.pool.soft_timeout_s
+    from reward.metrics import sample_value
+
     sides: dict[str, list[float]] = {"inprocess": [], "grpc": []}
     agree = total = 0
+    cpu = {"service_process_cpu_s": 0.0, "worker_busy_s": 0.0}
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
@@ -112,14 +115,21 @@ def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
             for rep in range(reps):
                 items = make_items(golds, items_per_rep, rep * 1000)
                 local_s, local = run_inprocess(items, soft)
+                busy0, cpu0 = sample_value("dapo_reward_verify_seconds_sum"), time.process_time()
                 remote_s, remote = run_service(stub, items)
+                cpu["service_process_cpu_s"] += time.process_time() - cpu0
+                cpu["worker_busy_s"] += sample_value("dapo_reward_verify_seconds_sum") - busy0
                 sides["inprocess"].append(local_s)
                 sides["grpc"].append(remote_s)
                 agree += sum(a == b for a, b in zip(local, remote, strict=True))
                 total += len(items)
     finally:
         server.stop()
-    return summarize(sides, items_per_rep, reps, workers, agree / total, source)
+    result = summarize(sides, items_per_rep, reps, workers, agree / total, source)
+    # The gRPC server, dispatcher and client share this process: its CPU against the
+    # workers' busy time is the service's own overhead, whatever the machine's load.
+    result["overhead"] = {**cpu, "ratio": cpu["service_process_cpu_s"] / cpu["worker_busy_s"]}
+    return result
 
 
 def summarize(
