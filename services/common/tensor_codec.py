@@ -79,9 +79,10 @@ def encode_buckets(
         offset = 0
         while True:
             take = min(room, len(view) - offset)
+            whole = take == len(view) and isinstance(raw.data, bytes)  # no copy to slice
             bucket.slices.add(
-                name=raw.name, dtype=enum, shape=raw.shape, offset=offset,
-                total_bytes=len(view), data=bytes(view[offset : offset + take]),
+                name=raw.name, dtype=enum, shape=raw.shape, offset=offset, total_bytes=len(view),
+                data=raw.data if whole else bytes(view[offset : offset + take]),
             )  # fmt: skip
             offset += take
             room -= take
@@ -99,9 +100,12 @@ def encode_buckets(
 
 @dataclass
 class _Partial:
+    """The slices of one tensor so far; joined once at the end (one copy, no zero-fill)."""
+
     dtype: str
     shape: tuple[int, ...]
-    buf: bytearray
+    total: int
+    chunks: list[bytes] = field(default_factory=list)
     filled: int = 0
 
 
@@ -138,13 +142,14 @@ class WeightAssembler:
         total = expected_nbytes(dtype, shape)
         if piece.total_bytes != total:
             raise TensorWireError(f"{piece.name}: total_bytes {piece.total_bytes} != {total}")
-        part = self._tensors.setdefault(piece.name, _Partial(dtype, shape, bytearray(total)))
+        part = self._tensors.setdefault(piece.name, _Partial(dtype, shape, total))
         if (part.dtype, part.shape) != (dtype, shape):
             raise TensorWireError(f"{piece.name}: dtype/shape changed between slices")
-        end = piece.offset + len(piece.data)
+        data = piece.data  # each access copies: read it once
+        end = piece.offset + len(data)
         if piece.offset != part.filled or end > total:
             raise TensorWireError(f"{piece.name}: slice at {piece.offset} does not follow")
-        part.buf[piece.offset : end] = piece.data
+        part.chunks.append(data)
         part.filled = end
 
     def result(self) -> list[RawTensor]:
@@ -155,10 +160,13 @@ class WeightAssembler:
             raise TensorWireError(
                 f"update holds {len(self._tensors)} tensors, announced {self.total_tensors}"
             )
-        short = [n for n, p in self._tensors.items() if p.filled != len(p.buf)]
+        short = [n for n, p in self._tensors.items() if p.filled != p.total]
         if short:
             raise TensorWireError(f"incomplete tensors: {', '.join(short[:5])}")
-        return [RawTensor(n, p.dtype, p.shape, p.buf) for n, p in self._tensors.items()]
+        return [
+            RawTensor(n, p.dtype, p.shape, bytearray().join(p.chunks))
+            for n, p in self._tensors.items()
+        ]
 
 
 def from_torch(name: str, tensor: Any) -> RawTensor:
@@ -172,13 +180,18 @@ def from_torch(name: str, tensor: Any) -> RawTensor:
 
 
 def to_torch(raw: RawTensor) -> Any:
-    """RawTensor → a CPU torch tensor owning its memory."""
+    """RawTensor → a CPU torch tensor.
+
+    A bytearray (what `WeightAssembler` returns) is used in place, not copied: the tensor
+    shares its memory. Other buffers are copied so the tensor owns writable memory.
+    """
     import torch
 
     dtype = getattr(torch, raw.dtype)
     if not len(raw.data):
         return torch.empty(raw.shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(raw.data), dtype=torch.uint8)
+    buf = raw.data if isinstance(raw.data, bytearray) else bytearray(raw.data)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).reshape(raw.shape)
 
 
