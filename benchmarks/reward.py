@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.common.data import aime_path
+
 RESULTS = Path(__file__).resolve().parent / "results" / "reward.json"
-AIME = Path("/work/shared/data/aime-2024.parquet")
+AIME = aime_path()
 TARGET_SPEEDUP = 1.8
 REASONING = "Let me work through the problem step by step, checking each case. " * 8
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from services.common.data import (
     SYNTHETIC_TASKS,
     DataError,
     PromptRecord,
+    aime_path,
     load_jsonl,
     load_parquet,
     load_records,
@@ -24,7 +24,7 @@ from services.common.data import (
     write_records,
 )
 
-AIME = Path(os.environ.get("DAPO_AIME_PARQUET", "/work/shared/data/aime-2024.parquet"))
+AIME = aime_path()
 needs_aime = pytest.mark.skipif(
     not AIME.is_file(), reason=f"AIME parquet not found at {AIME} (set DAPO_AIME_PARQUET)"
 )

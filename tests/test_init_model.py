@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,9 @@ from learner.init_model import (  # noqa: E402
     build_small_tokenizer,
     init_model,
 )
-from services.common.data import SYNTHETIC_TASKS, load_records, synthetic_records  # noqa: E402
+from services.common.data import SYNTHETIC_TASKS, aime_path, load_records, synthetic_records  # noqa: E402
 
-AIME = Path(os.environ.get("DAPO_AIME_PARQUET", "/work/shared/data/aime-2024.parquet"))
+AIME = aime_path()
 TINY_PARAMS = 124_352  # see test_tiny_parameter_count for the arithmetic
 
 

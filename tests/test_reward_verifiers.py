@@ -6,8 +6,6 @@ These call the verifier functions in-process with math-verify's own timeout off
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from reward.verifiers import (
@@ -18,8 +16,9 @@ from reward.verifiers import (
     verify_dapo,
     verify_first_integer,
 )
+from services.common.data import aime_path
 
-AIME = Path("/work/shared/data/aime-2024.parquet")
+AIME = aime_path()
 
 
 def aime_answers() -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -320,3 +321,13 @@ def iter_synthetic_corpus() -> Iterator[str]:
             for record in synthetic_split(task, split):
                 yield record.prompt
                 yield record.ground_truth
+
+
+def aime_path() -> Path:
+    """Where the AIME-2024 eval set is: $DAPO_AIME_PARQUET, else ../shared/data/ beside the repo.
+
+    The file is never copied into the project; tests and benchmarks skip (saying so)
+    when it is absent.
+    """
+    default = Path(__file__).resolve().parents[3] / "shared" / "data" / "aime-2024.parquet"
+    return Path(os.environ.get("DAPO_AIME_PARQUET", default))
