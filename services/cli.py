@@ -91,7 +91,9 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher import launch
 
-    return launch(resolve_config(args), run_dir=args.run_dir, steps=args.steps)
+    return launch(
+        resolve_config(args), run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts
+    )
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_args(p)
     p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
     p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
+    p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("config", help="print the resolved config (`dapo config show`)")

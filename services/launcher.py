@@ -2,9 +2,10 @@
 
 Each service is `python -m services.cli <role> --config <run>/config.yaml` with ports 0
 (picked free and printed), registering itself in Redis so the others find it. The
-launcher shows a progress bar from the learner's metrics stream, stops everything on
-Ctrl-C, on a crashed service or when the learner reports the last step, and writes
-`<run>/report.json`. No child outlives it: each gets SIGTERM, then SIGKILL.
+launcher shows a progress bar from the learner's metrics stream and supervises: a child
+that dies is started again (up to `max_restarts` times) and resumes from the run's state
+in Redis. It stops everything on Ctrl-C or when the learner reports the last step, and
+writes `<run>/report.json`. No child outlives it: each gets SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class Child:
     role: str
     proc: subprocess.Popen
     log_file: IO[bytes]
+    name: str = ""
+    restarts: int = 0
 
 
 @dataclass
@@ -49,20 +52,39 @@ class Launch:
     redis_server: RedisServer | None = None
     children: list[Child] = field(default_factory=list)
     history: list[dict[str, int]] = field(default_factory=list)
+    max_restarts: int = 3
     evals: dict[str, Any] = field(default_factory=dict)
 
-    def start_child(self, role: str, config_path: Path) -> None:
-        log_path = self.run_dir / "logs" / f"{role}.log"
-        log_file = log_path.open("ab")
+    def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
+        log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        config_path = self.run_dir / "config.yaml"
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", role, "--config", str(config_path)],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
-        self.children.append(Child(role, proc, log_file))
+        return proc, log_file
+
+    def start_child(self, role: str, name: str | None = None) -> None:
+        proc, log_file = self.spawn(role, name or role)
+        self.children.append(Child(role, proc, log_file, name or role))
+
+    def start_all(self, rollouts: int) -> None:
+        """Every service once, and `rollouts` rollout servers."""
+        for role in ROLES:
+            if role != "rollout":
+                self.start_child(role)
+            for i in range(rollouts if role == "rollout" else 0):
+                self.start_child(role, "rollout" if rollouts == 1 else f"rollout-{i}")
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def restart(self, child: Child) -> None:
+        """Start a dead child again (same role, same log); it resumes from Redis state."""
+        child.log_file.close()
+        child.proc, child.log_file = self.spawn(child.role, child.name)
+        child.restarts += 1
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
@@ -132,9 +154,13 @@ def monitor(launch: Launch) -> int:
             done = bool(client.exists(keys.done))
             dead = launch.dead_child()
             if dead is not None and not done:
-                bar.write(f"{dead.role} exited with code {dead.proc.returncode}; "
-                          f"see {launch.run_dir / 'logs' / (dead.role + '.log')}")  # fmt: skip
-                return 1
+                log_path = launch.run_dir / "logs" / f"{dead.name}.log"
+                bar.write(f"{dead.name} exited with code {dead.proc.returncode}; see {log_path}")
+                if dead.restarts >= launch.max_restarts:
+                    bar.write(f"{dead.name} failed {dead.restarts + 1} times; stopping the run")
+                    return 1
+                launch.restart(dead)
+                bar.write(f"restarted {dead.name} ({dead.restarts}/{launch.max_restarts})")
             update_bar(bar, client, keys, config.shared.run_name, launch.history)
             if done:
                 return 0
@@ -185,7 +211,9 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
     return save_report(report, launch.run_dir)
 
 
-def launch(config: DapoConfig, run_dir: str | None = None, steps: int | None = None) -> int:
+def launch(
+    config: DapoConfig, run_dir: str | None = None, steps: int | None = None, rollouts: int = 1
+) -> int:
     """Run the whole system until the learner's last step; clean up whatever happens."""
     if steps is not None:
         config.learner.total_steps = steps
@@ -198,9 +226,8 @@ def launch(config: DapoConfig, run_dir: str | None = None, steps: int | None = N
         plan = eval_plan(config)
         if plan is not None:
             state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
-        config_path = prepare(config, out, state)
-        for role in ROLES:
-            state.start_child(role, config_path)
+        prepare(config, out, state)
+        state.start_all(rollouts)
         code = monitor(state)
         if plan is not None and code == 0:
             state.evals["eval_after"] = run_eval_plan(plan, state.config, fetch_final=True)
