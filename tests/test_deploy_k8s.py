@@ -25,6 +25,7 @@ TARGETS = {
 }
 DAPO_ROLES = {"controller": 8004, "buffer": 8005, "reward": 8001, "rollout": 8002, "learner": 8003}
 GPU_ROLES = {"learner", "rollout"}
+SECRET = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -58,7 +59,7 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 def test_every_object_is_valid_for_the_named_kubernetes_version(rendered) -> None:
     name, objects = rendered
     assert len(objects) >= 20
-    for obj in objects:
+    for obj in [*objects, SECRET]:
         try:
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -156,6 +157,13 @@ def test_overlays_size_the_gpus() -> None:
     assert rollout["topologySpreadConstraints"][0]["maxSkew"] == 1
 
 
+def test_placeholder_secret_is_never_applied(rendered) -> None:
+    """`kubectl apply -k` must not overwrite the cluster's real Secret with placeholders."""
+    _, objects = rendered
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert SECRET["metadata"] == {**SECRET["metadata"], "name": "dapo-secrets", "namespace": "dapo"}
+
+
 def test_selectors_match_pods(rendered) -> None:
     _, objects = rendered
     labels = pod_labels(objects)
@@ -178,7 +186,7 @@ def test_selectors_match_pods(rendered) -> None:
 
 def test_volumes_config_and_secrets_resolve(rendered) -> None:
     _, objects = rendered
-    names = {kind: {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+    names = {kind: {o["metadata"]["name"]: o for o in [*objects, SECRET] if o["kind"] == kind}
              for kind in ("Secret", "ConfigMap", "PersistentVolumeClaim")}  # fmt: skip
     for workload in workloads(objects).values():
         pod = workload["spec"]["template"]["spec"]
