@@ -43,6 +43,18 @@ class Policy(Protocol):
         """Full (gathered) weights for publishing to rollout servers."""
         ...
 
+    def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
+        """Everything needed to resume, plus `client_state`; `latest` is written last."""
+        ...
+
+    def load_checkpoint(self, directory: str | Path) -> dict | None:
+        """Restore `latest`; its client state (None when there is no checkpoint)."""
+        ...
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
+        """Export the full model as a transformers directory."""
+        ...
+
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
     """Linear warm-up from 1/warmup_steps to 1, then constant (the paper's schedule)."""

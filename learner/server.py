@@ -1,9 +1,23 @@
 """The learner service: reads informative groups from `train`, trains, publishes weights.
 
-Commit protocol for one step: train on N groups → snapshot the new weights into the
-WeightService → in one Redis transaction set the version, ack the N entries, count them
-as trained and append the step's metrics. Groups that arrive too stale are acked and
-counted as `dropped:stale` in one transaction too, so the ledger always balances.
+One step: train on N groups → snapshot the new weights into the WeightService → in one
+Redis transaction set the version and append the step's metrics. When are the N entries
+acked (and counted `trained`)?
+
+- with `checkpoint_dir`: only once a checkpoint holding their effect is on disk (every
+  `checkpoint_every` steps, on stop, at the end). The checkpoint records the id of the
+  last trained entry (the cursor); after a crash the restarted learner restores the
+  checkpoint, acks-and-counts the pending entries up to the cursor without training them
+  again, and trains the rest again, in stream order;
+- without: in the step's own transaction (nothing survives a crash anyway).
+
+Versions never go backwards for rollout servers: a learner restored to an older
+checkpoint than the version in Redis publishes its weights as that version + 1.
+Stale groups are acked and counted `dropped:stale` in one transaction at once.
+
+With several data-parallel ranks (torchrun), rank 0 runs everything above and sends
+each command (train these groups / checkpoint / export / stop) to the other ranks as
+bytes; they follow (`Follower`).
 """
 
 from __future__ import annotations
@@ -11,15 +25,18 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import struct
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 import redis
 from prometheus_client import Counter, Gauge
 
 from dapo.v1 import learner_pb2_grpc
-from learner.policy import TorchPolicy, load_model
+from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
+from learner.policy import Policy, build_policy
 from learner.step import StepMetrics, train_step
 from learner.weights import WeightServicer, snapshot
 from services.common.adapters import decode_group
@@ -41,33 +58,134 @@ STEP_GAUGES = {
 VERSION = Gauge("dapo_learner_policy_version", "Latest committed policy version")
 STALENESS = Gauge("dapo_learner_batch_max_staleness", "Max staleness of the last batch")
 GROUPS = Counter("dapo_learner_groups_total", "Groups consumed", ["outcome"])
+CHECKPOINTS = Counter("dapo_learner_checkpoints_total", "Checkpoints written")
 CONSUMER_GROUP = "learner"
+OP_STOP, OP_TRAIN, OP_CHECKPOINT, OP_EXPORT = range(4)
+
+
+def stream_id(entry_id: str) -> tuple[int, int]:
+    """A Redis stream id as a comparable (ms, seq)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def model_dir(config: DapoConfig) -> str:
+    path = config.model_path
+    if path is None:
+        raise DapoError("learner.model_path (or shared.model_path) is required")
+    if not Path(path).is_dir():
+        raise DapoError(f"model directory not found: {path}")
+    return path
+
+
+def pad_token_id(path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def export_dir(config: DapoConfig) -> Path | None:
+    cfg = config.learner
+    if cfg.export_dir:
+        return Path(cfg.export_dir)
+    return Path(cfg.checkpoint_dir) / "final" if cfg.checkpoint_dir else None
+
+
+class Trainer:
+    """What every rank holds: the policy and how to run each command."""
+
+    def __init__(self, config: DapoConfig, dp: DataParallel | None = None) -> None:
+        self.config, self.model_path = config, model_dir(config)
+        self.pad_id = pad_token_id(self.model_path)
+        self.policy: Policy = build_policy(self.model_path, config.learner)
+        self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
+
+    def train(self, groups: list[Group], seed: int) -> StepMetrics:
+        cfg, shared = self.config.learner, self.config.shared
+        metrics = train_step(
+            self.policy, groups, cfg, self.pad_id, self.config.rollout.sampling.temperature,
+            shared.max_response_length, seed=seed, dp=self.dp,
+        )  # fmt: skip
+        self.policy.advance_schedule()
+        return metrics
+
+    def checkpoint(self, tag: str, client_state: dict) -> None:
+        assert self.config.learner.checkpoint_dir
+        self.policy.save_checkpoint(self.config.learner.checkpoint_dir, tag, client_state)
+
+    def restore(self) -> dict | None:
+        cfg = self.config.learner
+        if not (cfg.resume and cfg.checkpoint_dir):
+            return None
+        return self.policy.load_checkpoint(cfg.checkpoint_dir)
+
+    def export(self) -> None:
+        out = export_dir(self.config)
+        if out is not None:
+            self.policy.save_pretrained(out, self.model_path)
+
+
+class Follower:
+    """A rank > 0: runs whatever rank 0 sends until told to stop."""
+
+    def __init__(self, config: DapoConfig, dp: DataParallel | None = None) -> None:
+        self.trainer = Trainer(config, dp)
+        self.trainer.restore()
+
+    def run(self) -> None:
+        while True:
+            msg = self.trainer.dp.broadcast_bytes(None)
+            op, arg = struct.unpack_from("<Bq", msg)
+            body = msg[9:]
+            if op == OP_STOP:
+                return
+            if op == OP_TRAIN:
+                self.trainer.train(unpack_groups(body), seed=arg)
+                for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
+                    pass
+            elif op == OP_CHECKPOINT:
+                self.trainer.checkpoint(body.decode(), {})
+            elif op == OP_EXPORT:
+                self.trainer.export()
 
 
 class Learner:
-    """Owns the policy, the consumer on `train`, and the weight service."""
+    """Rank 0: the consumer on `train`, the commit protocol, the weight service."""
 
     def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
-        model_path = config.model_path
-        if model_path is None:
-            raise DapoError("learner.model_path (or shared.model_path) is required")
-        from pathlib import Path
-
-        if not Path(model_path).is_dir():
-            raise DapoError(f"model directory not found: {model_path}")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self.policy = TorchPolicy(load_model(model_path, config.learner.dtype), config.learner)
-        self.version = int(client.get(self.keys.version) or 0)
+        self.trainer = Trainer(config)
+        self.policy = self.trainer.policy
         self.consumer = StreamConsumer(client, self.keys.train, CONSUMER_GROUP, "learner-0")
         self.weights = WeightServicer(config.learner.weight_bucket_bytes)
-        self.weights.publish(self.version, snapshot(self.policy.named_weights()))
+        self.step, self.version, self.cursor = 0, 0, "0-0"
+        self.unacked: list[str] = []
+        self.last_checkpoint_step = 0
+        self._pending_after: str | None = "0-0"  # replay own pending entries first
         self.last: StepMetrics | None = None
         self._batch: list[tuple[Entry, Group]] = []
+        self._restore()
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.config.learner.checkpoint_dir is not None
+
+    def _restore(self) -> None:
+        """Checkpoint state, then a version newer than anything rollout servers hold."""
+        state = self.trainer.restore()
+        if state is not None:
+            self.step, self.version = int(state["step"]), int(state["version"])
+            self.cursor = str(state["cursor"])
+            self.last_checkpoint_step = self.step
+            log.info("resumed step=%d version=%d cursor=%s", self.step, self.version, self.cursor)
+        published = int(self.client.get(self.keys.version) or 0)
+        if published > self.version:  # a lost learner got further: its weights are gone
+            self.version = published + 1
+            self.client.set(self.keys.version, self.version)
+        self.weights.publish(self.version, snapshot(self.policy.named_weights()))
+        VERSION.set(self.version)
 
     # --------------------------------------------------------------- consuming
     def _drop_stale(self, entry: Entry) -> None:
@@ -77,20 +195,44 @@ class Learner:
         pipe.execute()
         GROUPS.labels("dropped_stale").inc()
 
+    def _ack_trained(self, ids: list[str]) -> None:
+        if not ids:
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
+        pipe.hincrby(self.keys.ledger, "trained", len(ids))
+        pipe.execute()
+
     def take(self, entries: list[Entry]) -> None:
-        """Add fresh groups to the batch being built; drop (and count) stale ones."""
+        """Add fresh groups to the batch being built; drop (and count) stale ones.
+
+        Entries up to the checkpoint cursor were trained before a crash: ack them only.
+        """
         bound = self.config.shared.max_staleness
-        for entry in entries:
+        done = stream_id(self.cursor)
+        self._ack_trained([e.id for e in entries if stream_id(e.id) <= done])
+        for entry in (e for e in entries if stream_id(e.id) > done):
             group = decode_group(entry.fields["group"])
             if self.version - group.min_policy_version > bound:
                 self._drop_stale(entry)
             else:
                 self._batch.append((entry, group))
 
+    def _read_pending(self, count: int) -> list[Entry]:
+        """The next page of entries delivered before a restart and never acked."""
+        assert self._pending_after is not None
+        entries = self.consumer.read_own_pending(count, after=self._pending_after)
+        if entries:
+            self._pending_after = entries[-1].id
+        else:
+            self._pending_after = None
+        return entries
+
     def fill_batch(self, stop: threading.Event) -> bool:
         """Block until train_batch_groups fresh groups are held (False if stopping)."""
         need = self.config.learner.train_batch_groups
-        self.take(self.consumer.read_own_pending(need))
+        while self._pending_after is not None and len(self._batch) < need:
+            self.take(self._read_pending(need - len(self._batch)))
         while len(self._batch) < need:
             if stop.is_set():
                 return False
@@ -98,54 +240,87 @@ class Learner:
         return True
 
     # --------------------------------------------------------------- training
+    def _tell(self, op: int, arg: int = 0, body: bytes = b"") -> None:
+        """Send a command to the follower ranks (nothing to do on one rank)."""
+        if self.trainer.dp.world_size > 1:
+            self.trainer.dp.broadcast_bytes(struct.pack("<Bq", op, arg) + body)
+
     def train_once(self) -> StepMetrics:
-        cfg, shared = self.config.learner, self.config.shared
-        batch = self._batch[: cfg.train_batch_groups]
+        need = self.config.learner.train_batch_groups
+        batch, self._batch = self._batch[:need], self._batch[need:]
         groups = [g for _, g in batch]
-        metrics = train_step(
-            self.policy, groups, cfg, self.pad_id, self.config.rollout.sampling.temperature,
-            shared.max_response_length, seed=shared.seed + self.version,
-        )  # fmt: skip
-        self.policy.advance_schedule()
+        seed = self.config.shared.seed + self.step
+        self._tell(OP_TRAIN, seed, pack_groups(groups))
+        metrics = self.trainer.train(groups, seed)
         staleness = max(self.version - g.min_policy_version for g in groups)
         self.commit([e.id for e, _ in batch], metrics, staleness)
-        self._batch = self._batch[cfg.train_batch_groups :]
         return metrics
 
     def commit(self, ids: list[str], metrics: StepMetrics, staleness: int) -> None:
-        """Publish weights, then version + acks + ledger + metrics atomically."""
+        """Publish weights, then version + metrics (+ acks without checkpoints) atomically."""
         new_version = self.version + 1
         self.weights.publish(new_version, snapshot(self.policy.named_weights()))
-        record = dict(metrics.as_dict(), step=new_version, staleness=staleness)
+        record = dict(metrics.as_dict(), step=self.step + 1, staleness=staleness)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.version, new_version)
-        pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
-        pipe.hincrby(self.keys.ledger, "trained", len(ids))
+        if not self.checkpointing:
+            pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
+            pipe.hincrby(self.keys.ledger, "trained", len(ids))
         pipe.xadd(self.keys.metrics, {"json": json.dumps(record)})
         pipe.execute()
-        self.version, self.last = new_version, metrics
+        self.step, self.version, self.last = self.step + 1, new_version, metrics
+        self.cursor = max([self.cursor, *ids], key=stream_id)
+        if self.checkpointing:
+            self.unacked += ids
+        self._observe(metrics, staleness, len(ids))
+        if self.checkpointing and self.step % self.config.learner.checkpoint_every == 0:
+            self.checkpoint()
+
+    def _observe(self, metrics: StepMetrics, staleness: int, groups: int) -> None:
         for name, value in metrics.as_dict().items():
             STEP_GAUGES[name].set(value)
-        VERSION.set(new_version)
+        VERSION.set(self.version)
         STALENESS.set(staleness)
-        GROUPS.labels("trained").inc(len(ids))
+        GROUPS.labels("trained").inc(groups)
+
+    def checkpoint(self) -> None:
+        """Checkpoint to disk, then ack and count the entries it holds."""
+        if not self.checkpointing or self.step == self.last_checkpoint_step:
+            return
+        tag = f"step{self.step}"
+        state = {"step": self.step, "version": self.version, "cursor": self.cursor}
+        self._tell(OP_CHECKPOINT, 0, tag.encode())
+        self.trainer.checkpoint(tag, state)
+        self._ack_trained(self.unacked)
+        self.unacked, self.last_checkpoint_step = [], self.step
+        CHECKPOINTS.inc()
+        log.info("checkpoint %s version=%d cursor=%s", tag, self.version, self.cursor)
 
     def run(self, stop: threading.Event) -> None:
         total = self.config.learner.total_steps
-        while self.version < total and self.fill_batch(stop):
-            m = self.train_once()
-            log.info(
-                "step=%d loss=%.4f acc=%.3f entropy=%.3f grad_norm=%.3f gap=%.2e %.2fs",
-                self.version, m.loss, m.accuracy, m.entropy, m.grad_norm, m.logprob_gap,
-                m.seconds,
-            )  # fmt: skip
-        if self.version >= total:
-            self.client.set(self.keys.done, self.version)
-            log.info("reached total_steps=%d; run done", total)
+        try:
+            while self.step < total and self.fill_batch(stop):
+                m = self.train_once()
+                log.info(
+                    "step=%d loss=%.4f acc=%.3f entropy=%.3f grad_norm=%.3f gap=%.2e "
+                    "%.0f tok/s %.2fs", self.step, m.loss, m.accuracy, m.entropy, m.grad_norm,
+                    m.logprob_gap, m.tokens_per_s, m.seconds,
+                )  # fmt: skip
+            self.checkpoint()
+            if self.step >= total:
+                self._tell(OP_EXPORT)
+                self.trainer.export()
+                self.client.set(self.keys.done, self.version)
+                log.info("reached total_steps=%d; run done", total)
+        finally:
+            self._tell(OP_STOP)
 
     def status(self) -> dict[str, Any]:
         return {
             "version": self.version,
+            "step": self.step,
+            "cursor": self.cursor,
+            "unacked": len(self.unacked),
             "batch_held": len(self._batch),
             "last_step": self.last.as_dict() if self.last else None,
         }

@@ -47,7 +47,6 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
 
     cfg = LearnerConfig(engine="deepspeed", zero_stage=stage, dtype="float32",
                         micro_batch_tokens=micro_tokens, lr=1e-3)  # fmt: skip
-    torch.manual_seed(0)
     policy = DeepSpeedPolicy(load_model(model), cfg)
     dp = data_parallel()
     seqs = sequences_from_groups(make_groups())
@@ -59,11 +58,26 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     accumulate(policy, share, cfg, 0, 1.0, 16, dp, fallback=seqs[0])
     grads = policy.full_gradients()
     if dp.rank == 0:
-        save_file(grads, out, metadata={"micro_batches": str(micro)})
+        save_file(grads, f"{out}.zero{stage}.safetensors", metadata={"micro_batches": str(micro)})
+
+
+def broadcast_check(out: str) -> None:
+    """Rank 0 sends a batch as bytes; each rank writes a marker if it got it intact."""
+    from pathlib import Path
+
+    from learner.dist import data_parallel, pack_groups, unpack_groups
+
+    dp = data_parallel()
+    payload = pack_groups(make_groups(seed=7))
+    got = dp.broadcast_bytes(payload if dp.rank == 0 else None)
+    if got == payload and len(unpack_groups(got)) == 4:
+        Path(f"{out}.rank{dp.rank}.broadcast-ok").touch()
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _, cmd, model_dir, out_path, zero, budget = sys.argv
+    _, cmd, model_dir, out_path, stages, budget = sys.argv
     assert cmd == "grads"
-    grads_worker(model_dir, out_path, int(zero), int(budget))
+    for zero in stages.split(","):
+        grads_worker(model_dir, out_path, int(zero), int(budget))
+    broadcast_check(out_path)

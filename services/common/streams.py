@@ -58,9 +58,12 @@ class StreamConsumer:
         )
         return _entries(reply[0][1]) if reply else []
 
-    def read_own_pending(self, count: int) -> list[Entry]:
-        """Entries delivered to this consumer name but not acked (after a restart)."""
-        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
+    def read_own_pending(self, count: int, after: str = "0") -> list[Entry]:
+        """Entries delivered to this consumer name but not acked (after a restart).
+
+        `after` pages through them: pass the last id of the previous page.
+        """
+        reply = self.client.xreadgroup(self.group, self.consumer, {self.stream: after}, count=count)
         return _entries(reply[0][1]) if reply else []
 
     def reclaim(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
