@@ -5,6 +5,7 @@ selectors that match, references that resolve, the run config that loads."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,6 +57,17 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
+def probe_target(probe: dict[str, Any]) -> str:
+    """'8003/readyz' for an HTTP probe or an exec probe that fetches that URL."""
+    if "httpGet" in probe:
+        assert probe["httpGet"]["port"] == "http"
+        return f"{{http}}{probe['httpGet']['path']}"
+    command = " ".join(probe["exec"]["command"])
+    port, path = re.search(r"127\.0\.0\.1:(\d+)(/\w+)", command).groups()  # type: ignore[union-attr]
+    assert '[ "$NODE_RANK" != 0 ] ||' in command  # only node 0 serves HTTP
+    return f"{port}{path}"
+
+
 def test_every_object_is_valid_for_the_named_kubernetes_version(rendered) -> None:
     name, objects = rendered
     assert len(objects) >= 20
@@ -101,8 +113,9 @@ def test_each_role_runs_with_probes_resources_and_scrape_annotations(rendered) -
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["http"] == http_port
         assert f"{http_port}" in container["args"]  # the service really listens there
-        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+        for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+            target = probe_target(container[probe]).replace("{http}", str(ports["http"]))
+            assert target == f"{http_port}{path}", (role, probe)
         requests = container["resources"]["requests"]
         assert {"cpu", "memory"} <= set(requests)
         assert ("nvidia.com/gpu" in requests) == (role in GPU_ROLES), role
