@@ -82,3 +82,45 @@ def test_launcher_stops_its_own_redis_and_every_child(tmp_path: Path, tiny_model
     assert not children_of(run_dir)
     for role in ("controller", "rollout", "reward", "buffer", "learner"):
         assert "ready" in (run_dir / "logs" / f"{role}.log").read_text()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def role_process(run_dir: Path, role: str) -> psutil.Process:
+    return next(p for p in children_of(run_dir) if p.info["cmdline"][3] == role)
+
+
+def test_run_survives_a_killed_rollout_server_and_reward_service(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--run-dir",
+         str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "6",
+         "--rollouts", "2", "--set", "controller.eval.enabled=false",
+         "--set", "learner.linger_s=0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        learner_log = run_dir / "logs" / "learner.log"
+        wait_for(lambda: learner_log.exists() and "step=2 " in learner_log.read_text(), 180,
+                 "step 2")  # fmt: skip
+        role_process(run_dir, "rollout").kill()
+        role_process(run_dir, "reward").kill()
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "restarted reward" in out and "restarted rollout-" in out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["ledger"]["ok"] and report["ledger"]["version"] == 6
+    assert not children_of(run_dir)
