@@ -8,9 +8,9 @@ from services.buffer.filters import decide
 from services.common.types import Group, Sample
 from services.controller.admission import (
     PipelineCounts,
+    RateEstimator,
     backlog_allows,
     difficulty_skip,
-    informative_rate,
     staleness_allows,
 )
 
@@ -69,9 +69,12 @@ def test_dynamic_sampling_off_forwards_uninformative_groups() -> None:
     assert run(make_group([True] * 4), dynamic_sampling=False) == "kept"
 
 
-def test_informative_rate_has_a_prior() -> None:
-    assert informative_rate(0, 0) == 0.5
-    assert informative_rate(10, 90, weight=0) == pytest.approx(0.1)
+def test_rate_estimator_follows_recent_decisions() -> None:
+    est = RateEstimator(window=10, prior=0.5)
+    assert est.update(0, 0) == 0.5  # no decisions yet: the prior
+    assert est.update(1, 4) == pytest.approx(0.5 + 0.5 * (0.2 - 0.5))  # 5 of a 10-window
+    assert est.update(21, 4) == pytest.approx(1.0)  # 20 new, all kept: window full
+    assert est.update(21, 4) == pytest.approx(1.0)  # nothing new: unchanged
 
 
 def test_staleness_budget_is_k_plus_one_batches() -> None:

@@ -39,9 +39,22 @@ class PipelineCounts:
         return self.kept - self.trained - self.dropped
 
 
-def informative_rate(kept: int, filtered: int, prior: float = 0.5, weight: int = 16) -> float:
-    """Kept fraction with a prior worth `weight` groups (sane before any data arrives)."""
-    return (kept + prior * weight) / (kept + filtered + weight)
+class RateEstimator:
+    """Informative rate over roughly the last `window` decided groups (it drifts as the
+    policy improves, so a run-long average would over-admit late in training)."""
+
+    def __init__(self, window: int = 64, prior: float = 0.5) -> None:
+        self.window, self.rate = window, prior
+        self._kept = self._filtered = 0
+
+    def update(self, kept: int, filtered: int) -> float:
+        """Fold in the decisions made since the last call (counters are cumulative)."""
+        dk, df = kept - self._kept, filtered - self._filtered
+        self._kept, self._filtered = kept, filtered
+        if dk + df > 0:
+            weight = min(1.0, (dk + df) / self.window)
+            self.rate += weight * (dk / (dk + df) - self.rate)
+        return self.rate
 
 
 def staleness_allows(

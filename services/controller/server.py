@@ -33,9 +33,9 @@ from services.common.types import Group
 from services.controller import adapter
 from services.controller.admission import (
     PipelineCounts,
+    RateEstimator,
     backlog_allows,
     difficulty_skip,
-    informative_rate,
     staleness_allows,
 )
 from services.controller.dataset import Cursor, iterate, load_dataset
@@ -64,6 +64,7 @@ class Controller:
         self._inflight = 0
         self._load: Tally[str] = Tally()
         self._stubs: dict[str, Any] = {}
+        self._rate = RateEstimator()
 
     # ------------------------------------------------------------------ admission
     def version(self) -> int:
@@ -86,7 +87,7 @@ class Controller:
             if self._inflight >= cfg.max_groups_in_flight:
                 return False
         counts = self.counts()
-        rate = informative_rate(counts.kept, counts.filtered)
+        rate = self._rate.update(counts.kept, counts.filtered)
         INFORMATIVE_RATE.set(rate)
         return backlog_allows(counts, cfg.max_train_backlog) and staleness_allows(
             counts, rate, self.config.learner.train_batch_groups, shared.max_staleness
