@@ -65,6 +65,7 @@ class Controller:
         self._load: Tally[str] = Tally()
         self._stubs: dict[str, Any] = {}
         self._rate = RateEstimator()
+        self._lag, self._lag_checked = 0, 0.0
 
     # ------------------------------------------------------------------ admission
     def version(self) -> int:
@@ -90,8 +91,18 @@ class Controller:
         rate = self._rate.update(counts.kept, counts.filtered)
         INFORMATIVE_RATE.set(rate)
         return backlog_allows(counts, cfg.max_train_backlog) and staleness_allows(
-            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness
-        )
+            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness,
+            self.rollout_lag(),
+        )  # fmt: skip
+
+    def rollout_lag(self) -> int:
+        """Versions the slowest registered rollout server is behind the learner."""
+        now = time.monotonic()
+        if now - self._lag_checked > 0.05:
+            versions = [i.get("version", 0) for i in discover(self.client, self.keys, "rollout")]
+            self._lag = max(self.version() - min(versions), 0) if versions else 0
+            self._lag_checked = now
+        return self._lag
 
     def skip_reason(self, record: PromptRecord) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out (off by default)."""
