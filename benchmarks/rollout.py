@@ -1,0 +1,372 @@
+"""Rollout throughput and weight-update time.
+
+1. Sampling on the tiny model (CPU): the torch engine's batched sampling (all prompts x
+   G samples in one call, KV cache) against one-at-a-time `model.generate` on the same
+   model and prompts, both sampling exactly T tokens at temperature 1 with log-probs.
+   The one-at-a-time loop is slow, so it runs on a subset of the samples and its rate is
+   reported as measured on that subset (tokens/s does not depend on how many calls run).
+   The same batch also goes through the gRPC service (one Generate call per prompt, all
+   concurrent, merged by the batcher) to show what the service keeps of the engine rate.
+2. Weight updates for a random Qwen2 of >= 100 MB (fp32): the whole update pushed over
+   gRPC UpdateWeights, and pulled by the server from a real learner WeightService after
+   the version moves in Redis, each until the new version is served.
+
+Torch runs with `--threads` CPU threads (default 1) on both sides: on a shared 2-core
+machine two OpenMP threads per process collapse under oversubscription (measured: the
+same batched call took 0.21 s with 1 thread and 6 s with 2 while other jobs ran).
+
+Writes benchmarks/results/rollout.json with every measurement and `checks`.
+Targets: batched >= 10x one-at-a-time; a >= 100 MB update applied in <= 5 s either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "rollout.json"
+TARGET_SPEEDUP = 10.0
+TARGET_UPDATE_S = 5.0
+MIN_MODEL_MB = 100.0
+BIG_MODEL = {  # ~35 M parameters, ~141 MB in fp32
+    "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
+    "max_position_embeddings": 512, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+# -- sampling --------------------------------------------------------------------------
+
+
+def make_prompts(tokenizer: Any, count: int, seed: int = 0) -> list[list[int]]:
+    """Synthetic `a,b,c=` prompts of a few digits, as the tiny preset trains on."""
+    rng = random.Random(seed)
+    texts = [
+        ",".join(str(rng.randrange(10)) for _ in range(rng.randint(3, 6))) + "="
+        for _ in range(count)
+    ]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def time_engine(
+    engine: Any, prompts: list[list[int]], group: int, tokens: int, ignore_eos: bool = True
+) -> tuple[float, int]:
+    """One batched engine call: (seconds, tokens generated)."""
+    from rollout.engine import SamplingParams
+
+    params = SamplingParams(n=group, temperature=1.0, max_tokens=tokens, ignore_eos=ignore_eos)
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    lengths = [len(s.token_ids) for samples in out for s in samples]
+    assert not ignore_eos or set(lengths) == {tokens}
+    return seconds, sum(lengths)
+
+
+def time_hf_loop(model: Any, prompts: list[list[int]], tokens: int, pad_id: int) -> float:
+    """One `model.generate` per sample, with the log-probs of the sampled tokens."""
+    import torch
+
+    start = time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
+            min_new_tokens=tokens, pad_token_id=pad_id, output_scores=True,
+            return_dict_in_generate=True,
+        )  # fmt: skip
+        model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        assert out.sequences.shape[1] == len(prompt) + tokens
+    return time.perf_counter() - start
+
+
+def time_service(
+    engine: Any, prompts: list[list[int]], group: int, tokens: int
+) -> tuple[float, int]:
+    """All prompts as concurrent Generate calls through a real gRPC server: (s, tokens)."""
+    from dapo.v1 import rollout_pb2, rollout_pb2_grpc
+    from rollout.server import RolloutServer
+    from services.common.config import DapoConfig
+    from services.common.grpc_server import insecure_channel
+
+    config = DapoConfig.model_validate(
+        {"rollout": {"server": {"grpc_port": 0, "http_port": 0}, "max_n": group}}
+    )
+    server = RolloutServer(config, None, engine)
+    counts: list[int] = []
+    try:
+        with insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+            def call(prompt: list[int]) -> None:
+                sampling = rollout_pb2.SamplingParams(temperature=1.0, max_tokens=tokens)
+                request = rollout_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, n=group, sampling=sampling
+                )
+                counts.append(sum(len(r.completion.token_ids) for r in stub.Generate(request)))
+
+            threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - start
+    finally:
+        server.stop()
+    if len(counts) != len(prompts):
+        raise RuntimeError(f"{len(prompts) - len(counts)} Generate calls failed")
+    return seconds, sum(counts)
+
+
+def measure_sampling(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Engine, service and HF loop on the same prompts; reps interleaved against noise."""
+    from rollout.torch_engine import TorchEngine
+
+    engine = TorchEngine(model_dir, device="cpu", max_batch_size=args.prompts * args.group)
+    prompts = make_prompts(engine.tokenizer, args.prompts)
+    subset = [p for p in prompts for _ in range(args.group)][: args.loop_samples]
+    time_engine(engine, prompts[:2], 2, 4)  # warm both paths
+    time_hf_loop(engine.model, subset[:1], 4, engine.pad_token_id)
+    sides: dict[str, list[float]] = {"engine": [], "loop": []}
+    for _ in range(args.reps):
+        sides["engine"].append(time_engine(engine, prompts, args.group, args.tokens)[0])
+        sides["loop"].append(time_hf_loop(engine.model, subset, args.tokens, engine.pad_token_id))
+    eos_s, eos_tokens = time_engine(engine, prompts, args.group, args.tokens, ignore_eos=False)
+    service_s, service_tokens = time_service(engine, prompts, args.group, args.tokens)
+    batched_tokens = args.prompts * args.group * args.tokens
+    rate = {
+        "engine": batched_tokens * args.reps / sum(sides["engine"]),
+        "service": service_tokens / service_s,
+        "engine_eos": eos_tokens / eos_s,
+        "loop": len(subset) * args.tokens * args.reps / sum(sides["loop"]),
+    }
+    return {
+        "model": str(model_dir), "torch_threads": args.threads, "prompts": args.prompts,
+        "group": args.group,
+        "tokens_per_sample": args.tokens, "reps": args.reps,
+        "batched_engine": {"samples": args.prompts * args.group, "seconds": sides["engine"],
+                           "tokens_per_s": rate["engine"]},
+        "service_grpc": {"calls": args.prompts, "seconds": service_s, "tokens": service_tokens,
+                         "tokens_per_s": rate["service"],
+                         "note": "Generate has no ignore_eos: samples stop at EOS; compare "
+                                 "with batched_engine_stop_at_eos"},
+        "batched_engine_stop_at_eos": {"seconds": eos_s, "tokens": eos_tokens,
+                                       "tokens_per_s": rate["engine_eos"]},
+        "one_at_a_time_generate": {
+            "samples_measured": len(subset), "seconds": sides["loop"],
+            "tokens_per_s": rate["loop"],
+            "note": f"HF model.generate, one sample per call, on the first {len(subset)} of "
+                    f"the {args.prompts * args.group} samples",
+        },
+        "speedup": rate["engine"] / rate["loop"],
+        "service_vs_engine_stop_at_eos": rate["service"] / rate["engine_eos"],
+    }  # fmt: skip
+
+
+# -- weight updates --------------------------------------------------------------------
+
+
+def build_big_model(directory: Path, tokenizer_dir: Path) -> float:
+    """A random Qwen2 of >= 100 MB saved in `directory` (tokenizer borrowed); its MB."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**BIG_MODEL))
+    model.save_pretrained(directory)
+    for item in tokenizer_dir.iterdir():
+        if "token" in item.name or item.name == "chat_template.jinja":
+            shutil.copy(item, directory / item.name)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+
+
+def new_weights(engine: Any, seed: int) -> list[Any]:
+    """Every parameter replaced by noise, as the learner's snapshot would hold them."""
+    import torch
+
+    from services.common.tensor_codec import from_torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        from_torch(name, torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+        for name, p in engine.model.named_parameters()
+    ]
+
+
+def time_push(server: Any, raws: list[Any], version: int, bucket_bytes: int) -> float:
+    from dapo.v1 import rollout_pb2_grpc
+    from services.common.grpc_server import insecure_channel
+    from services.common.tensor_codec import encode_buckets
+
+    limit = server.config.rollout.server.max_message_bytes
+    with insecure_channel(f"127.0.0.1:{server.grpc_port}", limit) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        start = time.perf_counter()
+        reply = stub.UpdateWeights(encode_buckets(raws, version, bucket_bytes), timeout=600)
+        seconds = time.perf_counter() - start
+    if not reply.applied:
+        raise RuntimeError(f"push rejected: {reply.error}")
+    return seconds
+
+
+def time_pull(server: Any, learner: Any, client: Any, raws: list[Any], version: int) -> float:
+    """From the learner publishing a version to the rollout server serving it."""
+    from services.common.keys import RunKeys
+
+    start = time.perf_counter()
+    learner.publish(version, raws)
+    client.set(RunKeys(server.config.shared.run_name).version, version)
+    while server.engine.version < version:
+        if time.perf_counter() - start > 600:
+            raise RuntimeError("pull did not finish")
+        time.sleep(0.002)
+    return time.perf_counter() - start
+
+
+def start_learner(client: Any, run: str, bucket_bytes: int) -> tuple[Any, Any, Any]:
+    from dapo.v1 import learner_pb2_grpc
+    from learner.weights import WeightServicer
+    from services.common.grpc_server import start_grpc_server
+    from services.common.keys import RunKeys
+    from services.common.registry import Registration
+    from services.common.server_config import ServerConfig
+
+    servicer = WeightServicer(bucket_bytes)
+    server, port = start_grpc_server(
+        ServerConfig(),
+        lambda s: learner_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s),
+        ["dapo.v1.WeightService"],
+    )
+    info = {"address": f"127.0.0.1:{port}"}
+    registration = Registration(client, RunKeys(run), "learner", "bench", info).start()
+    return servicer, server, registration
+
+
+def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -> dict[str, Any]:
+    """Push reps, then pull reps, against one rollout server over the big model."""
+    import redis
+
+    from rollout.server import RolloutServer
+    from rollout.torch_engine import TorchEngine
+    from services.common.config import DapoConfig
+    from services.common.redis_server import start_redis
+
+    bucket_bytes = bucket_mb * 1024 * 1024
+    config = DapoConfig.model_validate({
+        "shared": {"run_name": "bench-rollout"},
+        "rollout": {"server": {"grpc_port": 0, "http_port": 0}, "weight_poll_s": 0.01},
+    })  # fmt: skip
+    redis_server = start_redis()
+    client = redis.Redis.from_url(redis_server.url)
+    learner, learner_server, registration = start_learner(client, "bench-rollout", bucket_bytes)
+    engine = TorchEngine(big_dir, device="cpu")
+    server = RolloutServer(config, client, engine).start()
+    push: list[float] = []
+    pull: list[float] = []
+    try:
+        for rep in range(reps):
+            push.append(time_push(server, new_weights(engine, rep), 2 * rep + 1, bucket_bytes))
+            pull.append(
+                time_pull(server, learner, client, new_weights(engine, 100 + rep), 2 * rep + 2)
+            )
+    finally:
+        server.stop()
+        registration.stop()
+        learner_server.stop(grace=0)
+        redis_server.stop()
+    return {
+        "model": dict(BIG_MODEL, dtype="float32", megabytes=model_mb),
+        "bucket_megabytes": bucket_mb,
+        "push_grpc": {"seconds": push, "median_s": statistics.median(push),
+                      "mb_per_s": model_mb / statistics.median(push)},
+        "pull_from_learner": {"seconds": pull, "median_s": statistics.median(pull),
+                              "mb_per_s": model_mb / statistics.median(pull),
+                              "note": "learner publish + Redis version -> new version served "
+                                      "(includes the rollout's version poll, 10 ms)"},
+    }  # fmt: skip
+
+
+# -- report ----------------------------------------------------------------------------
+
+
+def check(name: str, value: float, target: float, ok: bool) -> dict[str, Any]:
+    return {"name": name, "value": round(value, 3), "target": target, "ok": ok}
+
+
+def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
+    mb = updates["model"]["megabytes"]
+    push, pull = updates["push_grpc"]["median_s"], updates["pull_from_learner"]["median_s"]
+    return {
+        "benchmark": "rollout",
+        "description": "torch-engine tokens/s (batched vs one-at-a-time) and weight-update s",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average": os.getloadavg()},
+        "sampling": sampling,
+        "weight_updates": updates,
+        "checks": [
+            check("batched_engine_vs_one_at_a_time_generate", sampling["speedup"],
+                  TARGET_SPEEDUP, sampling["speedup"] >= TARGET_SPEEDUP),
+            check("update_model_megabytes", mb, MIN_MODEL_MB, mb >= MIN_MODEL_MB),
+            check("push_update_seconds", push, TARGET_UPDATE_S, push <= TARGET_UPDATE_S),
+            check("pull_update_seconds", pull, TARGET_UPDATE_S, pull <= TARGET_UPDATE_S),
+        ],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run, write the JSON, print a summary; exit 0 when every check is ok."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=16, help="samples per prompt (G)")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens sampled per sample")
+    parser.add_argument("--loop-samples", type=int, default=16, help="one-at-a-time subset")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--update-reps", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args([] if argv is None else argv)  # `dapo bench` calls main()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from learner.init_model import init_model
+
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-rollout-") as tmp:
+        tiny = init_model(Path(tmp) / "tiny", preset="tiny", seed=0)
+        sampling = measure_sampling(tiny, args)
+        big = Path(tmp) / "big"
+        mb = build_big_model(big, tiny)
+        updates = measure_updates(big, mb, args.update_reps, args.bucket_mb)
+    result = summarize(sampling, updates)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"tokens/s: batched engine {sampling['batched_engine']['tokens_per_s']:.0f}, "
+        f"service {sampling['service_grpc']['tokens_per_s']:.0f}, one-at-a-time "
+        f"{sampling['one_at_a_time_generate']['tokens_per_s']:.0f} "
+        f"(x{sampling['speedup']:.1f}); {mb:.0f} MB update: push "
+        f"{updates['push_grpc']['median_s']:.2f}s, pull "
+        f"{updates['pull_from_learner']['median_s']:.2f}s -> {RESULTS}"
+    )
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    # Run as a script, this file's folder heads sys.path and its name would shadow the
+    # `rollout` package; drop it (imports of the package happen inside the functions).
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(here)]
+    raise SystemExit(main(sys.argv[1:]))
