@@ -24,7 +24,8 @@ Departures from the torch engine:
   instead (their limit) and reports T = 1 log-probs for them, as for T = 0.
 - A weight update must hold every weight of the model (a tied `lm_head.weight` may be
   left out): vLLM reloads weights layer by layer and re-packs each layer for its kernels,
-  so a half-loaded fused layer (q/k/v, gate/up) would be corrupted.
+  so a half-loaded fused layer (q/k/v, gate/up) would be corrupted. A tied head follows
+  the embedding; a separately sent `lm_head.weight` is ignored for tied models.
 - Samples are not bitwise independent of batch composition: vLLM's kernels may reduce
   in a different order for different batch shapes.
 
@@ -96,6 +97,22 @@ class DapoWorkerExtension:
         from safetensors.torch import load_file
 
         self.reload_weights(weights_iterator=iter(load_file(path).items()))
+        _reprocess_tied_head(self.model_runner.get_model())
+
+
+def _reprocess_tied_head(model: torch.nn.Module) -> None:
+    """Rebuild a tied LM head's kernel state from the reloaded embedding.
+
+    vLLM's layer-wise reload skips a tied head ("no weights loaded") and keeps its old
+    kernel state; on CPU that is a pre-packed copy of the old embedding, so the logits
+    would come from the old weights (caught by the after-update log-prob test).
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is None:
+        return
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
 
 
 class _Gate:

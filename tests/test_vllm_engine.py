@@ -17,7 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_contract import PROMPTS, EngineContract, EngineHarness, perturbed
+from engine_contract import (
+    PROMPTS,
+    EngineContract,
+    EngineHarness,
+    perturbed,
+    teacher_forced_logprobs,
+)
 
 from rollout.config import VllmEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
@@ -91,6 +97,32 @@ def test_incomplete_weight_set_is_rejected(vllm_harness: EngineHarness) -> None:
     with pytest.raises(ValueError, match="missing"):
         engine.load_weights(reference[:1], version + 1)
     assert engine.version == version
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_logprobs_match_teacher_forcing_after_a_weight_update(
+    vllm_harness: EngineHarness,
+) -> None:
+    """vLLM re-processes weights after a reload (CPU kernels re-pack them, the tied head
+    shares the embedding): the learner's log-probs must hold for the new weights too."""
+    from transformers import AutoModelForCausalLM
+
+    engine = vllm_harness.engine
+    model = AutoModelForCausalLM.from_pretrained(vllm_harness.model_dir, dtype=torch.float32)
+    original = [(k, v.detach().clone()) for k, v in model.state_dict().items()]
+    new = dict(perturbed(model, torch.float32, 0.1))
+    new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied, as the learner's model
+    model.load_state_dict(new)
+    engine.load_weights(list(new.items()), engine.version + 1)
+    try:
+        params = SamplingParams(n=2, temperature=0.8, max_tokens=6, seed=4)
+        for prompt, samples in zip(PROMPTS, engine.generate(PROMPTS, params), strict=True):
+            for s in samples:
+                want = teacher_forced_logprobs(model, prompt, s.token_ids, 0.8)
+                torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=1e-4, rtol=0)
+    finally:
+        engine.load_weights(original, engine.version + 1)
 
 
 def perturbed_model(model_dir: Path) -> list[tuple[str, torch.Tensor]]:
