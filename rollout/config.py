@@ -16,6 +16,12 @@ class TorchEngineConfig(StrictModel):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:i]'.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_batch_size: int = Field(256, ge=1, description="Most sequences decoded together.")
+    num_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads of the rollout process; None = torch's default. 1 is "
+        "far faster when several processes share few cores (OpenMP oversubscription).",
+    )
 
 
 class VllmEngineConfig(StrictModel):

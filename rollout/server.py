@@ -218,12 +218,16 @@ def build_engine(config: DapoConfig) -> RolloutEngine:
         raise DapoError(f"model directory not found: {model} (set rollout.model_path)")
     if config.rollout.engine.kind == "vllm":
         try:
-            from rollout.vllm_engine import VllmEngine  # type: ignore[import-not-found]
+            from rollout.vllm_engine import VllmEngine
         except ImportError as exc:
             raise DapoError(f"the vLLM engine needs the extra dapo[vllm]: {exc}") from exc
         return VllmEngine.from_config(model, config.rollout.engine)
+    import torch
+
     from rollout.torch_engine import TorchEngine
 
+    if config.rollout.engine.num_threads is not None:
+        torch.set_num_threads(config.rollout.engine.num_threads)
     return TorchEngine.from_config(model, config.rollout.engine)
 
 
