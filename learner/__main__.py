@@ -26,5 +26,7 @@ def run(config: DapoConfig) -> None:
     announce("learner", grpc=server.grpc_port, http=server.http.port)
     try:
         server.learner.run(stop)
+        # Keep serving the final weights a while (evaluation, late rollout servers).
+        stop.wait(config.learner.linger_s)
     finally:
         server.stop()
