@@ -66,8 +66,9 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	@if $(VLLM_PIP) list 2>/dev/null | grep -qi '^nvidia'; then echo 'nvidia packages installed: torch pin broken' >&2; exit 1; fi
 	@touch $@
 
+# The same engine contract on both engines, with vLLM's pins (transformers < 5.20).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -m vllm tests/test_vllm_engine.py $(PYTEST_ARGS)
+	$(VLLM_VENV)/bin/python -m pytest tests/test_vllm_engine.py tests/test_torch_engine.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
