@@ -34,11 +34,10 @@ from typing import Any
 import redis
 from prometheus_client import Counter, Gauge
 
-from dapo.v1 import learner_pb2_grpc
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
 from learner.step import StepMetrics, train_step
-from learner.weights import WeightServicer, snapshot
+from learner.weights import WeightServicer, add_weight_service, snapshot
 from services.common.adapters import decode_group
 from services.common.config import DapoConfig
 from services.common.errors import DapoError
@@ -132,6 +131,11 @@ class Follower:
     def __init__(self, config: DapoConfig, dp: DataParallel | None = None) -> None:
         self.trainer = Trainer(config, dp)
         self.trainer.restore()
+        self._gather()  # rank 0 snapshots the restored weights for its WeightService
+
+    def _gather(self) -> None:
+        for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
+            pass
 
     def run(self) -> None:
         while True:
@@ -142,8 +146,7 @@ class Follower:
                 return
             if op == OP_TRAIN:
                 self.trainer.train(unpack_groups(body), seed=arg)
-                for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
-                    pass
+                self._gather()
             elif op == OP_CHECKPOINT:
                 self.trainer.checkpoint(body.decode(), {})
             elif op == OP_EXPORT:
@@ -334,7 +337,7 @@ class LearnerServer:
         server_cfg = config.learner.server
         self.grpc_server, self.grpc_port = start_grpc_server(
             server_cfg,
-            lambda s: learner_pb2_grpc.add_WeightServiceServicer_to_server(self.learner.weights, s),
+            lambda s: add_weight_service(self.learner.weights, s),
             ["dapo.v1.WeightService"],
         )
         app = create_http_app("learner", status=self.learner.status)

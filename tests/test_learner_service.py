@@ -16,6 +16,7 @@ from learner_fixtures import make_groups
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
+from learner.weights import add_weight_service
 from services.common.adapters import encode_group
 from services.common.config import DapoConfig, load_config
 from services.common.grpc_server import start_grpc_server
@@ -164,7 +165,7 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
     _steps(learner, 1)
     server, port = start_grpc_server(
         ServerConfig(),
-        lambda s: learner_pb2_grpc.add_WeightServiceServicer_to_server(learner.weights, s),
+        lambda s: add_weight_service(learner.weights, s),
         ["dapo.v1.WeightService"],
     )
     engine = TorchEngine(tiny_model, device="cpu")

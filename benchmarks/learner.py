@@ -1,0 +1,312 @@
+"""Learner benchmarks: training throughput, padding, weight publication.
+
+1. Tokens/s of the learner's DAPO step (`train_step` on a DeepSpeed engine, ZeRO-0,
+   fp32, π_old recompute + token-budget micro-batches) against a plain torch loop on the
+   same model, batch and optimizer (π_old forward, one padded forward/backward of the
+   whole mini-batch, AdamW). Both count real (unpadded) prompt+response tokens.
+   Target: ≥ 0.8×.
+2. Padding fraction of a length-skewed batch: fixed-size micro-batches in arrival order
+   against `token_budget_micro_batches`. Target: ≤ 10 % with the budget.
+3. Weight publication: the learner's WeightService streaming a ≥ 100 MB random Qwen2
+   over gRPC on loopback into a `WeightAssembler` (the rollout side, up to torch tensors)
+   against raw loopback TCP measured in the same run. Target: ≥ 0.5×.
+
+Writes benchmarks/results/learner.json (details + `checks`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+TARGET_SPEEDUP, TARGET_PADDING, TARGET_WIRE = 0.8, 0.10, 0.5
+
+
+def skewed_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: most responses short, a long tail (as in RL on math)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        long_tail = rng.random() < 0.2
+        response = rng.randint(160, 256) if long_tail else rng.randint(8, 64)
+        out.append((rng.randint(16, 48), response))
+    return out
+
+
+def make_groups(vocab: int, n_groups: int, group_size: int, seed: int = 0) -> list[Any]:
+    from services.common.types import Group, Sample
+
+    rng = random.Random(seed)
+    lengths = iter(skewed_lengths(n_groups * group_size, seed))
+    groups = []
+    for g in range(n_groups):
+        samples, prompt_len = [], 0
+        for k in range(group_size):
+            prompt_len, response = next(lengths) if k == 0 else (prompt_len, next(lengths)[1])
+            tokens = [rng.randrange(1, vocab) for _ in range(response)]
+            samples.append(
+                Sample(tokens, [-2.0] * response, "", "stop", 0, float(k % 2), k % 2 == 1)
+            )
+        prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
+        groups.append(Group(f"g{g}", f"p{g}", "", prompt, "", samples=samples))
+    return groups
+
+
+# ------------------------------------------------------------------ 1. throughput
+def bench_model_dir(root: Path) -> Path:
+    """A Qwen2 of ~7M parameters with the tiny preset's tokenizer files."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.init_model import init_model
+
+    out = init_model(root / "bench", preset="tiny", seed=0)
+    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, max_position_embeddings=1024)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float:
+    """The baseline: π_old forward, then per mini-batch one padded forward/backward + AdamW."""
+    import torch
+
+    from learner.algorithm import agg_loss, per_token_loss
+    from learner.batching import collate, logprobs_for_inputs, mini_batches, sequences_from_groups
+
+    started = time.perf_counter()
+    seqs = sequences_from_groups(groups)
+    full = collate(seqs, 0)
+    with torch.no_grad():
+        logits = model(input_ids=full.input_ids, attention_mask=full.attention_mask).logits
+        old, _ = logprobs_for_inputs(logits, full.input_ids)
+    for mb in mini_batches(len(seqs), cfg.mini_batch_responses, 0):
+        x = collate([seqs[i] for i in mb], 0)
+        logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
+        lp, _ = logprobs_for_inputs(logits, x.input_ids)
+        old_mb = old[mb][:, : x.input_ids.shape[1]]
+        loss_mat, _ = per_token_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
+        loss = agg_loss(loss_mat, x.loss_mask, "token_mean", int(x.loss_mask.sum()))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - started
+
+
+def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.deepspeed_policy import DeepSpeedPolicy
+    from learner.policy import load_model
+    from learner.step import train_step
+
+    model_dir = bench_model_dir(root)
+    cfg = LearnerConfig(engine="deepspeed", zero_stage=0, dtype="float32", lr=1e-5,
+                        mini_batch_responses=64, micro_batch_tokens=8192)  # fmt: skip
+    groups = make_groups(4096, n_groups=8, group_size=16)
+    tokens = sum(len(g.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.samples)
+    policy = DeepSpeedPolicy(load_model(model_dir), cfg)
+    plain = load_model(model_dir)
+    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas)
+    learner_s, plain_s = [], []
+    for rep in range(reps + 1):  # the first of each is a warm-up
+        a = train_step(policy, groups, cfg, 0, 1.0, 256, seed=0).seconds
+        b = plain_torch_step(plain, opt, groups, cfg)
+        if rep:
+            learner_s.append(a)
+            plain_s.append(b)
+    learner_tps, plain_tps = (
+        tokens / statistics.median(learner_s),
+        tokens / statistics.median(plain_s),
+    )
+    return {
+        "model": "Qwen2 4 layers, hidden 256, vocab 4096 (random)",
+        "batch": {"groups": 8, "responses": 128, "real_tokens": tokens, "mini_batches": 2},
+        "learner": {"engine": "deepspeed zero0 fp32", "tokens_per_s": learner_tps,
+                    "seconds": learner_s},
+        "plain_torch": {"tokens_per_s": plain_tps, "seconds": plain_s},
+        "ratio": learner_tps / plain_tps,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------ 2. padding
+def bench_padding() -> dict[str, Any]:
+    from learner.batching import fixed_size_micro_batches, padding_fraction
+    from learner.batching import token_budget_micro_batches as budgeted
+
+    lengths = [p + r for p, r in skewed_lengths(512, seed=1)]
+    fixed = padding_fraction(lengths, fixed_size_micro_batches(len(lengths), 16))
+    by_budget = {b: padding_fraction(lengths, budgeted(lengths, b)) for b in (2048, 4096, 8192)}
+    budget = 4096  # the tiny preset's micro_batch_tokens
+    return {"rows": len(lengths), "fixed_16_rows": fixed, "token_budget": budget,
+            "with_token_budget": by_budget[budget], "by_budget": by_budget}  # fmt: skip
+
+
+# ------------------------------------------------------------------ 3. publication
+def big_model_tensors() -> tuple[list[Any], int]:
+    """The weights of a random Qwen2 of ≥ 100 MB (fp32), as the learner snapshots them."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.weights import snapshot
+
+    config = Qwen2Config(vocab_size=12000, hidden_size=512, intermediate_size=1536,
+                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                         tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = Qwen2ForCausalLM(config)
+    tensors = snapshot(model.state_dict().items())
+    return tensors, sum(len(t.data) for t in tensors)
+
+
+def raw_tcp_bytes_per_s(nbytes: int) -> float:
+    """Loopback TCP: one sender thread, one receiver, 4 MiB writes, nbytes total."""
+    chunk = memoryview(bytearray(4 << 20))
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send() -> None:
+        conn, _ = server.accept()
+        sent = 0
+        while sent < nbytes:
+            n = min(len(chunk), nbytes - sent)
+            conn.sendall(chunk[:n])
+            sent += n
+        conn.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    buf = bytearray(nbytes)
+    view, got = memoryview(buf), 0
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        while got < nbytes:
+            n = sock.recv_into(view[got:], min(nbytes - got, 4 << 20))
+            if not n:
+                break
+            got += n
+    seconds = time.perf_counter() - started
+    thread.join()
+    server.close()
+    assert got == nbytes
+    return nbytes / seconds
+
+
+def fetch_bytes_per_s(tensors: list[Any], nbytes: int, bucket_bytes: int) -> list[float]:
+    """The WeightService on loopback into a WeightAssembler, up to torch tensors.
+
+    Two fetches of one published version: the first also serializes the buckets (once
+    per version), the second streams the cached bytes (every further rollout server).
+    """
+    from dapo.v1 import learner_pb2, learner_pb2_grpc
+    from learner.weights import WeightServicer, add_weight_service
+    from services.common.grpc_server import insecure_channel, start_grpc_server
+    from services.common.server_config import ServerConfig
+    from services.common.tensor_codec import WeightAssembler, to_torch
+
+    servicer = WeightServicer(bucket_bytes)
+    servicer.publish(1, tensors)
+    cfg = ServerConfig()
+    server, port = start_grpc_server(
+        cfg, lambda s: add_weight_service(servicer, s),
+        ["dapo.v1.WeightService"],
+    )  # fmt: skip
+    try:
+        with insecure_channel(f"127.0.0.1:{port}", cfg.max_message_bytes) as channel:
+            stub = learner_pb2_grpc.WeightServiceStub(channel)
+            rates = []
+            for _ in range(2):
+                started = time.perf_counter()
+                assembler = WeightAssembler()
+                for bucket in stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0)):
+                    assembler.add(bucket)
+                out = [to_torch(t) for t in assembler.result()]
+                rates.append(nbytes / (time.perf_counter() - started))
+                assert sum(t.numel() * t.element_size() for t in out) == nbytes
+                del out, assembler
+    finally:
+        server.stop(0)
+    return rates
+
+
+def bench_publication(reps: int) -> dict[str, Any]:
+    from learner.config import LearnerConfig
+
+    bucket = LearnerConfig().weight_bucket_bytes
+    started = time.perf_counter()
+    tensors, nbytes = big_model_tensors()
+    build_s = time.perf_counter() - started
+    tcp, first, repeat = [], [], []
+    for _ in range(reps):
+        tcp.append(raw_tcp_bytes_per_s(nbytes))
+        a, b = fetch_bytes_per_s(tensors, nbytes, bucket)
+        first.append(a)
+        repeat.append(b)
+    tcp_rate = statistics.median(tcp)
+    first_rate, repeat_rate = statistics.median(first), statistics.median(repeat)
+    return {"model_bytes": nbytes, "tensors": len(tensors), "bucket_bytes": bucket,
+            "build_and_snapshot_s": build_s, "raw_tcp_bytes_per_s": tcp_rate,
+            "first_fetch_bytes_per_s": first_rate, "repeat_fetch_bytes_per_s": repeat_rate,
+            "ratio": first_rate / tcp_rate, "repeat_ratio": repeat_rate / tcp_rate,
+            "runs": {"raw_tcp": tcp, "first_fetch": first, "repeat_fetch": repeat}}  # fmt: skip
+
+
+# ------------------------------------------------------------------ main
+def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
+    def check(name: str, value: float, target: str, ok: bool) -> dict[str, Any]:
+        return {"name": name, "value": round(value, 4), "target": target, "ok": bool(ok)}
+
+    return [
+        check("learner_vs_plain_torch_tokens_per_s", thr["ratio"], f">= {TARGET_SPEEDUP}",
+              thr["ratio"] >= TARGET_SPEEDUP),
+        check("padding_fraction_with_token_budget", pad["with_token_budget"],
+              f"<= {TARGET_PADDING}", pad["with_token_budget"] <= TARGET_PADDING),
+        check("publication_vs_raw_tcp_bytes_per_s", pub["ratio"], f">= {TARGET_WIRE}",
+              pub["ratio"] >= TARGET_WIRE),
+        check("publication_model_megabytes", pub["model_bytes"] / 1e6, ">= 100",
+              pub["model_bytes"] >= 100e6),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three benchmarks, write the JSON; 0 when every check is ok."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args(argv if argv is not None else [])
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pad = bench_padding()
+    pub = bench_publication(args.reps)
+    with tempfile.TemporaryDirectory() as tmp:
+        thr = bench_throughput(Path(tmp), args.reps)
+    result = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_avg_1m": os.getloadavg()[0]},
+        "throughput": thr, "padding": pad, "publication": pub, "checks": checks(thr, pad, pub),
+    }  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    for c in result["checks"]:
+        print(f"{'ok ' if c['ok'] else 'MISS'} {c['name']}: {c['value']} (target {c['target']})")
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
