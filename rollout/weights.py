@@ -127,5 +127,7 @@ class WeightSync:
                 log.debug("weight sync raced another update: %s", exc)
             except (grpc.RpcError, TensorWireError, ValueError, redis.RedisError) as exc:
                 log.warning("weight sync failed, will retry: %s", exc)
+            except Exception:  # the loop must outlive any surprise, or readiness freezes
+                log.exception("weight sync failed unexpectedly, will retry")
             after_each()
             stop.wait(self.config.rollout.weight_poll_s)
