@@ -236,8 +236,7 @@ def time_pull(server: Any, learner: Any, client: Any, raws: list[Any], version: 
 
 
 def start_learner(client: Any, run: str, bucket_bytes: int) -> tuple[Any, Any, Any]:
-    from dapo.v1 import learner_pb2_grpc
-    from learner.weights import WeightServicer
+    from learner.weights import WeightServicer, add_weight_service
     from services.common.grpc_server import start_grpc_server
     from services.common.keys import RunKeys
     from services.common.registry import Registration
@@ -246,7 +245,7 @@ def start_learner(client: Any, run: str, bucket_bytes: int) -> tuple[Any, Any, A
     servicer = WeightServicer(bucket_bytes)
     server, port = start_grpc_server(
         ServerConfig(),
-        lambda s: learner_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s),
+        lambda s: add_weight_service(servicer, s),
         ["dapo.v1.WeightService"],
     )
     info = {"address": f"127.0.0.1:{port}"}

@@ -22,8 +22,8 @@ import pytest
 import redis
 import torch
 
-from dapo.v1 import learner_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from learner.weights import WeightServicer
+from dapo.v1 import rollout_pb2, rollout_pb2_grpc
+from learner.weights import WeightServicer, add_weight_service
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
 from services.common.config import DapoConfig
@@ -221,7 +221,7 @@ def learner_weights(
     servicer = WeightServicer(bucket_bytes=8192)
     server, port = start_grpc_server(
         ServerConfig(),
-        lambda s: learner_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s),
+        lambda s: add_weight_service(servicer, s),  # the learner's own registration
         ["dapo.v1.WeightService"],
     )
     info = {"address": f"127.0.0.1:{port}"}
