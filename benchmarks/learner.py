@@ -117,8 +117,8 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
 
     model_dir = bench_model_dir(root)
     cfg = LearnerConfig(engine="deepspeed", zero_stage=0, dtype="float32", lr=1e-5,
-                        mini_batch_responses=64, micro_batch_tokens=8192)  # fmt: skip
-    groups = make_groups(4096, n_groups=8, group_size=16)
+                        mini_batch_responses=32, micro_batch_tokens=4096)  # fmt: skip
+    groups = make_groups(4096, n_groups=8, group_size=8)
     tokens = sum(len(g.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.samples)
     policy = DeepSpeedPolicy(load_model(model_dir), cfg)
     plain = load_model(model_dir)
@@ -136,7 +136,7 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     )
     return {
         "model": "Qwen2 4 layers, hidden 256, vocab 4096 (random)",
-        "batch": {"groups": 8, "responses": 128, "real_tokens": tokens, "mini_batches": 2},
+        "batch": {"groups": 8, "responses": 64, "real_tokens": tokens, "mini_batches": 2},
         "learner": {"engine": "deepspeed zero0 fp32", "tokens_per_s": learner_tps,
                     "seconds": learner_s},
         "plain_torch": {"tokens_per_s": plain_tps, "seconds": plain_s},
@@ -287,13 +287,15 @@ def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     """Run the three benchmarks, write the JSON; 0 when every check is ok."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args(argv if argv is not None else [])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     pad = bench_padding()
-    pub = bench_publication(args.reps)
+    print(f"padding: {pad}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         thr = bench_throughput(Path(tmp), args.reps)
+    print(f"throughput ratio: {thr['ratio']:.3f}", flush=True)
+    pub = bench_publication(args.reps)
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg_1m": os.getloadavg()[0]},
