@@ -29,6 +29,7 @@ class Registration:
     ) -> None:
         self.client, self.key, self.ttl_s = client, f"{keys.registry(role)}:{instance}", ttl_s
         self.info = dict(info, instance=instance)
+        self._lock = threading.Lock()  # a heartbeat must not re-send info older than an update
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{role}")
 
@@ -38,12 +39,14 @@ class Registration:
         return self
 
     def refresh(self) -> None:
-        self.client.set(self.key, json.dumps(self.info), px=int(self.ttl_s * 1000))
+        with self._lock:
+            self.client.set(self.key, json.dumps(self.info), px=int(self.ttl_s * 1000))
 
     def update(self, **info: Any) -> None:
         """Change the announced info (e.g. readiness, served version)."""
-        self.info.update(info)
-        self.refresh()
+        with self._lock:
+            self.info.update(info)
+            self.client.set(self.key, json.dumps(self.info), px=int(self.ttl_s * 1000))
 
     def _beat(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
