@@ -57,7 +57,7 @@ class Launch:
 
     def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = child_env()
         config_path = self.run_dir / "config.yaml"
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", role, "--config", str(config_path)],
@@ -101,6 +101,17 @@ class Launch:
             child.log_file.close()
         if self.redis_server is not None:
             self.redis_server.stop()
+
+
+# torch.distributed launcher variables: a child of `dapo up` is a world of its own, even
+# when `dapo up` itself runs inside a process that set them (a test, a torchrun job).
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
 def ensure_model(config: DapoConfig) -> None:
