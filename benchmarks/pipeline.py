@@ -28,14 +28,14 @@ RESULTS = ROOT / "results" / "pipeline.json"
 STEPS = 30
 
 
-def tiny_config(run: str, model: Path, *overrides: str) -> Any:
+def tiny_config(run: str, model: Path, steps: int, *overrides: str) -> Any:
     from services.common.config import load_config
 
     return load_config(
         preset="tiny",
         env={},
         overrides=[f"shared.run_name={run}", f"shared.model_path={model}",
-                   f"learner.total_steps={STEPS}", "controller.eval.enabled=false",
+                   f"learner.total_steps={steps}", "controller.eval.enabled=false",
                    "learner.linger_s=0", *overrides],
     )  # fmt: skip
 
@@ -84,7 +84,7 @@ def half_trivial_dataset(path: Path, n: int = 200) -> Path:
     return write_records(records, path)
 
 
-def plain_rate(model: Path) -> dict[str, Any]:
+def plain_rate(model: Path, steps: int) -> dict[str, Any]:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_plain_dapo", ROOT / "_plain_dapo.py")
@@ -94,7 +94,7 @@ def plain_rate(model: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    result = plain.run_plain(tiny_config("plain", model), STEPS)
+    result = plain.run_plain(tiny_config("plain", model, steps), steps)
     return {
         "steps": result.steps,
         "wall_seconds": round(result.wall_seconds, 2),
@@ -110,24 +110,32 @@ def check(name: str, value: float, target: float, higher: bool = True) -> dict[s
     return {"name": name, "value": round(value, 3), "target": target, "ok": bool(ok)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run every measurement, write the JSON; 0 when every check is ok."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
+    args = parser.parse_args(argv)
     from learner.init_model import init_model
+
+    steps = args.steps
 
     with tempfile.TemporaryDirectory(prefix="dapo-bench-pipeline-") as tmp:
         work = Path(tmp)
         model = init_model(work / "model", preset="tiny", seed=0)
         runs = {
-            "sync": run_up(tiny_config("sync", model, "shared.max_staleness=0"), work / "sync"),
-            "async": run_up(tiny_config("async", model, "shared.max_staleness=1"), work / "async"),
+            name: run_up(tiny_config(name, model, steps, f"shared.max_staleness={k}"), work / name)
+            for name, k in (("sync", 0), ("async", 1))
         }
         data = half_trivial_dataset(work / "half.jsonl")
         mixed = ["controller.dataset.kind=jsonl", f"controller.dataset.path={data}"]
-        runs["mixed"] = run_up(tiny_config("mixed", model, *mixed), work / "mixed")
+        runs["mixed"] = run_up(tiny_config("mixed", model, steps, *mixed), work / "mixed")
         runs["mixed_difficulty"] = run_up(
-            tiny_config("mixedd", model, *mixed, "controller.difficulty_window=1"),
+            tiny_config("mixedd", model, steps, *mixed, "controller.difficulty_window=1"),
             work / "mixedd",
         )
-        plain = plain_rate(model)
+        plain = plain_rate(model, steps)
 
     sync, asyn = runs["sync"], runs["async"]
     t_train = sync["learner_seconds_per_step"]
@@ -138,7 +146,7 @@ def main() -> None:
     mixed, mixed_d = runs["mixed"], runs["mixed_difficulty"]
     result = {
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
-        "steps_per_run": STEPS,
+        "steps_per_run": steps,
         "runs": runs,
         "plain_loop": plain,
         "overlap": {
@@ -168,7 +176,8 @@ def main() -> None:
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

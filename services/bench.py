@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 
 
-def run_benchmark(name: str) -> int:
-    """Import benchmarks/NAME.py, call its main(), print its checks; 1 if any fails."""
+def run_benchmark(name: str, argv: list[str] | None = None) -> int:
+    """Import benchmarks/NAME.py, call its main(argv), print its checks; 1 if any fails."""
     path = BENCH_DIR / f"{name}.py"
     if not path.is_file():
         available = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
@@ -22,7 +22,7 @@ def run_benchmark(name: str) -> int:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main()
+    module.main(list(argv or []))
     result_path = BENCH_DIR / "results" / f"{name}.json"
     if not result_path.is_file():
         raise DapoError(f"benchmark {name} wrote no {result_path}")

@@ -105,7 +105,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from services.bench import run_benchmark
 
-    return run_benchmark(args.name)
+    return run_benchmark(args.name, args.args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="run benchmarks/NAME.py")
     p.add_argument("name")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark's main()")
     p.set_defaults(func=cmd_bench)
     return parser
 
