@@ -18,6 +18,7 @@ How the DAPO normalisation survives DeepSpeed (checked against deepspeed 0.19.8'
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +28,8 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
-from learner.dist import single_process_env
 from learner.policy import warmup_factor
+from services.common.net import free_port
 
 
 def init_distributed(cfg: LearnerConfig) -> None:
@@ -38,8 +39,13 @@ def init_distributed(cfg: LearnerConfig) -> None:
 
     if get_accelerator().device_name() == "cpu" and not cfg.cpu_shm_allreduce:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
-    if not torch.distributed.is_initialized():
-        single_process_env()
+    if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
+        # A world of one, without writing launcher variables into os.environ: child
+        # processes (e.g. services started by this one) must not inherit them.
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+        os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it is set
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend)
 

@@ -9,7 +9,6 @@ length-prefixed protobuf bytes — never pickle (`broadcast_object_list` pickles
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Sequence
 from typing import Protocol
@@ -18,7 +17,6 @@ import torch
 from torch import Tensor
 
 from services.common.adapters import decode_group, encode_group
-from services.common.net import free_port
 from services.common.types import Group
 
 
@@ -91,14 +89,6 @@ def data_parallel(device: str = "cpu") -> DataParallel:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchDist(device)
     return Single()
-
-
-def single_process_env() -> None:
-    """Launcher variables for a world of one, unless a launcher (torchrun) set them."""
-    defaults = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 # ------------------------------------------------------------------ the batch on the wire
