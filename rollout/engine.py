@@ -108,3 +108,13 @@ class RolloutEngine(Protocol):
     def resume(self) -> None:
         """Undo `pause()`."""
         ...
+
+
+def collect(
+    samples: Iterable[StreamedSample], num_prompts: int, n: int
+) -> list[list[SampleOutput]]:
+    """Gather a stream into `result[prompt][sample]` (what `generate` returns)."""
+    result: list[list[SampleOutput | None]] = [[None] * n for _ in range(num_prompts)]
+    for item in samples:
+        result[item.request_index][item.sample_index] = item.output
+    return [[s for s in row if s is not None] for row in result]

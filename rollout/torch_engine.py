@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rollout.config import TorchEngineConfig
-from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample, collect
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_STRIDE = 1_000_003  # mixes the prompt index into the request seed
@@ -213,10 +213,7 @@ class TorchEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[SampleOutput]]:
         """All n samples of every prompt: `result[prompt][sample]`."""
-        result: list[list[SampleOutput | None]] = [[None] * params.n for _ in prompts]
-        for item in self.stream(prompts, params):
-            result[item.request_index][item.sample_index] = item.output
-        return [[s for s in samples if s is not None] for samples in result]
+        return collect(self.stream(prompts, params), len(prompts), params.n)
 
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams

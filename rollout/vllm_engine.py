@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from rollout.config import VllmEngineConfig
-from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample, collect
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -324,10 +324,7 @@ class VllmEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[list[SampleOutput]]:
         """All n samples of every prompt: `result[prompt][sample]`."""
-        result: list[list[SampleOutput | None]] = [[None] * params.n for _ in prompts]
-        for item in self.stream(prompts, params):
-            result[item.request_index][item.sample_index] = item.output
-        return [[s for s in samples if s is not None] for samples in result]
+        return collect(self.stream(prompts, params), len(prompts), params.n)
 
     def stream(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
