@@ -266,6 +266,8 @@ class Learner:
         record = dict(metrics.as_dict(), step=self.step + 1, staleness=staleness)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.version, new_version)
+        # For admission pacing only (not the ledger): groups trained, acked or not yet.
+        pipe.hincrby(self.keys.ledger, "stepped", len(ids))
         if not self.checkpointing:
             pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
             pipe.hincrby(self.keys.ledger, "trained", len(ids))

@@ -77,7 +77,9 @@ class Controller:
         return PipelineCounts(
             admitted=ledger.get("admitted", 0), kept=ledger.get("kept", 0),
             filtered=sum(prefixed(ledger, "filtered:").values()),
-            trained=ledger.get("trained", 0),
+            # With checkpoints the learner acks (and counts `trained`) only at a checkpoint;
+            # `stepped` counts groups as soon as their step commits, so pacing never stalls.
+            trained=max(ledger.get("trained", 0), ledger.get("stepped", 0)),
             dropped=sum(prefixed(ledger, "dropped:").values()),
         )  # fmt: skip
 
