@@ -57,3 +57,6 @@ class ControllerConfig(StrictModel):
         description="Skip a prompt for an epoch if its last N groups were all "
         "correct or all wrong (difficulty-aware admission); 0 = off (DAPO).",
     )
+    difficulty_skip_epochs: int = Field(
+        1, ge=1, description="Consecutive epochs a prompt may sit out before it is retried."
+    )

@@ -65,6 +65,7 @@ class Controller:
         self._load: Tally[str] = Tally()
         self._stubs: dict[str, Any] = {}
         self._rate = RateEstimator()
+        self._skips: Tally[str] = Tally()
         self._lag, self._lag_checked = 0, 0.0
 
     # ------------------------------------------------------------------ admission
@@ -107,12 +108,22 @@ class Controller:
         return self._lag
 
     def skip_reason(self, record: PromptRecord) -> str | None:
-        """Difficulty-aware admission: 'easy'/'hard' prompts sit out (off by default)."""
-        window = self.config.controller.difficulty_window
-        if window == 0:
+        """Difficulty-aware admission: 'easy'/'hard' prompts sit out one epoch at a time.
+
+        The skip expires after `difficulty_skip_epochs` consecutive skips so that the
+        prompt is tried again: the policy changes, and a prompt skipped forever would,
+        once every prompt is, stall the run.
+        """
+        cfg = self.config.controller
+        if cfg.difficulty_window == 0:
             return None
         raw = self.client.hget(self.keys.pass_rates, record.prompt_id)
-        return difficulty_skip(json.loads(raw) if raw else [], window)
+        reason = difficulty_skip(json.loads(raw) if raw else [], cfg.difficulty_window)
+        if reason is None or self._skips[record.prompt_id] >= cfg.difficulty_skip_epochs:
+            self._skips[record.prompt_id] = 0
+            return None
+        self._skips[record.prompt_id] += 1
+        return reason
 
     def admit(self, cursor: Cursor, record: PromptRecord) -> tuple[str, int]:
         """Record the group as in flight (atomically with the cursor and the ledger)."""
