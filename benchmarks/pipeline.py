@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +91,7 @@ def plain_rate(model: Path, steps: int) -> dict[str, Any]:
     spec = importlib.util.spec_from_file_location("_plain_dapo", ROOT / "_plain_dapo.py")
     assert spec and spec.loader
     plain = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = plain  # dataclasses look their module up there
     spec.loader.exec_module(plain)
     import torch
 
