@@ -56,6 +56,7 @@ def resolve_config(args: argparse.Namespace, section: str | None = None) -> Any:
 
 def run_service(role: str, args: argparse.Namespace) -> int:
     from services.common.errors import DapoError
+    from services.common.lifecycle import exit_with_parent
     from services.common.logs import setup_logging
 
     module, section = SERVICES[role]
@@ -63,6 +64,7 @@ def run_service(role: str, args: argparse.Namespace) -> int:
     if role in NEEDS_REDIS and not config.shared.redis_url:
         raise DapoError(f"{role} needs Redis: pass --redis-url or set shared.redis_url")
     setup_logging(role)
+    exit_with_parent()
     if config.shared.torch_threads and role in TORCH_ROLES:
         import torch
 

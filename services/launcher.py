@@ -24,6 +24,7 @@ from typing import IO, Any
 from services.common.config import DapoConfig, dump_config
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
+from services.common.lifecycle import PARENT_ENV
 from services.common.redis_server import RedisServer, connect, start_redis
 from services.evaluate import eval_plan, run_eval_plan
 from services.ledger import read_ledger
@@ -111,7 +112,17 @@ DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 def child_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
     env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())  # children exit if the launcher dies (even by SIGKILL)
     return env
+
+
+def raise_on_sigterm() -> None:
+    """SIGTERM to `dapo up` cleans up like Ctrl-C does."""
+
+    def _handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _handler)
 
 
 def ensure_model(config: DapoConfig) -> None:
@@ -233,6 +244,7 @@ def launch(
     started = time.monotonic()
     state = Launch(config, out)
     code = 1
+    raise_on_sigterm()
     try:
         plan = eval_plan(config)
         if plan is not None:

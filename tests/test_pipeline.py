@@ -124,3 +124,28 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
     report = json.loads((run_dir / "report.json").read_text())
     assert report["ledger"]["ok"] and report["ledger"]["version"] == 6
     assert not children_of(run_dir)
+
+
+def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path, tiny_model: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--run-dir",
+         str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "50",
+         "--set", "controller.eval.enabled=false"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    learner_log = run_dir / "logs" / "learner.log"
+    wait_for(lambda: learner_log.exists() and "ready" in learner_log.read_text(), 120,
+             "the learner to start")  # fmt: skip
+    url = yaml.safe_load((run_dir / "config.yaml").read_text())["shared"]["redis_url"]
+    proc.kill()  # SIGKILL: the launcher runs no clean-up at all
+    proc.wait()
+    wait_for(lambda: not children_of(run_dir), 30, "every service to exit")
+    wait_for(lambda: not reachable(url), 10, "the launcher's redis-server to exit")
+
+
+def reachable(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.ConnectionError:
+        return False

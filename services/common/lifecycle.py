@@ -6,6 +6,28 @@ import signal
 import threading
 from typing import Any
 
+PARENT_ENV = "DAPO_PARENT_PID"
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """If started by `dapo up`, SIGTERM ourselves once the launcher is gone.
+
+    Services run in their own session (so Ctrl-C reaches only the launcher, which stops
+    them in order); without this, a launcher killed by SIGKILL would leave them running.
+    """
+    import os
+
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+
+    def _watch() -> None:
+        while os.getppid() == int(parent):
+            threading.Event().wait(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=_watch, daemon=True, name="parent-watch").start()
+
 
 def stop_event_on_signals() -> threading.Event:
     """An Event set by SIGINT or SIGTERM (call from the main thread)."""

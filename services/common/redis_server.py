@@ -19,6 +19,16 @@ from services.common.errors import DapoError
 from services.common.net import free_port
 
 
+def die_with_parent() -> None:
+    """In the child before exec: on Linux, get SIGTERM when the parent dies (even SIGKILL)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def find_redis_server() -> str:
     """Path of a redis-server binary, or a DapoError saying how to get one."""
     found = shutil.which("redis-server")
@@ -52,8 +62,9 @@ class RedisServer:
             "--loglevel", "warning",
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=die_with_parent,
+        )  # fmt: skip
 
     @property
     def url(self) -> str:
