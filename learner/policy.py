@@ -8,9 +8,10 @@ global token count of the mini-batch), so accumulation adds exact gradients.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -54,6 +55,51 @@ class Policy(Protocol):
     def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
         """Export the full model as a transformers directory."""
         ...
+
+
+def _split(obj: Any, key: str, tensors: dict[str, Tensor]) -> Any:
+    """A JSON-able copy of nested state with each tensor replaced by a reference."""
+    if isinstance(obj, Tensor):
+        tensors[key] = obj.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        return {"__dict__": [[k, _split(v, f"{key}.{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, list | tuple):
+        return [_split(v, f"{key}.{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def _join(obj: Any, tensors: dict[str, Tensor]) -> Any:
+    if isinstance(obj, dict) and "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj["__dict__"]}
+    if isinstance(obj, list):
+        return [_join(v, tensors) for v in obj]
+    return obj
+
+
+def save_state(state: dict, directory: Path) -> None:
+    """Nested training state as safetensors (tensors) + JSON (structure): no pickle."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Tensor] = {}
+    structure = _split(state, "s", tensors)
+    seen: set[int] = set()
+    for key, tensor in tensors.items():  # tied weights share storage; safetensors refuses it
+        if tensor.numel() and tensor.data_ptr() in seen:
+            tensors[key] = tensor.clone()
+        seen.add(tensor.data_ptr())
+    save_file(tensors, str(directory / "state.safetensors"))
+    (directory / "state.json").write_text(json.dumps(structure))
+
+
+def load_state(directory: Path) -> dict:
+    """Inverse of `save_state`."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / "state.safetensors"))
+    return _join(json.loads((directory / "state.json").read_text()), tensors)
 
 
 def warmup_factor(step: int, warmup_steps: int) -> float:
@@ -123,7 +169,7 @@ class TorchPolicy:
             "scheduler": self.scheduler.state_dict(),
             "client": client_state,
         }
-        torch.save(state, root / tag / "torch_state.pt")
+        save_state(state, root / tag)
         tmp = root / "latest.tmp"
         tmp.write_text(tag)
         tmp.replace(root / "latest")
@@ -133,8 +179,7 @@ class TorchPolicy:
         latest = Path(directory) / "latest"
         if not latest.is_file():
             return None
-        path = Path(directory) / latest.read_text().strip() / "torch_state.pt"
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_state(Path(directory) / latest.read_text().strip())
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
