@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import struct
 import threading
 import uuid
@@ -44,6 +43,7 @@ from services.common.errors import DapoError
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
+from services.common.lifecycle import advertised_address
 from services.common.registry import Registration
 from services.common.streams import Entry, StreamConsumer
 from services.common.types import Group
@@ -344,10 +344,9 @@ class LearnerServer:
         )
         app = create_http_app("learner", status=self.learner.status)
         self.http: HttpServer = serve_http(app, server_cfg.host, server_cfg.http_port)
-        host = socket.gethostname() if server_cfg.host == "0.0.0.0" else server_cfg.host
         self.registration = Registration(
             client, self.learner.keys, "learner", f"learner-{uuid.uuid4().hex[:8]}",
-            {"address": f"{host}:{self.grpc_port}"},
+            {"address": advertised_address(server_cfg.host, self.grpc_port)},
         ).start()  # fmt: skip
 
     def stop(self) -> None:

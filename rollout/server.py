@@ -14,7 +14,6 @@ the buffer and learner enforce staleness).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from services.common.config import DapoConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
+from services.common.lifecycle import advertised_address
 from services.common.registry import Registration
 from services.common.tensor_codec import TensorWireError
 
@@ -279,11 +279,11 @@ class RolloutServer:
         if self.client is None or self.sync is None:
             return self
         host = self.config.rollout.server.host
-        name = socket.gethostname() if host == "0.0.0.0" else host
         self.registration = Registration(
             self.client, RunKeys(self.config.shared.run_name), "rollout",
             f"rollout-{uuid.uuid4().hex[:8]}",
-            {"address": f"{name}:{self.grpc_port}", "http": f"{name}:{self.http.port}",
+            {"address": advertised_address(host, self.grpc_port),
+             "http": advertised_address(host, self.http.port),
              "ready": False, "version": self.engine.version},
             ttl_s=self.config.rollout.registry_ttl_s,
         ).start()  # fmt: skip

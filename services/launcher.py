@@ -56,12 +56,16 @@ class Launch:
     max_restarts: int = 3
     evals: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def config_path(self) -> Path:
+        """The resolved config every child reads (written by `prepare`)."""
+        return self.run_dir / "config.yaml"
+
     def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = child_env()
-        config_path = self.run_dir / "config.yaml"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", role, "--config", str(config_path)],
+            [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path)],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
         return proc, log_file
@@ -140,7 +144,7 @@ def ensure_model(config: DapoConfig) -> None:
     print(f"built a random {config.shared.model_init} model in {path}")
 
 
-def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> Path:
+def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     """Start Redis if needed and write the resolved config every child reads."""
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
@@ -151,10 +155,8 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> Path:
         getattr(data, section).server.grpc_port = 0
         getattr(data, section).server.http_port = 0
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    path.write_text(dump_config(data))
+    launch.config_path.write_text(dump_config(data))
     launch.config = data
-    return path
 
 
 def last_metrics(client: Any, keys: RunKeys) -> dict[str, Any] | None:

@@ -73,10 +73,6 @@ def register_service(config: Any, role: str, host: str, grpc_port: int) -> Any:
 
 def wait_until_stopped(stop: threading.Event, registration: Any, poll_s: float = 0.5) -> None:
     """Block until a signal, or until the run's learner marked the run done."""
-    from services.common.keys import RunKeys
-
-    client = registration.client if registration is not None else None
-    done_key = RunKeys(registration.key.split(":")[1]).done if registration is not None else None
     while not stop.wait(poll_s):
-        if client is not None and client.exists(done_key):
+        if registration is not None and registration.client.exists(registration.keys.done):
             return

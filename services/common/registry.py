@@ -27,7 +27,8 @@ class Registration:
         info: dict[str, Any],
         ttl_s: float = 5.0,
     ) -> None:
-        self.client, self.key, self.ttl_s = client, f"{keys.registry(role)}:{instance}", ttl_s
+        self.client, self.keys, self.ttl_s = client, keys, ttl_s
+        self.key = f"{keys.registry(role)}:{instance}"
         self.info = dict(info, instance=instance)
         self._lock = threading.Lock()  # a heartbeat must not re-send info older than an update
         self._stop = threading.Event()

@@ -66,7 +66,7 @@ class Controller:
         self._stubs: dict[str, Any] = {}
         self._rate = RateEstimator()
         self._skips: Tally[str] = Tally()
-        self._lag, self._lag_checked = 0, 0.0
+        self._registry: dict[str, tuple[float, list[dict[str, Any]]]] = {}
 
     # ------------------------------------------------------------------ admission
     def version(self) -> int:
@@ -98,14 +98,23 @@ class Controller:
             self.rollout_lag(),
         )  # fmt: skip
 
+    def instances(self, role: str) -> list[dict[str, Any]]:
+        """Registered instances of a role, re-read from Redis at most every 50 ms.
+
+        Every admission check and every group asks; a SCAN each time would put Redis
+        round trips on the hot path for no fresher answer than the heartbeats give.
+        """
+        now = time.monotonic()
+        cached = self._registry.get(role)
+        if cached is None or now - cached[0] > 0.05:
+            cached = (now, discover(self.client, self.keys, role))
+            self._registry[role] = cached
+        return cached[1]
+
     def rollout_lag(self) -> int:
         """Versions the slowest registered rollout server is behind the learner."""
-        now = time.monotonic()
-        if now - self._lag_checked > 0.05:
-            versions = [i.get("version", 0) for i in discover(self.client, self.keys, "rollout")]
-            self._lag = max(self.version() - min(versions), 0) if versions else 0
-            self._lag_checked = now
-        return self._lag
+        versions = [i.get("version", 0) for i in self.instances("rollout")]
+        return max(self.version() - min(versions), 0) if versions else 0
 
     def skip_reason(self, record: PromptRecord) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out one epoch at a time.
@@ -153,7 +162,7 @@ class Controller:
 
     def pick_rollout(self) -> str | None:
         """The ready rollout server with the fewest of our requests in flight."""
-        ready = [i["address"] for i in discover(self.client, self.keys, "rollout") if i["ready"]]
+        ready = [i["address"] for i in self.instances("rollout") if i["ready"]]
         if not ready:
             return None
         with self._lock:
@@ -189,7 +198,7 @@ class Controller:
         request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
         backoff = 0.1
         while not stop.is_set():
-            rewards = discover(self.client, self.keys, "reward")
+            rewards = self.instances("reward")
             try:
                 if not rewards:
                     raise ConnectionError("no reward service registered")
