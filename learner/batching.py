@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -48,6 +48,7 @@ class TrainSequence:
     policy_version: int = 0
     group_id: str = ""
     old_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None  # π_ref per response token, set when a KL term is on
 
     @property
     def length(self) -> int:
@@ -110,6 +111,7 @@ class LossInputs:
     advantages: Tensor  # [B, L] float32: the row's advantage on response tokens, else 0
     old_logprobs: Tensor | None  # [B, L] float32: π_old of input_ids[b, t] on responses, else 0
     rollout_logprobs: Tensor | None  # [B, L] float32: the engine's log-probs, same layout
+    ref_logprobs: Tensor | None  # [B, L] float32: the reference model's, same layout (KL only)
     truncated: Tensor  # [B] bool: response did not end on its own
     response_lengths: Tensor  # [B] int64
     index: Tensor  # [B] int64: position of each row in the list given to `collate`
@@ -125,6 +127,7 @@ class LossInputs:
             "advantages": ((b, length), torch.float32),
             "old_logprobs": ((b, length), torch.float32),
             "rollout_logprobs": ((b, length), torch.float32),
+            "ref_logprobs": ((b, length), torch.float32),
             "truncated": ((b,), torch.bool),
             "response_lengths": ((b,), torch.int64),
             "index": ((b,), torch.int64),
@@ -176,6 +179,7 @@ def collate(
         advantages=advantages,
         old_logprobs=_response_values(seqs, length, _old_or_rollout),
         rollout_logprobs=_response_values(seqs, length, lambda s: s.rollout_logprobs),
+        ref_logprobs=_response_values(seqs, length, lambda s: s.ref_logprobs),
         truncated=truncated,
         response_lengths=torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.int64),
         index=torch.arange(b, dtype=torch.int64),
@@ -215,16 +219,20 @@ def logprobs_for_inputs(
 
 
 def assign_old_logprobs(
-    seqs: Sequence[TrainSequence], inputs: LossInputs, logprobs: Tensor
+    seqs: Sequence[TrainSequence],
+    inputs: LossInputs,
+    logprobs: Tensor,
+    attr: Literal["old_logprobs", "ref_logprobs"] = "old_logprobs",
 ) -> None:
-    """Store the learner's π_old `[B, L]` (from `logprobs_for_inputs`) on the sequences.
+    """Store learner log-probs `[B, L]` (from `logprobs_for_inputs`) on the sequences.
 
-    `seqs` is the list that was given to `collate` to build `inputs`.
+    `seqs` is the list that was given to `collate` to build `inputs`; `attr` says whose
+    log-probs they are: π_old (the default) or the KL reference's.
     """
     lp = logprobs.detach().float().cpu()
     mask = inputs.response_mask.cpu()
     for row, idx in enumerate(inputs.index.tolist()):
-        seqs[idx].old_logprobs = lp[row][mask[row]].clone()
+        setattr(seqs[idx], attr, lp[row][mask[row]].clone())
 
 
 class LossCounts(NamedTuple):

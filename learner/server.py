@@ -35,6 +35,7 @@ from prometheus_client import Counter, Gauge
 
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
+from learner.reference import Reference
 from learner.step import StepMetrics, train_step
 from learner.weights import WeightServicer, add_weight_service, snapshot
 from services.common.adapters import decode_group
@@ -99,12 +100,14 @@ class Trainer:
         self.pad_id = pad_token_id(self.model_path)
         self.policy: Policy = build_policy(self.model_path, config.learner)
         self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
+        kl_on = config.learner.kl_coef > 0
+        self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
 
     def train(self, groups: list[Group], seed: int) -> StepMetrics:
         cfg, shared = self.config.learner, self.config.shared
         metrics = train_step(
             self.policy, groups, cfg, self.pad_id, self.config.rollout.sampling.temperature,
-            shared.max_response_length, seed=seed, dp=self.dp,
+            shared.max_response_length, seed=seed, dp=self.dp, reference=self.reference,
         )  # fmt: skip
         self.policy.advance_schedule()
         return metrics

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from learner.algorithm import agg_loss, masked_mean, per_token_loss
+from learner.algorithm import agg_loss, kl_k3, masked_mean, per_token_loss, tis_weights
 from learner.batching import (
     LossCounts,
+    LossInputs,
     TrainSequence,
     assign_old_logprobs,
     balance_across_ranks,
@@ -35,6 +36,7 @@ from learner.batching import (
 from learner.config import LearnerConfig
 from learner.dist import DataParallel, Single
 from learner.policy import Policy
+from learner.reference import Reference
 from services.common.types import Group
 
 MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
@@ -56,6 +58,7 @@ class StepMetrics:
     reward_mean: float = 0.0
     accuracy: float = 0.0
     logprob_gap: float = 0.0
+    kl: float = 0.0
     updates: int = 0
     seconds: float = 0.0
 
@@ -106,8 +109,12 @@ def recompute_old_logprobs(
     temperature: float,
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
+    reference: Reference | None = None,
 ) -> float:
-    """Fill each sequence's π_old; return the mean |learner − rollout| log-prob gap."""
+    """Fill each sequence's π_old (and π_ref when a reference is given).
+
+    Returns the mean |learner − rollout| log-prob gap.
+    """
     dp = dp or Single()
     sums = torch.zeros(2, dtype=torch.float64)  # |gap| sum, token count
     fallback = fallback or seqs[0]
@@ -118,6 +125,10 @@ def recompute_old_logprobs(
             continue
         logprobs, _ = logprobs_for_inputs(logits, inputs.input_ids.to(logits.device), temperature)
         assign_old_logprobs(batch, inputs, logprobs)
+        if reference is not None:
+            ref_logits = reference.forward(inputs.input_ids, inputs.attention_mask)
+            ref, _ = logprobs_for_inputs(ref_logits, inputs.input_ids.to(ref_logits.device))
+            assign_old_logprobs(batch, inputs, ref, attr="ref_logprobs")
         if inputs.rollout_logprobs is not None:
             mask = inputs.response_mask
             diff = (logprobs.float().cpu() - inputs.rollout_logprobs).abs()
@@ -135,8 +146,9 @@ def train_step(
     max_response_length: int,
     seed: int = 0,
     dp: DataParallel | None = None,
+    reference: Reference | None = None,
 ) -> StepMetrics:
-    """Recompute π_old, then one optimizer update per mini-batch."""
+    """Recompute π_old (and π_ref), then one optimizer update per mini-batch."""
     started = time.monotonic()
     dp = dp or Single()
     seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
@@ -145,9 +157,9 @@ def train_step(
     own = [seqs[i] for share in shares for i in share]
     metrics = StepMetrics()
     metrics.logprob_gap = recompute_old_logprobs(
-        policy, own, cfg, pad_id, temperature, dp, fallback=seqs[0]
+        policy, own, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
     )
-    totals = torch.zeros(5, dtype=torch.float64)  # loss·tok, clip high, clip low, ent·tok, tok
+    totals = torch.zeros(6, dtype=torch.float64)  # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok
     for mb, share in zip(minis, shares, strict=True):
         totals += accumulate(
             policy, [seqs[i] for i in share], cfg, pad_id, temperature, max_response_length,
@@ -170,6 +182,7 @@ def _fill_metrics(
     metrics.clip_frac_high = float(totals[1]) / tokens
     metrics.clip_frac_low = float(totals[2]) / tokens
     metrics.entropy = float(totals[3]) / tokens
+    metrics.kl = float(totals[5]) / tokens
     metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
     metrics.response_length = metrics.tokens / max(len(seqs), 1)
     metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
@@ -194,16 +207,18 @@ def accumulate(
     dp = dp or Single()
     counts = global_counts(seqs, cfg.overlong_filtering, dp)
     plan = plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp)
-    sums = torch.zeros(5, dtype=torch.float64)
+    sums = torch.zeros(6, dtype=torch.float64)
     for k, (batch, real) in enumerate(plan):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
         logits = policy.forward(inputs.input_ids, inputs.attention_mask)
         inputs = inputs.to(logits.device)
         logprobs, entropy = logprobs_for_inputs(logits, inputs.input_ids, temperature)
         assert inputs.old_logprobs is not None
+        kl = kl_term(logprobs, inputs, cfg)
         loss_mat, stats = per_token_loss(
             logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask,
             cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.logratio_clamp,
+            is_weights=importance_weights(inputs, cfg), kl=kl, kl_coef=cfg.kl_coef,
         )  # fmt: skip
         loss = agg_loss(
             loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
@@ -211,14 +226,35 @@ def accumulate(
         )  # fmt: skip
         policy.backward(loss if real else loss * 0.0, last=k == len(plan) - 1)
         if real:
-            sums += _micro_sums(float(loss.detach()), counts, stats, entropy, inputs.loss_mask)
+            sums += _micro_sums(float(loss.detach()), counts, stats, entropy, kl, inputs.loss_mask)
     return sums
 
 
-def _micro_sums(loss: float, counts: LossCounts, stats, entropy, mask) -> torch.Tensor:
+def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> torch.Tensor | None:
+    """Truncated IS weights π_old / π_rollout when `tis_cap` is set, else None."""
+    if cfg.tis_cap is None:
+        return None
+    if inputs.rollout_logprobs is None or inputs.old_logprobs is None:
+        raise ValueError("tis_cap is set but some responses came without rollout log-probs")
+    return tis_weights(
+        inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap, cfg.logratio_clamp
+    )
+
+
+def kl_term(logprobs: torch.Tensor, inputs: LossInputs, cfg: LearnerConfig) -> torch.Tensor | None:
+    """Per-token k3 KL to the reference when `kl_coef` > 0, else None."""
+    if cfg.kl_coef == 0.0:
+        return None
+    if inputs.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs reference log-probs: pass a Reference to train_step")
+    return kl_k3(logprobs, inputs.ref_logprobs.to(logprobs.device), cfg.logratio_clamp)
+
+
+def _micro_sums(loss: float, counts: LossCounts, stats, entropy, kl, mask) -> torch.Tensor:
     n = float(stats.tokens)
+    kl_mean = float(masked_mean(kl.detach(), mask)) if kl is not None else 0.0
     return torch.tensor(
         [loss * counts.tokens, float(stats.clipped_high), float(stats.clipped_low),
-         float(masked_mean(entropy, mask)) * n, n],
+         float(masked_mean(entropy, mask)) * n, n, kl_mean * n],
         dtype=torch.float64,
     )  # fmt: skip

@@ -1,0 +1,120 @@
+"""The learner's optional corrections, wired into the step: truncated importance sampling
+against the rollout engine's log-probs (`tis_cap`) and a KL term to a frozen reference
+(`kl_coef`). Both are off in DAPO; when on, they must change the gradient exactly as
+the algorithm module says.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.algorithm import agg_loss, kl_k3
+from learner.batching import collate, logprobs_for_inputs, loss_counts, sequences_from_groups
+from learner.config import LearnerConfig
+from learner.policy import TorchPolicy, load_model
+from learner.reference import Reference
+from learner.step import accumulate, recompute_old_logprobs, train_step
+from tests.learner_fixtures import make_groups
+
+MAX_LEN = 16
+
+
+def _cfg(**kw) -> LearnerConfig:
+    return LearnerConfig(lr=1e-3, micro_batch_tokens=64, **kw)
+
+
+def _prepared(model: Path, cfg: LearnerConfig, reference: Reference | None = None):
+    """A fresh policy and the fixed batch with π_old recomputed (and moved off π_θ)."""
+    policy = TorchPolicy(load_model(model), cfg)
+    seqs = sequences_from_groups(make_groups())
+    recompute_old_logprobs(policy, seqs, cfg, 0, 1.0, reference=reference)
+    for s in seqs:  # so that the clip branches matter
+        s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
+    return policy, seqs
+
+
+def _grads(policy: TorchPolicy) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+def _tis_grads(model: Path, cap: float | None, log_ratio: float) -> dict[str, torch.Tensor]:
+    cfg = _cfg(tis_cap=cap)
+    policy, seqs = _prepared(model, cfg)
+    for s in seqs:  # the engine sampled with log π_rollout = log π_old − log_ratio
+        s.rollout_logprobs = (s.old_logprobs - log_ratio).tolist()
+    accumulate(policy, seqs, cfg, 0, 1.0, MAX_LEN)
+    return _grads(policy)
+
+
+@pytest.mark.parametrize("cap, expected", [(5.0, 2.0), (1.5, 1.5)])
+def test_tis_scales_the_gradient_by_the_capped_ratio(
+    tiny_model: Path, cap: float, expected: float
+) -> None:
+    """π_old / π_rollout = 2 on every token: the gradient is 2× (or the cap) the plain one."""
+    plain = _tis_grads(tiny_model, None, math.log(2.0))
+    weighted = _tis_grads(tiny_model, cap, math.log(2.0))
+    assert plain.keys() == weighted.keys() and plain
+    for name, g in plain.items():
+        torch.testing.assert_close(weighted[name], expected * g, rtol=1e-5, atol=1e-7)
+
+
+def test_tis_without_rollout_logprobs_is_a_clear_error(tiny_model: Path) -> None:
+    cfg = _cfg(tis_cap=2.0)
+    policy, seqs = _prepared(tiny_model, cfg)
+    seqs[0].rollout_logprobs = None
+    with pytest.raises(ValueError, match="tis_cap"):
+        accumulate(policy, seqs, cfg, 0, 1.0, MAX_LEN)
+
+
+def _perturbed_reference(model: Path) -> Reference:
+    ref = load_model(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return Reference(ref)
+
+
+def test_kl_adds_exactly_coef_times_the_token_mean_k3_gradient(tiny_model: Path) -> None:
+    reference, coef = _perturbed_reference(tiny_model), 0.3
+    grads = {}
+    for kl_coef in (0.0, coef):
+        cfg = _cfg(kl_coef=kl_coef)
+        policy, seqs = _prepared(tiny_model, cfg, reference)
+        accumulate(policy, seqs, cfg, 0, 1.0, MAX_LEN)
+        grads[kl_coef] = _grads(policy)
+
+    cfg = _cfg(kl_coef=coef)
+    policy, seqs = _prepared(tiny_model, cfg, reference)
+    inputs = collate(seqs, 0)
+    logprobs, _ = logprobs_for_inputs(policy.forward(inputs.input_ids, inputs.attention_mask),
+                                      inputs.input_ids)  # fmt: skip
+    assert inputs.ref_logprobs is not None
+    counts = loss_counts(seqs)
+    kl = kl_k3(logprobs, inputs.ref_logprobs)
+    agg_loss(
+        kl, inputs.loss_mask, "token_mean", counts.tokens, counts.sequences, MAX_LEN
+    ).backward()
+    by_hand = _grads(policy)
+    assert any(g.abs().max() > 1e-6 for g in by_hand.values())  # the KL gradient is not zero
+    for name, g in by_hand.items():
+        torch.testing.assert_close(grads[coef][name] - grads[0.0][name], coef * g,
+                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+
+
+def test_kl_step_reports_kl_and_needs_a_reference(tiny_model: Path) -> None:
+    cfg = _cfg(kl_coef=0.1)
+    policy = TorchPolicy(load_model(tiny_model), cfg)
+    with pytest.raises(ValueError, match="reference"):
+        train_step(policy, make_groups(), cfg, 0, 1.0, MAX_LEN)
+    metrics = train_step(
+        policy, make_groups(), cfg, 0, 1.0, MAX_LEN, reference=_perturbed_reference(tiny_model)
+    )
+    assert metrics.kl > 0 and math.isfinite(metrics.loss)
+    plain = train_step(TorchPolicy(load_model(tiny_model), _cfg()), make_groups(), _cfg(), 0, 1.0,
+                       MAX_LEN)  # fmt: skip
+    assert plain.kl == 0.0
