@@ -182,19 +182,23 @@ class VerifierPool:
 
     def submit(self, task: Task) -> Future[Outcome]:
         """Queue one task; the future always gets an Outcome, never an exception."""
-        job = _Job(task)
+        return self.submit_many([task])[0]
+
+    def submit_many(self, tasks: Sequence[Task]) -> list[Future[Outcome]]:
+        """Queue a batch under one lock and one wake-up of the dispatcher (not one each)."""
+        jobs = [_Job(task) for task in tasks]
         if self._closed.is_set():
-            job.future.set_result(_failed(task, "reward pool is shut down"))
-            return job.future
+            for job in jobs:
+                job.future.set_result(_failed(job.task, "reward pool is shut down"))
+            return [job.future for job in jobs]
         with self._lock:
-            self._queue.append(job)
+            self._queue.extend(jobs)
         self._wake()
-        return job.future
+        return [job.future for job in jobs]
 
     def run_all(self, tasks: Sequence[Task]) -> list[Outcome]:
         """Submit every task, wait for all; results in input order."""
-        futures = [self.submit(t) for t in tasks]
-        return [f.result() for f in futures]
+        return [f.result() for f in self.submit_many(tasks)]
 
     def close(self) -> None:
         """Stop the dispatcher and the workers; pending tasks get an error outcome."""
