@@ -71,19 +71,30 @@ def make_ca(path: Path, cn: str) -> tuple[Issued, ec.EllipticCurvePrivateKey, x5
 
 
 def issue(
-    path: Path, cn: str, ca_key: ec.EllipticCurvePrivateKey, ca_name: x509.Name, server: bool
+    path: Path,
+    cn: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_name: x509.Name,
+    server: bool,
+    client: bool = False,
 ) -> Issued:
+    """A leaf cert; server certs name localhost, dapo.internal and 127.0.0.1."""
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName("localhost"), x509.DNSName("dapo.internal")]
-    names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
-    usage = x509.oid.ExtendedKeyUsageOID.SERVER_AUTH if server else None
     builder = _builder(cn, ca_name, key.public_key())
     if server:
+        names = [x509.DNSName("localhost"), x509.DNSName("dapo.internal")]
+        names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
         builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    else:
-        usage = x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH
-    builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    oids = x509.oid.ExtendedKeyUsageOID
+    usages = [oids.SERVER_AUTH] * server + [oids.CLIENT_AUTH] * (client or not server)
+    builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
     return _write(path, key, builder.sign(ca_key, hashes.SHA256()))
+
+
+def make_node_cert(root: Path) -> tuple[Path, Issued]:
+    """A CA and one cert good as server and client: every process of a `dapo up` run."""
+    ca, ca_key, ca_name = make_ca(root / "ca", "dapo run CA")
+    return ca.cert, issue(root / "node", "dapo node", ca_key, ca_name, server=True, client=True)
 
 
 def make_pki(root: Path) -> Pki:
