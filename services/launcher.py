@@ -64,7 +64,7 @@ class Launch:
 
     def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
-        env = {**child_env(), **secret_env(self.config.security)}
+        env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path)],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,

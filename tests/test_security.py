@@ -252,6 +252,12 @@ def test_secrets_are_masked_and_leave_config_files(tmp_path: Path) -> None:
     }
     stripped = without_secrets(config.security)
     assert stripped.auth.token is None and stripped.redis.password is None
+    with_url = load_config(env={"DAPO_SHARED__REDIS_URL": "redis://u:pw-9@h:1/0"})
+    assert "pw-9" not in dump_config(with_url) and "u:***@h:1" in dump_config(with_url)
+    assert secret_env(with_url.security, with_url.shared.redis_url) == {
+        "DAPO_SHARED__REDIS_URL": "redis://u:pw-9@h:1/0"
+    }
+    assert secret_env(SecurityConfig(), "redis://h:1/0") == {}
     numeric = DapoConfig.model_validate({"security": {"auth": {"token": 12345}}})
     assert numeric.security.auth.secret() == "12345"
     assert redact_url("redis://u:pw@h:6379/0") == "redis://u:***@h:6379/0"

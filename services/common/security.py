@@ -30,10 +30,11 @@ ADMIN_RPCS = frozenset(
     }
 )
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-# Leaf names of secret fields: the environment gives them verbatim (no YAML parsing).
-SECRET_FIELDS = frozenset({"token", "password"})
+# Leaf names the environment gives verbatim (no YAML parsing): secrets, URLs with passwords.
+VERBATIM_FIELDS = frozenset({"token", "password", "redis_url"})
 TOKEN_ENV = "DAPO_SECURITY__AUTH__TOKEN"
 REDIS_PASSWORD_ENV = "DAPO_SECURITY__REDIS__PASSWORD"
+REDIS_URL_ENV = "DAPO_SHARED__REDIS_URL"
 
 
 class SecurityError(DapoError):
@@ -165,9 +166,14 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def secret_env(security: SecurityConfig) -> dict[str, str]:
-    """Inline secrets as environment variables, for child processes."""
+def secret_env(security: SecurityConfig, redis_url: str | None = None) -> dict[str, str]:
+    """Inline secrets (and a Redis URL holding a password) as environment variables.
+
+    For child processes: the config file they read has these masked.
+    """
     env = {}
+    if redis_url is not None and redact_url(redis_url) != redis_url:
+        env[REDIS_URL_ENV] = redis_url
     if security.auth.token is not None:
         env[TOKEN_ENV] = security.auth.token.get_secret_value()
     if security.redis.password is not None:
