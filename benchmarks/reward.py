@@ -96,10 +96,9 @@ def start_service(workers: int) -> Any:
 
 def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
     """Interleave the two sides per repetition so machine noise hits both alike."""
-    import grpc
-
     from dapo.v1 import reward_pb2_grpc
     from reward.preload import warm_up
+    from services.common.grpc_server import insecure_channel
 
     warm_up()
     golds, source = gold_answers()
@@ -111,7 +110,7 @@ def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
     agree = total = 0
     cpu = {"service_process_cpu_s": 0.0, "worker_busy_s": 0.0}
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        with insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
             run_service(stub, make_items(golds, 2 * workers, 10_000))  # connect + warm
             for rep in range(reps):

@@ -9,7 +9,7 @@ import os
 
 from services.common.config import DapoConfig
 from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect
+from services.common.redis_server import connect_run
 
 
 def run(config: DapoConfig) -> None:
@@ -22,7 +22,7 @@ def run(config: DapoConfig) -> None:
     from learner.server import LearnerServer
 
     stop = stop_event_on_signals()
-    server = LearnerServer(config, connect(config.shared.redis_url))
+    server = LearnerServer(config, connect_run(config))
     announce("learner", grpc=server.grpc_port, http=server.http.port)
     try:
         server.learner.run(stop)

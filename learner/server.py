@@ -344,8 +344,9 @@ class LearnerServer:
             server_cfg,
             lambda s: add_weight_service(self.learner.weights, s),
             ["dapo.v1.WeightService"],
+            security=config.security,
         )
-        app = create_http_app("learner", status=self.learner.status)
+        app = create_http_app("learner", status=self.learner.status, auth=config.security.auth)
         self.http: HttpServer = serve_http(app, server_cfg.host, server_cfg.http_port)
         self.registration = Registration(
             client, self.learner.keys, "learner", f"learner-{uuid.uuid4().hex[:8]}",

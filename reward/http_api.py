@@ -10,6 +10,7 @@ the limit. See docs/reward.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -117,10 +118,16 @@ def error_response(exc: RequestError) -> JSONResponse:
     return JSONResponse(content, status_code=exc.http_status)
 
 
-def add_score_route(app: FastAPI, scorer: Scorer, max_request_bytes: int) -> None:
-    """Mount POST /v1/score on `app`."""
+def add_score_route(
+    app: FastAPI, scorer: Scorer, max_request_bytes: int, dependencies: Sequence[Any] = ()
+) -> None:
+    """Mount POST /v1/score on `app` (`dependencies`: e.g. the bearer-token guard)."""
 
-    @app.post("/v1/score", summary="Score responses against ground truths (docs/reward.md)")
+    @app.post(
+        "/v1/score",
+        summary="Score responses against ground truths (docs/reward.md)",
+        dependencies=list(dependencies),
+    )
     async def score(request: Request) -> JSONResponse:
         try:
             body = await read_body(request, max_request_bytes)

@@ -24,7 +24,8 @@ from reward.scoring import Limits, RequestError, Scorer
 from reward.shaping import OverlongShaping
 from services.common.config import DapoConfig
 from services.common.grpc_server import start_grpc_server
-from services.common.http import HttpServer, create_http_app, serve_http
+from services.common.http import HttpServer, create_http_app, serve_http, token_guard
+from services.common.security import AuthConfig
 
 SERVICE_NAME = "dapo.v1.RewardService"
 
@@ -78,10 +79,13 @@ def create_scorer(config: DapoConfig) -> Scorer:
     return Scorer(pool, limits, shaping, cfg.default_verifier)
 
 
-def create_app(scorer: Scorer, max_request_bytes: int) -> FastAPI:
+def create_app(scorer: Scorer, max_request_bytes: int, auth: AuthConfig | None = None) -> FastAPI:
     """/healthz, /readyz (all workers up), /metrics, /status and POST /v1/score."""
-    app = create_http_app("reward", ready=lambda: scorer.pool.ready, status=scorer.status)
-    add_score_route(app, scorer, max_request_bytes)
+    app = create_http_app(
+        "reward", ready=lambda: scorer.pool.ready, status=scorer.status, auth=auth
+    )
+    guard = token_guard(auth) if auth is not None and auth.scope == "all" else []
+    add_score_route(app, scorer, max_request_bytes, guard)
     return app
 
 
@@ -110,9 +114,11 @@ def create_server(config: DapoConfig) -> RewardServer:
     cfg = config.reward
     try:
         servicer = RewardServicer(scorer)
-        grpc_server, grpc_port = start_grpc_server(cfg.server, servicer.register, [SERVICE_NAME])
+        grpc_server, grpc_port = start_grpc_server(
+            cfg.server, servicer.register, [SERVICE_NAME], security=config.security
+        )
         try:
-            app = create_app(scorer, cfg.max_request_bytes)
+            app = create_app(scorer, cfg.max_request_bytes, config.security.auth)
             http = serve_http(app, cfg.server.host, cfg.server.http_port)
         except BaseException:
             grpc_server.stop(0)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from rollout.server import RolloutServer, build_engine
 from services.common.config import DapoConfig
 from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect
+from services.common.redis_server import connect_run
 
 
 def run(config: DapoConfig) -> None:
     stop = stop_event_on_signals()
-    client = connect(config.shared.redis_url) if config.shared.redis_url else None
+    client = connect_run(config) if config.shared.redis_url else None
     server = RolloutServer(config, client, build_engine(config)).start()
     announce("rollout", grpc=server.grpc_port, http=server.http.port)
     try:

@@ -251,9 +251,14 @@ class RolloutServer:
             lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(self.servicer, s),
             ["dapo.v1.RolloutService"],
             max_workers=config.rollout.max_concurrent_requests + CONTROL_THREADS,
+            security=config.security,
         )
         app = create_http_app(
-            "rollout", ready=self.ready, status=self.status, registry=self.metrics.registry
+            "rollout",
+            ready=self.ready,
+            status=self.status,
+            registry=self.metrics.registry,
+            auth=config.security.auth,
         )
         self.http: HttpServer = serve_http(
             app, config.rollout.server.host, config.rollout.server.http_port

@@ -25,7 +25,7 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
 from services.common.config import DapoConfig
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
 from services.common.tensor_codec import TensorWireError, WeightAssembler, to_torch
@@ -106,8 +106,8 @@ class WeightSync:
             log.info("version %d published but no learner registered yet", target)
             return False
         max_bytes = self.config.learner.server.max_message_bytes
-        with insecure_channel(learners[0]["address"], max_bytes) as channel:
-            stub = learner_pb2_grpc.WeightServiceStub(channel)
+        with channel(learners[0]["address"], self.config.security, max_bytes) as chan:
+            stub = learner_pb2_grpc.WeightServiceStub(chan)
             offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
             if offered <= self.served:
                 return False  # the learner's snapshot is not there yet

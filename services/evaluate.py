@@ -171,18 +171,18 @@ def eval_plan(config: Any) -> EvalPlan | None:
 def fetch_latest_weights(config: Any, engine: Any) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
     from dapo.v1 import learner_pb2, learner_pb2_grpc
-    from services.common.grpc_server import insecure_channel
+    from services.common.grpc_server import channel as grpc_channel
     from services.common.keys import RunKeys
-    from services.common.redis_server import connect
+    from services.common.redis_server import connect_run
     from services.common.registry import discover
     from services.common.tensor_codec import assemble_update, to_torch
 
-    learners = discover(
-        connect(config.shared.redis_url), RunKeys(config.shared.run_name), "learner"
-    )
+    learners = discover(connect_run(config), RunKeys(config.shared.run_name), "learner")
     if not learners:
         raise DapoError("no learner registered: cannot fetch the final weights")
-    channel = insecure_channel(learners[0]["address"], config.learner.server.max_message_bytes)
+    channel = grpc_channel(
+        learners[0]["address"], config.security, config.learner.server.max_message_bytes
+    )
     try:
         stub = learner_pb2_grpc.WeightServiceStub(channel)
         buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(), timeout=300)

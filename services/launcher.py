@@ -25,7 +25,8 @@ from services.common.config import DapoConfig, dump_config
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.lifecycle import PARENT_ENV
-from services.common.redis_server import RedisServer, connect, start_redis
+from services.common.redis_server import RedisServer, connect_run, start_redis
+from services.common.security import secret_env, without_secrets
 from services.evaluate import eval_plan, run_eval_plan
 from services.ledger import read_ledger
 from services.report import kept_ratios, save_report, summary_lines, write_plots
@@ -63,7 +64,7 @@ class Launch:
 
     def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
-        env = child_env()
+        env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path)],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -148,14 +149,16 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     """Start Redis if needed and write the resolved config every child reads."""
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
-        launch.redis_server = start_redis()
+        launch.redis_server = start_redis(password=config.security.redis.secret())
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
     for section in ROLES:
         getattr(data, section).server.grpc_port = 0
         getattr(data, section).server.http_port = 0
+    # Inline secrets reach the children through their environment (spawn), not the file.
+    file_data = data.model_copy(update={"security": without_secrets(data.security)})
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    launch.config_path.write_text(dump_config(data))
+    launch.config_path.write_text(dump_config(file_data))
     launch.config = data
 
 
@@ -170,7 +173,7 @@ def monitor(launch: Launch) -> int:
 
     config = launch.config
     assert config.shared.redis_url
-    client = connect(config.shared.redis_url)
+    client = connect_run(config)
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
@@ -210,7 +213,7 @@ def update_bar(
 
 def write_report(launch: Launch, started: float, code: int) -> Path:
     config = launch.config
-    client = connect(config.shared.redis_url or "")
+    client = connect_run(config)
     keys = RunKeys(config.shared.run_name)
     # A stream id starts with its Redis server time in ms: when the step was committed.
     steps = [dict(json.loads(f[b"json"]), committed_at=int(eid.split(b"-")[0]) / 1000)

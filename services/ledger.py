@@ -129,11 +129,11 @@ def format_ledger(ledger: Ledger) -> str:
 def print_ledger(config, as_json: bool = False) -> int:
     """`dapo ledger`: print the run's ledger; exit 1 on any mismatch."""
     from services.common.errors import DapoError
-    from services.common.redis_server import connect
+    from services.common.redis_server import connect_run
 
     if not config.shared.redis_url:
         raise DapoError("pass --redis-url (or set shared.redis_url) to read a run's ledger")
-    ledger = read_ledger(connect(config.shared.redis_url), config.shared.run_name)
+    ledger = read_ledger(connect_run(config), config.shared.run_name)
     print(json.dumps(ledger.as_dict(), indent=2) if as_json else format_ledger(ledger))
     if ledger.problems():
         print("ledger mismatch", file=sys.stderr)

@@ -117,5 +117,5 @@ class Buffer:
 def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Buffer, HttpServer]:
     """The buffer plus its HTTP endpoints (not yet consuming: call buffer.run)."""
     buffer = Buffer(config, client)
-    app = create_http_app("buffer", status=buffer.status)
+    app = create_http_app("buffer", status=buffer.status, auth=config.security.auth)
     return buffer, serve_http(app, config.buffer.server.host, config.buffer.server.http_port)

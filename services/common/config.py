@@ -22,6 +22,7 @@ from rollout.config import RolloutConfig
 from services.buffer.config import BufferConfig
 from services.common.errors import DapoError
 from services.common.presets import PRESETS
+from services.common.security import VERBATIM_FIELDS, SecurityConfig, redact_url
 from services.common.server_config import StrictModel
 from services.controller.config import ControllerConfig
 
@@ -71,6 +72,7 @@ class DapoConfig(StrictModel):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
 
     @property
     def model_path(self) -> str | None:
@@ -131,7 +133,8 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
             path = key[len(ENV_PREFIX) :].lower().split("__")
-            out = deep_merge(out, nested(path, parse_scalar(value)))
+            parsed = value if path[-1] in VERBATIM_FIELDS else parse_scalar(value)
+            out = deep_merge(out, nested(path, parsed))
     return out
 
 
@@ -184,8 +187,10 @@ def load_config(
 
 
 def dump_config(config: DapoConfig, fmt: str = "yaml") -> str:
-    """The resolved config as YAML (default) or JSON."""
+    """The resolved config as YAML (default) or JSON; secrets and URL passwords masked."""
     data = config.model_dump(mode="json")
+    if data["shared"]["redis_url"]:
+        data["shared"]["redis_url"] = redact_url(data["shared"]["redis_url"])
     if fmt == "json":
         import json
 

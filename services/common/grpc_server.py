@@ -1,15 +1,32 @@
-"""gRPC server construction shared by every service: size limits and grpc.health.v1."""
+"""gRPC construction shared by every service: size limits, TLS/mTLS, bearer token, health.
+
+Servers come from `start_grpc_server`, client channels from `channel`; both read the one
+`security` config block (services/common/security.py), so no call site handles
+credentials itself.
+"""
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.errors import PortInUseError
+from services.common.security import (
+    AuthConfig,
+    SecurityConfig,
+    TlsConfig,
+    bearer_ok,
+    read_pem,
+)
 from services.common.server_config import ServerConfig
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (metadata `authorization: Bearer …`)"
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -20,16 +37,116 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+# ------------------------------------------------------------------------ credentials
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    """TLS server credentials; under mTLS clients must present a cert signed by `tls.ca`."""
+    pair = (read_pem(tls.key, "key"), read_pem(tls.cert, "cert"))
+    ca = read_pem(tls.ca, "ca") if tls.mtls else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=tls.mtls)
+
+
+def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
+    """TLS client credentials; under mTLS they carry this process's cert and key."""
+    ca = read_pem(tls.ca, "ca") if tls.ca is not None else None
+    if not tls.mtls:
+        return grpc.ssl_channel_credentials(root_certificates=ca)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=read_pem(tls.key, "key"),
+        certificate_chain=read_pem(tls.cert, "cert"),
+    )
+
+
+# ------------------------------------------------------------------------ bearer token
+def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler of the same shape that answers UNAUTHENTICATED without parsing the request."""
+
+    def abort(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+    factories = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    factory = factories[(handler.request_streaming, handler.response_streaming)]
+    return factory(abort)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """Refuses guarded methods (AuthConfig.guards_rpc) without the right bearer token."""
+
+    def __init__(self, auth: AuthConfig, token: str) -> None:
+        self._auth, self._token = auth, token
+
+    def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or not self._auth.guards_rpc(details.method):
+            return handler
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        return handler if bearer_ok(header, self._token) else _denied(handler)
+
+
+class _CallDetails(
+    namedtuple("_CallDetails", "method timeout metadata credentials wait_for_ready compression"),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, d: Any) -> _CallDetails:
+        metadata = [*(d.metadata or ()), self._header]
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001
+        return continuation(self._with_token(details), request)
+
+    intercept_unary_stream = intercept_unary_unary
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):  # noqa: ANN001
+        return continuation(self._with_token(details), request_iterator)
+
+    intercept_stream_stream = intercept_stream_unary
+
+
+# ------------------------------------------------------------------------ servers, channels
+def _bind(server: grpc.Server, address: str, security: SecurityConfig) -> int:
+    try:
+        if security.tls.enabled:
+            return server.add_secure_port(address, server_credentials(security.tls))
+        return server.add_insecure_port(address)
+    except RuntimeError:
+        return 0
+
+
 def start_grpc_server(
     cfg: ServerConfig,
     add_servicers: Callable[[grpc.Server], None],
     service_names: Sequence[str],
     max_workers: int = 16,
+    security: SecurityConfig | None = None,
 ) -> tuple[grpc.Server, int]:
     """Start a server with the given servicers plus health; return it and its bound port."""
+    security = security or SecurityConfig()
+    token = security.auth.secret()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         options=[*grpc_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
+        interceptors=[TokenInterceptor(security.auth, token)] if token else None,
     )
     add_servicers(server)
     health_servicer = health.HealthServicer()
@@ -37,16 +154,33 @@ def start_grpc_server(
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{cfg.grpc_port}"
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError:
-        port = 0
+    port = _bind(server, address, security)
     if port == 0:
         raise PortInUseError(f"cannot bind gRPC port {address} (in use or not permitted)")
     server.start()
     return server, port
 
 
-def insecure_channel(address: str, max_message_bytes: int = 64 * 1024 * 1024) -> grpc.Channel:
-    """A client channel with the same size limits as our servers."""
-    return grpc.insecure_channel(address, options=grpc_options(max_message_bytes))
+def channel(
+    address: str,
+    security: SecurityConfig | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> grpc.Channel:
+    """A client channel: our size limits, TLS/mTLS and the bearer token as configured."""
+    security = security or SecurityConfig()
+    tls, options = security.tls, grpc_options(max_message_bytes)
+    if tls.enabled:
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        plain = grpc.secure_channel(address, channel_credentials(tls), options=options)
+    else:
+        plain = grpc.insecure_channel(address, options=options)
+    token = security.auth.secret()
+    return grpc.intercept_channel(plain, BearerToken(token)) if token else plain
+
+
+def insecure_channel(
+    address: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> grpc.Channel:
+    """A plaintext channel with our size limits (tests, local tools)."""
+    return channel(address, None, max_message_bytes)

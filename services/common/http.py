@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 
 from services.common.errors import DapoError, PortInUseError
+from services.common.security import AuthConfig, bearer_ok
 
 
 def create_http_app(
@@ -25,9 +26,16 @@ def create_http_app(
     ready: Callable[[], bool] = lambda: True,
     status: Callable[[], dict[str, Any]] = dict,
     registry: CollectorRegistry = REGISTRY,
+    auth: AuthConfig | None = None,
 ) -> FastAPI:
-    """A FastAPI app with the four standard endpoints; services add their own routes."""
+    """A FastAPI app with the four standard endpoints; services add their own routes.
+
+    With a token configured, /status (and /metrics if `auth.protect_metrics`) answer 401
+    without `Authorization: Bearer <token>`; /healthz and /readyz stay open for probes.
+    """
     app = FastAPI(title=f"dapo {name}")
+    guard = token_guard(auth)
+    metrics_guard = guard if auth is not None and auth.protect_metrics else []
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:
@@ -39,15 +47,30 @@ def create_http_app(
         response.status_code = 200 if ok else 503
         return {"ready": ok, "service": name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=metrics_guard)
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/status")
+    @app.get("/status", dependencies=guard)
     def get_status() -> dict[str, Any]:
         return {"service": name, **status()}
 
     return app
+
+
+def token_guard(auth: AuthConfig | None) -> list[Any]:
+    """Route dependencies that demand the bearer token (none when auth is off)."""
+    token = auth.secret() if auth is not None else None
+    if token is None:
+        return []
+
+    def require_token(request: Request) -> None:
+        if not bearer_ok(request.headers.get("authorization"), token):
+            raise HTTPException(
+                401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    return [Depends(require_token)]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

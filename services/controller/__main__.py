@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from services.common.config import DapoConfig
 from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect
+from services.common.redis_server import connect_run
 from services.controller.server import create_server
 
 
 def run(config: DapoConfig) -> None:
     assert config.shared.redis_url
     stop = stop_event_on_signals()
-    controller, http = create_server(config, connect(config.shared.redis_url))
+    controller, http = create_server(config, connect_run(config))
     announce("controller", http=http.port)
     try:
         controller.run(stop)

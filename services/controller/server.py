@@ -25,7 +25,7 @@ from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
 from services.common.config import DapoConfig
 from services.common.data import PromptRecord
-from services.common.grpc_server import insecure_channel
+from services.common.grpc_server import channel
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.registry import discover
@@ -151,13 +151,14 @@ class Controller:
     def _stub(self, address: str, kind: str) -> Any:
         key = f"{kind}@{address}"
         if key not in self._stubs:
-            channel = insecure_channel(address)
+            limit = getattr(self.config, kind).server.max_message_bytes
+            chan = channel(address, self.config.security, limit)
             factory = (
                 rollout_pb2_grpc.RolloutServiceStub
                 if kind == "rollout"
                 else reward_pb2_grpc.RewardServiceStub
             )
-            self._stubs[key] = factory(channel)
+            self._stubs[key] = factory(chan)
         return self._stubs[key]
 
     def pick_rollout(self) -> str | None:
@@ -302,6 +303,6 @@ class Controller:
 
 def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Controller, HttpServer]:
     controller = Controller(config, client)
-    app = create_http_app("controller", status=controller.status)
+    app = create_http_app("controller", status=controller.status, auth=config.security.auth)
     server = config.controller.server
     return controller, serve_http(app, server.host, server.http_port)
