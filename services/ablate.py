@@ -74,12 +74,12 @@ ABLATE_PRESETS: dict[str, dict[str, Any]] = {
             "controller.eval.enabled": False,
             "reward.overlong_punishment": True,
             "learner.overlong_filtering": True,
-            "learner.total_steps": 40,
+            "learner.total_steps": 80,
             "learner.linger_s": 30,
         },
         "eval_every": 5,
         "eval_n": 4,
-        "target": 0.3,
+        "target": 0.5,
     },
 }
 
@@ -266,6 +266,7 @@ def run_numbers(report: dict[str, Any]) -> dict[str, Any]:
         "train_s": round(span, 1),
         "ledger_ok": ledger["ok"],
         "filtered": sum(ledger["filtered"].values()),
+        "dropped_stale": sum(ledger["dropped"].values()),
     }
 
 
