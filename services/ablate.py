@@ -96,10 +96,11 @@ class Plan:
     eval_every: int
     eval_n: int
     target: float
+    root: str = "runs"
 
     @property
     def out_dir(self) -> Path:
-        return Path("runs") / f"ablate-{self.name}"
+        return Path(self.root) / f"ablate-{self.name}"
 
 
 def rung_overrides(base: DapoConfig, rung: str) -> dict[str, Any]:
@@ -145,6 +146,7 @@ def make_plan(
     steps: int | None = None,
     eval_every: int | None = None,
     overrides: Sequence[str] = (),
+    root: str = "runs",
 ) -> Plan:
     """Resolve the ablation preset (plus `--set` overrides on the base config)."""
     if preset not in ABLATE_PRESETS:
@@ -160,7 +162,7 @@ def make_plan(
     return Plan(
         name=name or preset, base=base, rungs=chosen, seeds=list(range(seeds)),
         steps=steps or base.learner.total_steps, eval_every=eval_every or spec["eval_every"],
-        eval_n=spec["eval_n"], target=spec["target"],
+        eval_n=spec["eval_n"], target=spec["target"], root=root,
     )  # fmt: skip
 
 

@@ -104,7 +104,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     rungs = args.rungs.split(",") if args.rungs else None
     plan = make_plan(
         args.preset, args.seeds, name=args.name, rungs=rungs, steps=args.steps,
-        eval_every=args.eval_every, overrides=args.overrides,
+        eval_every=args.eval_every, overrides=args.overrides, root=args.out_root,
     )  # fmt: skip
     return run_ablation(plan)
 
@@ -151,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
     p.add_argument("--steps", type=int, help="training steps per run")
     p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
+    p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override a value of the base config (repeatable)",
