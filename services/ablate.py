@@ -97,6 +97,7 @@ class Plan:
     eval_n: int
     target: float
     root: str = "runs"
+    overrides: list[str] = field(default_factory=list)
 
     @property
     def out_dir(self) -> Path:
@@ -162,7 +163,7 @@ def make_plan(
     return Plan(
         name=name or preset, base=base, rungs=chosen, seeds=list(range(seeds)),
         steps=steps or base.learner.total_steps, eval_every=eval_every or spec["eval_every"],
-        eval_n=spec["eval_n"], target=spec["target"], root=root,
+        eval_n=spec["eval_n"], target=spec["target"], root=root, overrides=list(overrides),
     )  # fmt: skip
 
 
@@ -341,7 +342,8 @@ def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) ->
     lines = [
         f"Ablation `{plan.name}`: {len(plan.seeds)} seed(s), {plan.steps} steps per run, "
         f"held-out eval every {plan.eval_every} steps. Load average at the end: "
-        f"{meta['loadavg']}; total {meta['total_s'] / 60:.1f} min.",
+        f"{meta['loadavg']}; total {meta['total_s'] / 60:.1f} min."
+        + (f" Base config overrides: `{' '.join(plan.overrides)}`." if plan.overrides else ""),
         "",
         head,
         "|---|---|---|---|---|---|---|",
