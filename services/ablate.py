@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.config import DapoConfig, load_config
+from services.common.config import DapoConfig, build_config, cli_overrides, deep_merge, load_config
 from services.common.errors import DapoError
 
 
@@ -134,8 +134,6 @@ def run_config(plan: Plan, rung: str, seed: int) -> DapoConfig:
         "shared.model_path": str(plan.out_dir / "models" / f"seed{seed}"),
         "learner.total_steps": plan.steps,
     }
-    from services.common.config import build_config, cli_overrides, deep_merge
-
     return build_config(deep_merge(data, cli_overrides(as_sets(sets))))
 
 
