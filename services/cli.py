@@ -98,6 +98,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from services.ablate import make_plan, run_ablation
+
+    rungs = args.rungs.split(",") if args.rungs else None
+    plan = make_plan(
+        args.preset, args.seeds, name=args.name, rungs=rungs, steps=args.steps,
+        eval_every=args.eval_every, overrides=args.overrides, root=args.out_root,
+    )  # fmt: skip
+    return run_ablation(plan)
+
+
 def cmd_ledger(args: argparse.Namespace) -> int:
     from services.ledger import print_ledger
 
@@ -132,6 +143,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
     p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("ablate", help="the paper's ablation ladder, one real run per rung")
+    p.add_argument("--preset", default="tiny", help="ablation preset (tiny)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per rung (seeds 0..N-1)")
+    p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
+    p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
+    p.add_argument("--steps", type=int, help="training steps per run")
+    p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
+    p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override a value of the base config (repeatable)",
+    )  # fmt: skip
+    p.set_defaults(func=cmd_ablate)
 
     p = sub.add_parser("config", help="print the resolved config (`dapo config show`)")
     p.add_argument("action", choices=["show"])

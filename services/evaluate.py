@@ -59,6 +59,39 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def sample_texts(
+    engine: Any, records: list[PromptRecord], params: Any, chat: bool
+) -> list[list[str]]:
+    """`params.n` decoded responses per record, sampled in one batched call."""
+    prompts = [prompt_ids(engine.tokenizer, r.prompt, chat) for r in records]
+    outputs = engine.generate(prompts, params)
+    return [[engine.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in row]
+            for row in outputs]  # fmt: skip
+
+
+def score_correct(
+    scorer: Any, records: list[PromptRecord], texts: list[list[str]], verifier: str
+) -> list[list[bool]]:
+    """Correctness per response, verified in the reward service's worker pool."""
+    from reward.scoring import ScoreInput
+
+    items = [ScoreInput(t, r.ground_truth, verifier=verifier)
+             for r, row in zip(records, texts, strict=True) for t in row]  # fmt: skip
+    verdicts = iter(scorer.score(items))
+    return [[next(verdicts).correct for _ in row] for row in texts]
+
+
+def eval_scorer(num_workers: int | None = None) -> Any:
+    """A reward scorer for evaluations: correctness only (no overlong shaping)."""
+    from reward.server import create_scorer
+    from services.common.config import load_config
+
+    overrides = ["reward.overlong_punishment=false"]
+    if num_workers is not None:
+        overrides.append(f"reward.num_workers={num_workers}")
+    return create_scorer(load_config(env={}, overrides=overrides))
+
+
 def evaluate_engine(
     engine: Any,
     records: list[PromptRecord],
@@ -67,25 +100,14 @@ def evaluate_engine(
     chat: bool,
 ) -> dict[str, Any]:
     """Sample with `engine`, verify in the reward pool, return summary + per-prompt rows."""
-    from reward.scoring import ScoreInput
-    from reward.server import create_scorer
-    from services.common.config import load_config
-
     started = time.monotonic()
-    prompts = [prompt_ids(engine.tokenizer, r.prompt, chat) for r in records]
-    outputs = engine.generate(prompts, params)
-    texts = [[engine.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in row]
-             for row in outputs]  # fmt: skip
-    config = load_config(env={}, overrides=["reward.overlong_punishment=false"])
-    scorer = create_scorer(config)
+    texts = sample_texts(engine, records, params, chat)
+    scorer = eval_scorer()
     try:
-        items = [ScoreInput(t, r.ground_truth, verifier=verifier)
-                 for r, row in zip(records, texts, strict=True) for t in row]  # fmt: skip
-        verdicts = scorer.score(items)
+        correct = score_correct(scorer, records, texts, verifier)
     finally:
         scorer.pool.close()
     n = params.n
-    correct = [[v.correct for v in verdicts[i * n : (i + 1) * n]] for i in range(len(records))]
     return {
         **summarise(correct, n),
         "version": engine.version,

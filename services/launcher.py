@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -56,6 +57,9 @@ class Launch:
     history: list[dict[str, int]] = field(default_factory=list)
     max_restarts: int = 3
     evals: dict[str, Any] = field(default_factory=dict)
+    # Called from the monitor loop with (launch, last step seen, run done); e.g. the
+    # ablation's held-out evaluations while training goes on.
+    on_step: Callable[[Launch, int, bool], None] | None = None
 
     @property
     def config_path(self) -> Path:
@@ -189,6 +193,8 @@ def monitor(launch: Launch) -> int:
                 launch.restart(dead)
                 bar.write(f"restarted {dead.name} ({dead.restarts}/{launch.max_restarts})")
             update_bar(bar, client, keys, config.shared.run_name, launch.history)
+            if launch.on_step is not None:
+                launch.on_step(launch, bar.n, done)
             if done:
                 return 0
             time.sleep(0.2)
@@ -239,7 +245,11 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
 
 
 def launch(
-    config: DapoConfig, run_dir: str | None = None, steps: int | None = None, rollouts: int = 1
+    config: DapoConfig,
+    run_dir: str | None = None,
+    steps: int | None = None,
+    rollouts: int = 1,
+    on_step: Callable[[Launch, int, bool], None] | None = None,
 ) -> int:
     """Run the whole system until the learner's last step; clean up whatever happens."""
     if steps is not None:
@@ -247,7 +257,7 @@ def launch(
     out = Path(run_dir or Path("runs") / config.shared.run_name)
     ensure_model(config)
     started = time.monotonic()
-    state = Launch(config, out)
+    state = Launch(config, out, on_step=on_step)
     code = 1
     raise_on_sigterm()
     try:

@@ -14,6 +14,12 @@ The synthetic tasks are what a model trained from scratch on a CPU can learn in 
 (see ENVIRONMENT.md): `max3` (`3,7,1=` -> `7`), `copy2` (`4,2=` -> `42`) and `reverse2`
 (`4,2=` -> `24`). Their prompts are bare (no instruction template) so they stay a few
 tokens long, and each answer is a short digit string a first-integer verifier can check.
+
+A *mix* joins tasks whose prompts cannot be confused (different arities): `mixed` is
+max3 plus copy2, i.e. prompts of mixed difficulty (a one-digit answer most of the time,
+a two-digit one the tiny model rarely gets right at first) and answers of varied length.
+The ablation ladder (services/ablate.py) trains on it. Each part keeps its own fixed
+train/test split, so a mix's splits never share a prompt either.
 """
 
 from __future__ import annotations
@@ -251,6 +257,11 @@ SYNTHETIC_TASKS: dict[str, SyntheticTask] = {
 }
 
 
+# Mixes of tasks with distinct arities (a prompt's digit count says which task it is).
+SYNTHETIC_MIXES: dict[str, tuple[str, ...]] = {"mixed": ("max3", "copy2")}
+SYNTHETIC_NAMES = (*SYNTHETIC_TASKS, *SYNTHETIC_MIXES)
+
+
 def synthetic_prompt(digits: Iterable[int]) -> str:
     """The prompt for a digit tuple: `3,7,1=`."""
     return ",".join(map(str, digits)) + "="
@@ -261,8 +272,10 @@ def synthetic_split(task: str, split: str) -> list[PromptRecord]:
 
     The split is fixed per task (independent of any run seed), so train and test never
     share a prompt whatever seeds callers use: a fixed shuffle of all digit tuples puts
-    the first 20% in "test".
+    the first 20% in "test". A mix is the concatenation of its parts' splits.
     """
+    if task in SYNTHETIC_MIXES:
+        return [r for part in SYNTHETIC_MIXES[task] for r in synthetic_split(part, split)]
     spec = _task(task)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
@@ -276,7 +289,7 @@ def synthetic_split(task: str, split: str) -> list[PromptRecord]:
 
 def _task(task: str) -> SyntheticTask:
     if task not in SYNTHETIC_TASKS:
-        valid = ", ".join(SYNTHETIC_TASKS)
+        valid = ", ".join(SYNTHETIC_NAMES)
         raise ValueError(f"unknown synthetic task {task!r}; valid tasks: {valid}")
     return SYNTHETIC_TASKS[task]
 
@@ -303,7 +316,8 @@ def synthetic_records(
 ) -> list[PromptRecord]:
     """`n` distinct prompts of `task` from `split`, in a seeded order (all of them if None).
 
-    Pools: max3 has 800 train / 200 test prompts, copy2 and reverse2 80 / 20.
+    Pools: max3 has 800 train / 200 test prompts, copy2 and reverse2 80 / 20, mixed
+    880 / 220.
     """
     pool = synthetic_split(task, split)
     random.Random(seed).shuffle(pool)

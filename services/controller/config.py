@@ -14,7 +14,9 @@ class DatasetConfig(StrictModel):
 
     kind: Literal["parquet", "jsonl", "synthetic"] = "parquet"
     path: str | None = Field(None, description="Parquet or JSONL file (DAPO record format).")
-    synthetic_task: Literal["max3", "copy2", "reverse2"] = "max3"
+    synthetic_task: Literal["max3", "copy2", "reverse2", "mixed"] = Field(
+        "max3", description="A built-in task, or `mixed` (max3 + copy2, services/common/data)."
+    )
     synthetic_size: int | None = Field(
         None, ge=1, description="Training prompts drawn from the synthetic task (None = all)."
     )
