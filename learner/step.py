@@ -60,6 +60,7 @@ class StepMetrics:
     logprob_gap: float = 0.0
     kl: float = 0.0
     updates: int = 0
+    skipped_updates: int = 0  # mini-batches with no loss token left (all overlong-filtered)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
@@ -161,9 +162,14 @@ def train_step(
     )
     totals = torch.zeros(6, dtype=torch.float64)  # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok
     for mb, share in zip(minis, shares, strict=True):
+        mine = [seqs[i] for i in share]
+        counts = global_counts(mine, cfg.overlong_filtering, dp)
+        if counts.tokens == 0:  # every response filtered: a step would only apply momentum
+            metrics.skipped_updates += 1
+            continue
         totals += accumulate(
-            policy, [seqs[i] for i in share], cfg, pad_id, temperature, max_response_length,
-            dp, fallback=seqs[mb[0]],
+            policy, mine, cfg, pad_id, temperature, max_response_length,
+            dp, fallback=seqs[mb[0]], counts=counts,
         )  # fmt: skip
         metrics.grad_norm = policy.step()
         metrics.updates += 1
@@ -199,13 +205,15 @@ def accumulate(
     max_response_length: int,
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
+    counts: LossCounts | None = None,
 ) -> torch.Tensor:
     """Accumulate this rank's share of one mini-batch's gradient; return its metric sums.
 
-    `seqs` is this rank's share; the counts are summed over ranks before any forward.
+    `seqs` is this rank's share; the counts (`global_counts`, unless given) are summed
+    over ranks before any forward.
     """
     dp = dp or Single()
-    counts = global_counts(seqs, cfg.overlong_filtering, dp)
+    counts = counts or global_counts(seqs, cfg.overlong_filtering, dp)
     plan = plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp)
     sums = torch.zeros(6, dtype=torch.float64)
     for k, (batch, real) in enumerate(plan):

@@ -118,3 +118,32 @@ def test_kl_step_reports_kl_and_needs_a_reference(tiny_model: Path) -> None:
     plain = train_step(TorchPolicy(load_model(tiny_model), _cfg()), make_groups(), _cfg(), 0, 1.0,
                        MAX_LEN)  # fmt: skip
     assert plain.kl == 0.0
+
+
+def _all_truncated(groups):
+    for g in groups:
+        for s in g.samples:
+            s.truncated = True
+    return groups
+
+
+@pytest.mark.parametrize("engine", ["torch", "deepspeed"])
+def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine: str) -> None:
+    """No loss token left: no update at all (AdamW momentum and decay would still move θ)."""
+    from learner.policy import build_policy
+
+    cfg = LearnerConfig(engine=engine, lr=1e-2, micro_batch_tokens=64, mini_batch_responses=8,
+                        dtype="float32")  # fmt: skip
+    policy = build_policy(tiny_model, cfg)
+    first = train_step(policy, make_groups(), cfg, 0, 1.0, MAX_LEN)  # momentum is now non-zero
+    assert first.updates == 2 and first.skipped_updates == 0
+    before = {n: t.detach().clone() for n, t in policy.named_weights()}
+    skipped = train_step(policy, _all_truncated(make_groups(seed=1)), cfg, 0, 1.0, MAX_LEN)
+    assert skipped.updates == 0 and skipped.skipped_updates == 2
+    for name, tensor in policy.named_weights():
+        assert torch.equal(tensor, before[name]), name
+    # Overlong filtering off: the same truncated batch trains.
+    cfg_off = cfg.model_copy(update={"overlong_filtering": False})
+    trained = train_step(policy, _all_truncated(make_groups(seed=1)), cfg_off, 0, 1.0, MAX_LEN)
+    assert trained.updates == 2
+    assert any(not torch.equal(t, before[n]) for n, t in policy.named_weights())
