@@ -95,7 +95,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         refusal = self._admit()
         if refusal is not None:
             self._refuse(context, *refusal)
+        if not self._reach_version(request.min_version, context):
+            self._release()
+            self._refuse(context, "behind", grpc.StatusCode.UNAVAILABLE,
+                         f"serving version {self.engine.version}, the request needs "
+                         f">= {request.min_version} and it did not arrive in time")  # fmt: skip
         yield from self._stream(request.request_id, prompt, params, context)
+
+    def _reach_version(self, wanted: int, context: grpc.ServicerContext) -> bool:
+        """Wait (bounded) until the served weights are at least version `wanted`.
+
+        The weight sync is told to pull at once rather than at its next poll: a caller
+        that asks for a version knows the learner has published it.
+        """
+        if self.engine.version >= wanted:
+            return True
+        if self.sync is not None:
+            self.sync.wake()
+        timeout = self.config.rollout.min_version_wait_s
+        remaining = context.time_remaining() if context is not None else None
+        return self.updater.wait_for(wanted, min(timeout, remaining or timeout))
 
     def _refuse(self, context: grpc.ServicerContext, reason: str, code: Any, message: str):
         self.metrics.rejected.labels(reason).inc()
@@ -159,10 +178,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             log.exception("generation failed")
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         finally:
-            with self._cond:
-                self.in_flight -= 1
-                self.finished += 1
-                self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        """A Generate call admitted by `_admit` is over."""
+        with self._cond:
+            self.in_flight -= 1
+            self.finished += 1
+            self._cond.notify_all()
 
     # -- control ----------------------------------------------------------------------
 
@@ -309,6 +332,8 @@ class RolloutServer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.sync is not None:
+            self.sync.wake()  # leave the poll wait now
         if self.registration is not None:
             self.registration.stop()
         self.grpc_server.stop(grace=2).wait()

@@ -24,12 +24,14 @@ def generate_request(
     max_tokens: int,
     chat: bool,
     seed: int = 0,
+    min_version: int = 0,
 ) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
         apply_chat_template=chat,
         n=n,
+        min_version=min_version,
         sampling=rollout_pb2.SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
