@@ -134,6 +134,10 @@ class Buffer:
         self.handle(self.consumer.read_own_pending(self.config.buffer.read_count))
         while not stop.is_set() and not self.client.exists(self.keys.done):
             self.handle(self.consumer.read(self.config.buffer.read_count, block_ms=200))
+        try:
+            self.trim(force=True)  # the learner's last acks came after the last read
+        except redis.RedisError as exc:
+            log.info("final trim skipped: %s", exc)
 
     def status(self) -> dict[str, Any]:
         return {"decisions": dict(self.counts), "version": self.current_version()}
