@@ -84,6 +84,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     # -- Generate ---------------------------------------------------------------------
 
     def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        prompt, params = self._accept(request, context)
+        for index, completion in self._samples(prompt, params, context):
+            yield rollout_pb2.GenerateResponse(
+                request_id=request.request_id, sample_index=index,
+                prompt_token_ids=prompt, completion=completion,
+            )  # fmt: skip
+
+    def GenerateGroup(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        prompt, params = self._accept(request, context)
+        done = sorted(self._samples(prompt, params, context), key=lambda s: s[0])
+        return rollout_pb2.GenerateGroupResponse(
+            request_id=request.request_id, prompt_token_ids=prompt,
+            completions=[completion for _, completion in done],
+        )  # fmt: skip
+
+    def _accept(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> tuple[list[int], SamplingParams]:
+        """Parse, admit and bring the weights to min_version, or abort the call."""
         if self.sync is not None and not self.sync.caught_up.is_set():
             self._refuse(context, "catching_up", grpc.StatusCode.UNAVAILABLE,
                          "rollout server is catching up to the published weights")  # fmt: skip
@@ -100,7 +119,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._refuse(context, "behind", grpc.StatusCode.UNAVAILABLE,
                          f"serving version {self.engine.version}, the request needs "
                          f">= {request.min_version} and it did not arrive in time")  # fmt: skip
-        yield from self._stream(request.request_id, prompt, params, context)
+        return prompt, params
 
     def _reach_version(self, wanted: int, context: grpc.ServicerContext) -> bool:
         """Wait (bounded) until the served weights are at least version `wanted`.
@@ -158,20 +177,16 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.in_flight += 1
         return None
 
-    def _stream(
-        self, request_id: str, prompt: list[int], params: SamplingParams, context: Any
-    ) -> Iterator[rollout_pb2.GenerateResponse]:
+    def _samples(
+        self, prompt: list[int], params: SamplingParams, context: Any
+    ) -> Iterator[tuple[int, rollout_pb2.Completion]]:
+        """(sample index, completion) as each finishes; releases the admitted call."""
         try:
             for sample in self.batcher.submit(prompt, params):
                 out = sample.output
                 self.metrics.generated(len(out.token_ids), out.finish_reason)
                 text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                yield rollout_pb2.GenerateResponse(
-                    request_id=request_id,
-                    sample_index=sample.sample_index,
-                    prompt_token_ids=prompt,
-                    completion=adapter.completion(out, text),
-                )
+                yield sample.sample_index, adapter.completion(out, text)
         except ValueError as exc:  # the engine refused this prompt or these params
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:

@@ -175,6 +175,22 @@ def _at_least(version: int, n: int = 2) -> rollout_pb2.GenerateRequest:
     )
 
 
+def test_generate_group_answers_all_n_in_one_message_like_generate(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config()) as s:
+        request = _at_least(0, n=3)
+        group = s.stub.GenerateGroup(request, timeout=60)
+        streamed = sorted(s.stub.Generate(request, timeout=60), key=lambda r: r.sample_index)
+        assert group.request_id == "v" and list(group.prompt_token_ids) == PROMPT
+        # Seeded: the same samples as the streamed call, in sample-index order.
+        assert [list(c.token_ids) for c in group.completions] == [
+            list(r.completion.token_ids) for r in streamed
+        ]
+        with pytest.raises(grpc.RpcError) as err:  # the same limits as Generate
+            s.stub.GenerateGroup(_at_least(0, n=MAX_N + 1), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert s.server.servicer.in_flight == 0
+
+
 def test_min_version_waits_for_the_weights_it_names(tiny_model: Path) -> None:
     with serve(tiny_model, make_config(min_version_wait_s=30.0)) as s:
         out: list[Any] = []

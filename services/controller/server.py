@@ -201,8 +201,9 @@ class Controller:
                 time.sleep(0.1)
                 continue
             try:
-                stream = self._stub(address, "rollout").Generate(request, timeout=cfg.rpc_timeout_s)
-                return adapter.samples_from_responses(list(stream), shared.group_size)
+                stub = self._stub(address, "rollout")
+                group = stub.GenerateGroup(request, timeout=cfg.rpc_timeout_s)
+                return adapter.samples_from_group(group, shared.group_size)
             except (grpc.RpcError, ValueError) as exc:
                 RETRIES.labels("rollout").inc()
                 log.warning("generate %s on %s failed, re-routing: %s", group_id, address, exc)

@@ -79,6 +79,16 @@ class GenerateResponse(_message.Message):
     completion: Completion
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
+class GenerateGroupResponse(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "completions")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    completions: _containers.RepeatedCompositeFieldContainer[Completion]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+
 class PauseRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
