@@ -80,6 +80,12 @@ class RolloutConfig(StrictModel):
         120.0, gt=0, description="How long Pause waits for in-flight requests to finish."
     )
     weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")
+    min_version_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long Generate waits for weights of the request's min_version "
+        "(pulled at once) before refusing with UNAVAILABLE.",
+    )
     registry_ttl_s: float = Field(
         5.0, gt=0, description="Registry entry lifetime; a dead server vanishes after it."
     )

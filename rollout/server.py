@@ -84,6 +84,25 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     # -- Generate ---------------------------------------------------------------------
 
     def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        prompt, params = self._accept(request, context)
+        for index, completion in self._samples(prompt, params, context):
+            yield rollout_pb2.GenerateResponse(
+                request_id=request.request_id, sample_index=index,
+                prompt_token_ids=prompt, completion=completion,
+            )  # fmt: skip
+
+    def GenerateGroup(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
+        prompt, params = self._accept(request, context)
+        done = sorted(self._samples(prompt, params, context), key=lambda s: s[0])
+        return rollout_pb2.GenerateGroupResponse(
+            request_id=request.request_id, prompt_token_ids=prompt,
+            completions=[completion for _, completion in done],
+        )  # fmt: skip
+
+    def _accept(
+        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> tuple[list[int], SamplingParams]:
+        """Parse, admit and bring the weights to min_version, or abort the call."""
         if self.sync is not None and not self.sync.caught_up.is_set():
             self._refuse(context, "catching_up", grpc.StatusCode.UNAVAILABLE,
                          "rollout server is catching up to the published weights")  # fmt: skip
@@ -95,7 +114,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         refusal = self._admit()
         if refusal is not None:
             self._refuse(context, *refusal)
-        yield from self._stream(request.request_id, prompt, params, context)
+        if not self._reach_version(request.min_version, context):
+            self._release()
+            self._refuse(context, "behind", grpc.StatusCode.UNAVAILABLE,
+                         f"serving version {self.engine.version}, the request needs "
+                         f">= {request.min_version} and it did not arrive in time")  # fmt: skip
+        return prompt, params
+
+    def _reach_version(self, wanted: int, context: grpc.ServicerContext) -> bool:
+        """Wait (bounded) until the served weights are at least version `wanted`.
+
+        The weight sync is told to pull at once rather than at its next poll: a caller
+        that asks for a version knows the learner has published it.
+        """
+        if self.engine.version >= wanted:
+            return True
+        if self.sync is not None:
+            self.sync.wake()
+        timeout = self.config.rollout.min_version_wait_s
+        remaining = context.time_remaining() if context is not None else None
+        return self.updater.wait_for(wanted, min(timeout, remaining or timeout))
 
     def _refuse(self, context: grpc.ServicerContext, reason: str, code: Any, message: str):
         self.metrics.rejected.labels(reason).inc()
@@ -139,30 +177,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.in_flight += 1
         return None
 
-    def _stream(
-        self, request_id: str, prompt: list[int], params: SamplingParams, context: Any
-    ) -> Iterator[rollout_pb2.GenerateResponse]:
+    def _samples(
+        self, prompt: list[int], params: SamplingParams, context: Any
+    ) -> Iterator[tuple[int, rollout_pb2.Completion]]:
+        """(sample index, completion) as each finishes; releases the admitted call."""
         try:
             for sample in self.batcher.submit(prompt, params):
                 out = sample.output
                 self.metrics.generated(len(out.token_ids), out.finish_reason)
                 text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                yield rollout_pb2.GenerateResponse(
-                    request_id=request_id,
-                    sample_index=sample.sample_index,
-                    prompt_token_ids=prompt,
-                    completion=adapter.completion(out, text),
-                )
+                yield sample.sample_index, adapter.completion(out, text)
         except ValueError as exc:  # the engine refused this prompt or these params
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             log.exception("generation failed")
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         finally:
-            with self._cond:
-                self.in_flight -= 1
-                self.finished += 1
-                self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        """A Generate call admitted by `_admit` is over."""
+        with self._cond:
+            self.in_flight -= 1
+            self.finished += 1
+            self._cond.notify_all()
 
     # -- control ----------------------------------------------------------------------
 
@@ -314,6 +352,8 @@ class RolloutServer:
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.sync is not None:
+            self.sync.wake()  # leave the poll wait now
         if self.registration is not None:
             self.registration.stop()
         self.grpc_server.stop(grace=2).wait()

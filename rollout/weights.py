@@ -43,6 +43,12 @@ class WeightUpdater:
     def __init__(self, engine: RolloutEngine, metrics: RolloutMetrics) -> None:
         self.engine, self.metrics = engine, metrics
         self._lock = threading.Lock()
+        self._loaded = threading.Condition()
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        """Block until the served version is at least `version` (False after `timeout`)."""
+        with self._loaded:
+            return self._loaded.wait_for(lambda: self.engine.version >= version, timeout)
 
     def apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
         """Assemble, check and load one update; raise (old weights stay) on anything wrong."""
@@ -65,6 +71,8 @@ class WeightUpdater:
         with self._lock:
             self._check_newer(version)
             self.engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
+        with self._loaded:
+            self._loaded.notify_all()
         return version
 
     def _check_newer(self, version: int) -> None:
@@ -79,6 +87,21 @@ class WeightSync:
         self.config, self.client, self.updater = config, client, updater
         self.keys = RunKeys(config.shared.run_name)
         self.caught_up = threading.Event()
+        self._wake = threading.Event()
+        self._channel: tuple[str, grpc.Channel] | None = None
+
+    def wake(self) -> None:
+        """Look for a new version now instead of at the next poll (a request needs it)."""
+        self._wake.set()
+
+    def _stub(self, address: str) -> learner_pb2_grpc.WeightServiceStub:
+        """A stub on one channel per learner address, kept across syncs."""
+        if self._channel is None or self._channel[0] != address:
+            if self._channel is not None:
+                self._channel[1].close()
+            max_bytes = self.config.learner.server.max_message_bytes
+            self._channel = (address, channel(address, self.config.security, max_bytes))
+        return learner_pb2_grpc.WeightServiceStub(self._channel[1])
 
     @property
     def served(self) -> int:
@@ -105,14 +128,12 @@ class WeightSync:
         if not learners:
             log.info("version %d published but no learner registered yet", target)
             return False
-        max_bytes = self.config.learner.server.max_message_bytes
-        with channel(learners[0]["address"], self.config.security, max_bytes) as chan:
-            stub = learner_pb2_grpc.WeightServiceStub(chan)
-            offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
-            if offered <= self.served:
-                return False  # the learner's snapshot is not there yet
-            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
-            version = self.updater.apply(buckets)
+        stub = self._stub(learners[0]["address"])
+        offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
+        if offered <= self.served:
+            return False  # the learner's snapshot is not there yet
+        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
+        version = self.updater.apply(buckets)
         log.info("loaded weights version=%d (published %d)", version, target)
         if version >= target:
             self.caught_up.set()
@@ -130,4 +151,5 @@ class WeightSync:
             except Exception:  # the loop must outlive any surprise, or readiness freezes
                 log.exception("weight sync failed unexpectedly, will retry")
             after_each()
-            stop.wait(self.config.rollout.weight_poll_s)
+            self._wake.wait(self.config.rollout.weight_poll_s)
+            self._wake.clear()

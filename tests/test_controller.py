@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import pytest
 import redis
 
-from services.common.config import load_config
+from dapo.v1 import reward_pb2, reward_pb2_grpc
+from reward.server import RewardServer, create_server
+from services.common.config import DapoConfig, load_config
 from services.common.keys import RunKeys
+from services.controller import adapter
+from services.controller.dataset import Cursor
+from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import Controller
 
 
@@ -39,3 +50,117 @@ def test_pacing_counts_stepped_groups_before_they_are_acked(redis_client: redis.
     redis_client.hset(RunKeys("c").ledger, mapping={"admitted": 40, "kept": 32, "stepped": 16})
     counts = c.counts()
     assert counts.trained == 16 and counts.queued_informative == 16
+
+
+# -- batched scoring against a real reward service --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reward_server() -> Iterator[RewardServer]:
+    config = DapoConfig.model_validate(
+        {"reward": {"num_workers": 1, "max_response_chars": 64,
+                    "server": {"grpc_port": 0, "http_port": 0}}}
+    )  # fmt: skip
+    server = create_server(config)
+    assert server.scorer.pool.wait_ready(60), "verifier workers did not start"
+    yield server
+    server.stop()
+
+
+class GatedCalls:
+    """Real Score calls, recorded; the first one waits until the test opens the gate, so
+    the groups submitted meanwhile are queued together."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = reward_pb2_grpc.RewardServiceStub(self.channel)
+        self.sizes: list[int] = []
+        self.gate = threading.Event()
+
+    def __call__(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
+        self.sizes.append(len(request.items))
+        self.gate.wait(30)
+        return self.stub.Score(request, timeout=30)
+
+
+def group_request(g: int, n: int = 4, response: str | None = None) -> reward_pb2.ScoreRequest:
+    """n items of group g; the first is correct, and every pred names the group."""
+    return reward_pb2.ScoreRequest(
+        items=[reward_pb2.ScoreItem(id=f"g{g}/{i}", response=response or str(g),
+                                    ground_truth=str(g if i == 0 else g + 1),
+                                    verifier=reward_pb2.VERIFIER_FIRST_INTEGER)
+               for i in range(n)]
+    )  # fmt: skip
+
+
+def score_concurrently(batcher: ScoreBatcher, calls: GatedCalls, requests: list) -> list:
+    """Submit requests[0] (whose call blocks), queue the rest, then open the gate."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(batcher.score, requests[0])]
+        wait_until(lambda: calls.sizes)
+        futures += [pool.submit(batcher.score, r) for r in requests[1:]]
+        wait_until(lambda: batcher._queue.qsize() == len(requests) - 1)
+        calls.gate.set()
+        return [f.exception() or f.result() for f in futures]
+
+
+def wait_until(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_groups_share_score_calls_within_limits_and_get_their_own_results(
+    reward_server: RewardServer,
+) -> None:
+    calls = GatedCalls(reward_server.grpc_port)
+    batcher = ScoreBatcher(calls, max_items=8, max_bytes=1 << 20)
+    try:
+        results = score_concurrently(batcher, calls, [group_request(g) for g in range(4)])
+    finally:
+        batcher.close()
+    # Group 0 alone, then the three queued groups in calls of at most 8 items.
+    assert calls.sizes == [4, 8, 4]
+    for g, response in enumerate(results):
+        assert [r.pred for r in response.results] == [str(g)] * 4
+        assert [r.correct for r in response.results] == [True, False, False, False]
+
+
+def test_a_refused_group_fails_alone(reward_server: RewardServer) -> None:
+    calls = GatedCalls(reward_server.grpc_port)
+    batcher = ScoreBatcher(calls, max_items=64, max_bytes=1 << 20)
+    too_long = "9" * 100  # beyond reward.max_response_chars: INVALID_ARGUMENT
+    requests = [group_request(0), group_request(1), group_request(2, response=too_long),
+                group_request(3)]  # fmt: skip
+    try:
+        results = score_concurrently(batcher, calls, requests)
+    finally:
+        batcher.close()
+    assert calls.sizes[:2] == [4, 12]  # merged, refused, then one group per call
+    assert sorted(calls.sizes[2:]) == [4, 4, 4]
+    assert isinstance(results[2], grpc.RpcError)
+    assert results[2].code() == grpc.StatusCode.INVALID_ARGUMENT
+    for g in (0, 1, 3):
+        assert [r.pred for r in results[g].results] == [str(g)] * 4
+
+
+def test_split_refuses_a_short_response() -> None:
+    requests = [group_request(0, n=2), group_request(1, n=3)]
+    short = reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult()] * 4)
+    with pytest.raises(ValueError, match="4 results for 5 items"):
+        split(short, requests)
+
+
+def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Redis) -> None:
+    c = controller(redis_client)
+    redis_client.set(RunKeys("c").version, 7)
+    counts, version, done = c.snapshot()
+    assert (version, done) == (7, False) and counts.admitted == 0
+    record = c.records[0]
+    group_id = c.admit(Cursor(0, 1), record, version)
+    meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
+    assert meta["v"] == 7  # a restarted controller asks for the same min_version
+    request = adapter.generate_request(group_id, record.prompt, 16, c.config.rollout.sampling,
+                                       4, False, min_version=meta["v"])  # fmt: skip
+    assert request.min_version == 7

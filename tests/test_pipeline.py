@@ -17,6 +17,7 @@ from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
+RETAIN = 4  # acked entries kept at the tail of each stream
 
 
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
@@ -47,7 +48,8 @@ def test_data_flows_through_every_service(
     result = dapo_up(run_dir, tiny_model, "--steps", "3", "--redis-url", redis_server.url,
                      "--set", "shared.run_name=pipeline",
                      "--set", f"shared.max_staleness={max_staleness}",
-                     "--set", "controller.eval.enabled=false")  # fmt: skip
+                     "--set", "controller.eval.enabled=false",
+                     "--set", f"buffer.stream_retain={RETAIN}")  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     ledger = report["ledger"]
@@ -58,6 +60,10 @@ def test_data_flows_through_every_service(
     assert all(0 <= s["staleness"] <= max_staleness for s in report["steps"])
 
     keys = RunKeys("pipeline")
+    # Acked entries are trimmed: the streams hold the retained tail plus what is pending.
+    assert ledger["scored"] > RETAIN and ledger["kept"] > RETAIN
+    assert client.xlen(keys.scored) <= RETAIN + ledger["pending_scored"]
+    assert client.xlen(keys.train) <= RETAIN + ledger["pending_train"]
     forwarded = [decode_group(f[b"group"]) for _, f in client.xrange(keys.train)]
     assert forwarded and all(0 < g.accuracy < 1 for g in forwarded)
     # New weights reached the rollout server: later groups were sampled by version >= 1.

@@ -169,6 +169,73 @@ def test_pushed_update_changes_generation_and_moves_version_forward(tiny_model: 
         assert metric(s, "dapo_rollout_weight_update_failures_total") == 1
 
 
+def _at_least(version: int, n: int = 2) -> rollout_pb2.GenerateRequest:
+    return rollout_pb2.GenerateRequest(
+        request_id="v", prompt_token_ids=PROMPT, n=n, sampling=SEEDED, min_version=version
+    )
+
+
+def test_generate_group_answers_all_n_in_one_message_like_generate(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config()) as s:
+        request = _at_least(0, n=3)
+        group = s.stub.GenerateGroup(request, timeout=60)
+        streamed = sorted(s.stub.Generate(request, timeout=60), key=lambda r: r.sample_index)
+        assert group.request_id == "v" and list(group.prompt_token_ids) == PROMPT
+        # Seeded: the same samples as the streamed call, in sample-index order.
+        assert [list(c.token_ids) for c in group.completions] == [
+            list(r.completion.token_ids) for r in streamed
+        ]
+        with pytest.raises(grpc.RpcError) as err:  # the same limits as Generate
+            s.stub.GenerateGroup(_at_least(0, n=MAX_N + 1), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert s.server.servicer.in_flight == 0
+
+
+def test_min_version_waits_for_the_weights_it_names(tiny_model: Path) -> None:
+    with serve(tiny_model, make_config(min_version_wait_s=30.0)) as s:
+        out: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: out.extend(s.stub.Generate(_at_least(1), timeout=60)), daemon=True
+        )
+        waiter.start()
+        wait_for(lambda: s.server.servicer.in_flight == 1)  # admitted, waiting at version 0
+        assert s.push(encode_buckets(perturbed(s.engine), version=1, bucket_bytes=4096)).applied
+        waiter.join(30)
+        # Generated at version 1 only: without the wait it would have finished at version 0.
+        assert [r.completion.policy_version for r in out] == [1, 1]
+        assert s.server.servicer.in_flight == 0
+
+
+def test_min_version_out_of_reach_is_unavailable_and_releases_the_slot(
+    tiny_model: Path,
+) -> None:
+    with serve(tiny_model, make_config(min_version_wait_s=0.2)) as s:
+        with pytest.raises(grpc.RpcError) as err:
+            list(s.stub.Generate(_at_least(5), timeout=30))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "needs >= 5" in (err.value.details() or "")
+        assert s.server.servicer.in_flight == 0
+        assert [c.policy_version for c in s.generate(n=1)] == [0]  # version 0 still serves
+
+
+def test_min_version_pulls_at_once_instead_of_at_the_next_poll(
+    tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    keys = RunKeys(f"minv-{uuid.uuid4().hex[:6]}")
+    redis_client.set(keys.version, 1)
+    # A poll this slow would never fetch version 2 within min_version_wait_s.
+    config = make_config(keys.run, weight_poll_s=600.0, min_version_wait_s=30.0)
+    with learner_weights(redis_client, keys) as (learner, register):
+        learner.publish(1, perturbed(TorchEngine(tiny_model, device="cpu"), seed=1))
+        register()
+        with serve(tiny_model, config, redis_client) as s:
+            wait_for(lambda: s.engine.version == 1)  # the first sync runs at start
+            learner.publish(2, perturbed(s.engine, seed=2))
+            redis_client.set(keys.version, 2)
+            responses = list(s.stub.Generate(_at_least(2), timeout=60))
+            assert [r.completion.policy_version for r in responses] == [2, 2]
+
+
 def _renamed(t: RawTensor) -> RawTensor:
     return RawTensor("model.no_such.weight", t.dtype, t.shape, t.data)
 

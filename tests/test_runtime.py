@@ -18,7 +18,8 @@ from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer, connect, find_redis_server
 from services.common.registry import Registration, discover
 from services.common.server_config import ServerConfig
-from services.common.streams import StreamConsumer, add, forward_and_ack
+from services.common.streams import StreamConsumer, add, forward_and_ack, trim_acked
+from services.ledger import unconsumed
 
 
 def test_redis_server_starts_answers_and_stops() -> None:
@@ -73,6 +74,26 @@ def test_forward_and_ack_moves_one_entry_with_its_counter(redis_client: redis.Re
     forward_and_ack(consumer, second.id, None, None, {"filtered:all_wrong": 1}, "ledger")
     assert redis_client.xlen("out") == 1 and consumer.pending() == 0
     assert redis_client.hgetall("ledger") == {b"kept": b"1", b"filtered:all_wrong": b"1"}
+
+
+def test_trim_deletes_only_acked_entries_and_keeps_the_pending_count(
+    redis_client: redis.Redis,
+) -> None:
+    ids = [add(redis_client, "t", {"n": str(i)}) for i in range(10)]
+    assert trim_acked(redis_client, "t", "g", retain=0) == 0  # no group yet: nothing
+    consumer = StreamConsumer(redis_client, "t", "g", "c")
+    got = consumer.read(6)  # 6 delivered, 4 undelivered
+    consumer.ack([got[0].id, got[1].id, got[3].id])  # got[2] stays pending
+    before = unconsumed(redis_client, "t", "g")
+    assert trim_acked(redis_client, "t", "g", retain=0) == 2  # only those before got[2]
+    assert [e[0].decode() for e in redis_client.xrange("t")] == ids[2:]
+    assert unconsumed(redis_client, "t", "g") == before == 7
+    consumer.ack([got[2].id, got[4].id, got[5].id])
+    assert trim_acked(redis_client, "t", "g", retain=5) == 3  # keeps the newest 5
+    assert redis_client.xlen("t") == 5
+    assert trim_acked(redis_client, "t", "g", retain=0) == 1  # the 4 undelivered stay
+    assert [e.id for e in consumer.read(10)] == ids[6:]
+    assert unconsumed(redis_client, "t", "g") == 4
 
 
 def test_registry_expires_dead_instances(redis_client: redis.Redis) -> None:

@@ -23,3 +23,10 @@ class BufferConfig(StrictModel):
     low_rate_warning: float = Field(
         0.05, ge=0, le=1, description="Warn when the recent kept ratio falls below this."
     )
+    stream_retain: int = Field(
+        1000,
+        ge=0,
+        description="Acked entries kept at the tail of `scored` and `train` for inspection; "
+        "older acked entries are deleted, so the streams stay bounded.",
+    )
+    trim_interval_s: float = Field(1.0, ge=0, description="Least seconds between two trims.")

@@ -22,7 +22,8 @@ from services.common.adapters import decode_group
 from services.common.config import DapoConfig
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
-from services.common.streams import Entry, StreamConsumer, forward_and_ack
+from services.common.streams import Entry, StreamConsumer, forward_and_ack_many, trim_acked
+from services.ledger import LEARNER_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Buffer:
         self.counts: dict[str, int] = {}
         self.recent: deque[bool] = deque(maxlen=config.buffer.rate_window)
         self._last_warning = 0.0
+        self._last_trim = 0.0
 
     def current_version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
@@ -61,23 +63,40 @@ class Buffer:
         return decision, group
 
     def handle(self, entries: list[Entry]) -> None:
-        """Decide and forward+ack each entry atomically."""
+        """Decide every entry of a read, then forward+count+ack them in one transaction."""
+        if not entries:
+            return
         version = self.current_version()
+        forwards: list[dict[str, bytes]] = []
+        counters: dict[str, int] = {}
+        rates: list[tuple[str, float]] = []
         for entry in entries:
             decision, group = self.classify(entry, version)
-            forward = {"group": entry.fields["group"]} if decision.keep else None
+            if decision.keep:
+                forwards.append({"group": entry.fields["group"]})
             counter = "kept" if decision.keep else f"filtered:{decision.reason}"
-            forward_and_ack(
-                self.consumer, entry.id, self.keys.train if decision.keep else None, forward,
-                {counter: 1}, self.keys.ledger,
-            )  # fmt: skip
+            counters[counter] = counters.get(counter, 0) + 1
             if group is not None:
-                self.record_pass_rate(group.prompt_id, group.accuracy)
+                rates.append((group.prompt_id, group.accuracy))
             DECISIONS.labels(decision.reason).inc()
             self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
             self.recent.append(decision.keep)
-        if entries:
-            self.watch_rate()
+        forward_and_ack_many(
+            self.consumer, [e.id for e in entries], self.keys.train, forwards, counters,
+            self.keys.ledger,
+        )  # fmt: skip
+        self.record_pass_rates(rates)
+        self.watch_rate()
+        self.trim()
+
+    def trim(self, force: bool = False) -> None:
+        """Drop acked entries of `scored` and `train` (at most once per trim_interval_s)."""
+        cfg = self.config.buffer
+        if not force and time.monotonic() - self._last_trim < cfg.trim_interval_s:
+            return
+        self._last_trim = time.monotonic()
+        for stream, group in ((self.keys.scored, CONSUMER_GROUP), (self.keys.train, LEARNER_GROUP)):
+            trim_acked(self.client, stream, group, cfg.stream_retain)
 
     def watch_rate(self) -> None:
         """Export the recent kept ratio; say so (at most every 30 s) when it collapses.
@@ -97,18 +116,28 @@ class Buffer:
                 100 * ratio, len(self.recent), dict(self.counts), 1 / max(ratio, 1e-9),
             )  # fmt: skip
 
-    def record_pass_rate(self, prompt_id: str, accuracy: float) -> None:
+    def record_pass_rates(self, rates: list[tuple[str, float]]) -> None:
         """Keep the last history_size pass rates per prompt for the controller."""
-        raw = self.client.hget(self.keys.pass_rates, prompt_id)
-        history = json.loads(raw) if raw else []
-        history = (history + [round(accuracy, 4)])[-self.config.buffer.history_size :]
-        self.client.hset(self.keys.pass_rates, prompt_id, json.dumps(history))
+        if not rates:
+            return
+        ids = list(dict.fromkeys(prompt_id for prompt_id, _ in rates))
+        raw = self.client.hmget(self.keys.pass_rates, ids)
+        histories = {i: json.loads(r) if r else [] for i, r in zip(ids, raw, strict=True)}
+        for prompt_id, accuracy in rates:
+            histories[prompt_id].append(round(accuracy, 4))
+        size = self.config.buffer.history_size
+        mapping = {i: json.dumps(h[-size:]) for i, h in histories.items()}
+        self.client.hset(self.keys.pass_rates, mapping=mapping)
 
     def run(self, stop: threading.Event) -> None:
         """Process own pending entries first (after a crash), then new ones."""
         self.handle(self.consumer.read_own_pending(self.config.buffer.read_count))
         while not stop.is_set() and not self.client.exists(self.keys.done):
             self.handle(self.consumer.read(self.config.buffer.read_count, block_ms=200))
+        try:
+            self.trim(force=True)  # the learner's last acks came after the last read
+        except redis.RedisError as exc:
+            log.info("final trim skipped: %s", exc)
 
     def status(self) -> dict[str, Any]:
         return {"decisions": dict(self.counts), "version": self.current_version()}

@@ -97,10 +97,66 @@ def forward_and_ack(
     ledger_key: str | None = None,
 ) -> None:
     """Atomically: optionally append to out_stream, bump ledger counters, ack entry_id."""
+    forwards = [fields] if out_stream is not None and fields is not None else []
+    forward_and_ack_many(consumer, [entry_id], out_stream, forwards, counters, ledger_key)
+
+
+def forward_and_ack_many(
+    consumer: StreamConsumer,
+    entry_ids: Sequence[str],
+    out_stream: str | None,
+    forwards: Sequence[Fields],
+    counters: Mapping[str, int] | None = None,
+    ledger_key: str | None = None,
+) -> None:
+    """Atomically: append every `forwards` entry to out_stream, bump the counters, ack
+    every id. One transaction for a whole read: all of it happens, or none."""
     pipe = consumer.client.pipeline(transaction=True)
-    if out_stream is not None and fields is not None:
+    for fields in forwards if out_stream is not None else ():
         pipe.xadd(out_stream, dict(fields))
     for name, delta in (counters or {}).items():
         pipe.hincrby(ledger_key or "", name, delta)
-    pipe.xack(consumer.stream, consumer.group, entry_id)
+    if entry_ids:
+        pipe.xack(consumer.stream, consumer.group, *entry_ids)
     pipe.execute()
+
+
+def _id(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def acked_floor(client: redis.Redis, stream: str, group: str) -> tuple[int, int] | None:
+    """The least id the group may still need: every older entry is acked (None: no group).
+
+    Delivery is in id order, so entries up to `last-delivered-id` that are not pending
+    have been acked, and nothing pending is older than the pending list's minimum.
+    """
+    info = next((i for i in client.xinfo_groups(stream) if i["name"].decode() == group), None)
+    if info is None:
+        return None
+    ms, seq = _id(info["last-delivered-id"])
+    floor = (ms, seq + 1)
+    pending = client.xpending(stream, group)
+    if pending["pending"]:
+        floor = min(floor, _id(pending["min"]))
+    return floor
+
+
+def trim_acked(client: redis.Redis, stream: str, group: str, retain: int) -> int:
+    """Delete the group's acked entries except the newest `retain`; returns how many.
+
+    Unacked and undelivered entries are never touched, so consumer-group state (and the
+    ledger's pending counts built on it) is exactly what it was.
+    """
+    if not client.exists(stream):
+        return 0
+    floor = acked_floor(client, stream, group)
+    if floor is None:
+        return 0
+    if retain > 0:
+        tail = client.xrevrange(stream, "+", "-", count=retain)
+        if len(tail) < retain:
+            return 0
+        floor = min(floor, _id(tail[-1][0]))
+    return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))

@@ -24,12 +24,14 @@ def generate_request(
     max_tokens: int,
     chat: bool,
     seed: int = 0,
+    min_version: int = 0,
 ) -> rollout_pb2.GenerateRequest:
     return rollout_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
         apply_chat_template=chat,
         n=n,
+        min_version=min_version,
         sampling=rollout_pb2.SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -40,15 +42,15 @@ def generate_request(
     )
 
 
-def samples_from_responses(
-    responses: list[rollout_pb2.GenerateResponse], n: int
+def samples_from_group(
+    response: rollout_pb2.GenerateGroupResponse, n: int
 ) -> tuple[list[int], list[Sample]]:
-    """Order streamed responses by sample index; check all n arrived exactly once."""
-    by_index = {r.sample_index: r for r in responses}
-    if sorted(by_index) != list(range(n)):
-        raise ValueError(f"expected samples 0..{n - 1}, got {sorted(by_index)}")
-    prompt_ids = list(responses[0].prompt_token_ids)
-    return prompt_ids, [sample_from_completion(by_index[i].completion) for i in range(n)]
+    """The group's samples in index order; check exactly n arrived."""
+    if len(response.completions) != n:
+        raise ValueError(f"expected {n} samples, got {len(response.completions)}")
+    return list(response.prompt_token_ids), [
+        sample_from_completion(c) for c in response.completions
+    ]
 
 
 def score_request(

@@ -39,6 +39,7 @@ from services.controller.admission import (
     staleness_allows,
 )
 from services.controller.dataset import Cursor, iterate, load_dataset
+from services.controller.scoring import ScoreBatcher
 from services.ledger import prefixed, read_ledger
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,29 @@ class Controller:
         self._rate = RateEstimator()
         self._skips: Tally[str] = Tally()
         self._registry: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._group_done = threading.Event()  # wakes admission when a slot frees up
+        self.scorer = ScoreBatcher(
+            self._score_call, config.reward.max_items, config.reward.server.max_message_bytes // 2
+        )
 
     # ------------------------------------------------------------------ admission
     def version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
     def counts(self) -> PipelineCounts:
-        raw = self.client.hgetall(self.keys.ledger)
+        return self.pipeline_counts(self.client.hgetall(self.keys.ledger))
+
+    def snapshot(self) -> tuple[PipelineCounts, int, bool]:
+        """Ledger counts, policy version and whether the run is done: one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.keys.ledger)
+        pipe.get(self.keys.version)
+        pipe.exists(self.keys.done)
+        raw, version, done = pipe.execute()
+        return self.pipeline_counts(raw), int(version or 0), bool(done)
+
+    @staticmethod
+    def pipeline_counts(raw: dict[bytes, bytes]) -> PipelineCounts:
         ledger = {k.decode(): int(v) for k, v in raw.items()}
         return PipelineCounts(
             admitted=ledger.get("admitted", 0), kept=ledger.get("kept", 0),
@@ -84,19 +101,21 @@ class Controller:
             dropped=sum(prefixed(ledger, "dropped:").values()),
         )  # fmt: skip
 
-    def can_admit(self) -> bool:
-        """Concurrency, back-pressure and staleness limits (services/controller/admission)."""
+    def can_admit(self, counts: PipelineCounts) -> bool:
+        """Concurrency, back-pressure and staleness limits (services/controller/admission).
+
+        No rollout lag enters the staleness limit: every group asks its rollout server
+        for at least the version current at admission (GenerateRequest.min_version).
+        """
         cfg, shared = self.config.controller, self.config.shared
         with self._lock:
             if self._inflight >= cfg.max_groups_in_flight:
                 return False
-        counts = self.counts()
         rate = self._rate.update(counts.kept, counts.filtered)
         INFORMATIVE_RATE.set(rate)
         return backlog_allows(counts, cfg.max_train_backlog) and staleness_allows(
-            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness,
-            self.rollout_lag(),
-        )  # fmt: skip
+            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness
+        )
 
     def instances(self, role: str) -> list[dict[str, Any]]:
         """Registered instances of a role, re-read from Redis at most every 50 ms.
@@ -110,11 +129,6 @@ class Controller:
             cached = (now, discover(self.client, self.keys, role))
             self._registry[role] = cached
         return cached[1]
-
-    def rollout_lag(self) -> int:
-        """Versions the slowest registered rollout server is behind the learner."""
-        versions = [i.get("version", 0) for i in self.instances("rollout")]
-        return max(self.version() - min(versions), 0) if versions else 0
 
     def skip_reason(self, record: PromptRecord) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out one epoch at a time.
@@ -134,10 +148,13 @@ class Controller:
         self._skips[record.prompt_id] += 1
         return reason
 
-    def admit(self, cursor: Cursor, record: PromptRecord) -> tuple[str, int]:
-        """Record the group as in flight (atomically with the cursor and the ledger)."""
+    def admit(self, cursor: Cursor, record: PromptRecord, version: int) -> str:
+        """Record the group as in flight (atomically with the cursor and the ledger).
+
+        `version` (the policy version at admission) is the least version its samples
+        may come from.
+        """
         group_id = f"e{cursor.epoch}-{cursor.index - 1}"
-        version = self.version()
         meta = json.dumps({"prompt_id": record.prompt_id, "epoch": cursor.epoch, "v": version})
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(self.keys.inflight, group_id, meta)
@@ -145,7 +162,7 @@ class Controller:
         pipe.hincrby(self.keys.ledger, "admitted", 1)
         pipe.execute()
         ADMITTED.inc()
-        return group_id, version
+        return group_id
 
     # ------------------------------------------------------------------ the work
     def _stub(self, address: str, kind: str) -> Any:
@@ -171,11 +188,13 @@ class Controller:
             self._load[address] += 1
         return address
 
-    def generate(self, group_id: str, record: PromptRecord, stop: threading.Event) -> Any:
+    def generate(
+        self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
+    ) -> Any:
         shared, cfg = self.config.shared, self.config.controller
         request = adapter.generate_request(
             group_id, record.prompt, shared.group_size, self.config.rollout.sampling,
-            shared.max_response_length, cfg.apply_chat_template,
+            shared.max_response_length, cfg.apply_chat_template, min_version=version,
         )  # fmt: skip
         while not stop.is_set():
             address = self.pick_rollout()
@@ -183,8 +202,9 @@ class Controller:
                 time.sleep(0.1)
                 continue
             try:
-                stream = self._stub(address, "rollout").Generate(request, timeout=cfg.rpc_timeout_s)
-                return adapter.samples_from_responses(list(stream), shared.group_size)
+                stub = self._stub(address, "rollout")
+                group = stub.GenerateGroup(request, timeout=cfg.rpc_timeout_s)
+                return adapter.samples_from_group(group, shared.group_size)
             except (grpc.RpcError, ValueError) as exc:
                 RETRIES.labels("rollout").inc()
                 log.warning("generate %s on %s failed, re-routing: %s", group_id, address, exc)
@@ -199,12 +219,8 @@ class Controller:
         request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
         backoff = 0.1
         while not stop.is_set():
-            rewards = self.instances("reward")
             try:
-                if not rewards:
-                    raise ConnectionError("no reward service registered")
-                stub = self._stub(rewards[0]["address"], "reward")
-                adapter.apply_scores(samples, stub.Score(request, timeout=60))
+                adapter.apply_scores(samples, self.scorer.score(request))
                 return samples
             except (grpc.RpcError, ConnectionError, ValueError) as exc:
                 RETRIES.labels("reward").inc()
@@ -213,11 +229,18 @@ class Controller:
                 backoff = min(backoff * 2, 5.0)
         return None
 
+    def _score_call(self, request: Any) -> Any:
+        """One (merged) Score call on the registered reward service."""
+        rewards = self.instances("reward")
+        if not rewards:
+            raise ConnectionError("no reward service registered")
+        return self._stub(rewards[0]["address"], "reward").Score(request, timeout=60)
+
     def process(self, group_id: str, record: PromptRecord, epoch: int, version: int,
                 stop: threading.Event) -> None:  # fmt: skip
         started = time.monotonic()
         try:
-            generated = self.generate(group_id, record, stop)
+            generated = self.generate(group_id, record, version, stop)
             if generated is None:
                 return  # stopping: the group stays in flight for the next start
             prompt_ids, samples = generated
@@ -238,6 +261,7 @@ class Controller:
             with self._lock:
                 self._inflight -= 1
                 INFLIGHT.set(self._inflight)
+            self._group_done.set()
 
     def publish(self, group: Group) -> None:
         """Append to `scored` and leave `inflight` in one transaction."""
@@ -274,9 +298,13 @@ class Controller:
         with ThreadPoolExecutor(cfg.max_groups_in_flight + 1, "group") as pool:
             resumed = self.resume_inflight(pool, stop)
             log.info("controller starts at %s with %d groups resumed", start.encode(), resumed)
-            while not stop.is_set() and not self.client.exists(self.keys.done):
-                if not self.can_admit():
-                    time.sleep(0.01)
+            while not stop.is_set():
+                counts, version, done = self.snapshot()
+                if done:
+                    break
+                if not self.can_admit(counts):
+                    self._group_done.wait(0.01)  # or a learner step / buffer decision
+                    self._group_done.clear()
                     continue
                 cursor, record = next(prompts)
                 reason = self.skip_reason(record)
@@ -284,9 +312,10 @@ class Controller:
                     SKIPPED.labels(reason).inc()
                     self.client.set(self.keys.cursor, cursor.encode())
                     continue
-                group_id, version = self.admit(cursor, record)
+                group_id = self.admit(cursor, record, version)
                 self._submit(pool, stop, group_id, record, cursor.epoch, version)
             stop.set()
+        self.scorer.close()
 
     def status(self) -> dict[str, Any]:
         with self._lock:

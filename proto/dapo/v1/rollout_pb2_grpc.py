@@ -41,6 +41,11 @@ class RolloutServiceStub:
                 request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateGroup = channel.unary_unary(
+                '/dapo.v1.RolloutService/GenerateGroup',
+                request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
+                _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/dapo.v1.RolloutService/Pause',
                 request_serializer=dapo_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
@@ -69,6 +74,14 @@ class RolloutServiceServicer:
 
     def Generate(self, request, context):
         """Sample `n` completions of one prompt; each is streamed when finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateGroup(self, request, context):
+        """Same checks and sampling as Generate, answered once all n samples are done: one
+        message instead of n, for callers that need the whole group anyway (the controller).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +122,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateGroup,
+                    request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
+                    response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.SerializeToString,
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
@@ -159,6 +177,33 @@ class RolloutService:
             '/dapo.v1.RolloutService/Generate',
             dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             dapo_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dapo.v1.RolloutService/GenerateGroup',
+            dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
+            dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
