@@ -69,7 +69,7 @@ class Buffer:
             counter = "kept" if decision.keep else f"filtered:{decision.reason}"
             forward_and_ack(
                 self.consumer, entry.id, self.keys.train if decision.keep else None, forward,
-                {counter: 1}, self.keys.ledger,
+                [counter], self.keys.ledger,
             )  # fmt: skip
             if group is not None:
                 self.record_pass_rate(group.prompt_id, group.accuracy)

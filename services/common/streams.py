@@ -1,16 +1,18 @@
 """Redis Streams with consumer groups: the queues between controller, buffer and learner.
 
 A consumer acknowledges an entry only once its output is durable. `forward_and_ack`
-writes the output and acks the input in one MULTI/EXEC transaction, so a crash between
-the two can neither lose nor duplicate a group.
+writes the output and acks the input in one atomic script, so a crash between the two can
+neither lose nor duplicate a group, and a replayed forward writes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
+
+from services.common.atomic import ack_then
 
 Fields = Mapping[str, bytes | str | int | float]
 
@@ -93,14 +95,13 @@ def forward_and_ack(
     entry_id: str,
     out_stream: str | None,
     fields: Fields | None,
-    counters: Mapping[str, int] | None = None,
+    counters: Iterable[str] = (),
     ledger_key: str | None = None,
-) -> None:
-    """Atomically: optionally append to out_stream, bump ledger counters, ack entry_id."""
-    pipe = consumer.client.pipeline(transaction=True)
-    if out_stream is not None and fields is not None:
-        pipe.xadd(out_stream, dict(fields))
-    for name, delta in (counters or {}).items():
-        pipe.hincrby(ledger_key or "", name, delta)
-    pipe.xack(consumer.stream, consumer.group, entry_id)
-    pipe.execute()
+) -> bool:
+    """Atomically: ack entry_id and, only if it was still pending, append to out_stream and
+    bump the ledger counters (by one each). False: already done (a replay), nothing written.
+    """
+    c, ledger = consumer, ledger_key or ""
+    return bool(
+        ack_then(c.client, c.stream, c.group, [entry_id], ledger, counters, out_stream, fields)
+    )

@@ -23,6 +23,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
+from services.common.atomic import admit_inflight, publish_inflight
 from services.common.config import DapoConfig
 from services.common.data import PromptRecord
 from services.common.grpc_server import insecure_channel
@@ -139,11 +140,8 @@ class Controller:
         group_id = f"e{cursor.epoch}-{cursor.index - 1}"
         version = self.version()
         meta = json.dumps({"prompt_id": record.prompt_id, "epoch": cursor.epoch, "v": version})
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.inflight, group_id, meta)
-        pipe.set(self.keys.cursor, cursor.encode())
-        pipe.hincrby(self.keys.ledger, "admitted", 1)
-        pipe.execute()
+        k = self.keys
+        admit_inflight(self.client, k.inflight, k.cursor, k.ledger, group_id, meta, cursor.encode())
         ADMITTED.inc()
         return group_id, version
 
@@ -239,13 +237,11 @@ class Controller:
                 INFLIGHT.set(self._inflight)
 
     def publish(self, group: Group) -> None:
-        """Append to `scored` and leave `inflight` in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.scored, {"group": encode_group(group), "group_id": group.group_id})
-        pipe.hdel(self.keys.inflight, group.group_id)
-        pipe.hincrby(self.keys.ledger, "scored", 1)
-        pipe.execute()
-        SCORED.inc()
+        """Leave `inflight` and append to `scored`, atomically and once per group id."""
+        fields = {"group": encode_group(group), "group_id": group.group_id}
+        k = self.keys
+        if publish_inflight(self.client, k.inflight, k.scored, k.ledger, group.group_id, fields):
+            SCORED.inc()
 
     # ------------------------------------------------------------------ main loop
     def _submit(self, pool: ThreadPoolExecutor, stop: threading.Event, *args: Any) -> None:
