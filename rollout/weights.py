@@ -106,12 +106,16 @@ class WeightSync:
             log.info("version %d published but no learner registered yet", target)
             return False
         max_bytes = self.config.learner.server.max_message_bytes
+        rpc = self.config.shared.rpc
         with insecure_channel(learners[0]["address"], max_bytes) as channel:
             stub = learner_pb2_grpc.WeightServiceStub(channel)
-            offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
+            offered = stub.GetVersion(
+                learner_pb2.GetVersionRequest(), timeout=rpc.control_timeout_s
+            ).version
             if offered <= self.served:
                 return False  # the learner's snapshot is not there yet
-            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
+            request = learner_pb2.FetchWeightsRequest(version=0)
+            buckets = stub.FetchWeights(request, timeout=rpc.weights_timeout_s)
             version = self.updater.apply(buckets)
         log.info("loaded weights version=%d (published %d)", version, target)
         if version >= target:

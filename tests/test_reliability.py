@@ -74,10 +74,11 @@ def test_attempts_deadline_and_stop_end_the_retries() -> None:
         call_with_retry(fn, Backoff(base_s=10, cap_s=10), deadline_s=1.0, rng=lambda: 1.0)
     assert len(calls) == 1
     stop = threading.Event()
-    stop.set()
     fn, calls = flaky([ConnectionError("down")] * 10)
-    with pytest.raises(RetriesExhausted):
-        call_with_retry(fn, Backoff(), stop=stop)
+    with pytest.raises(RetriesExhausted):  # stopping during the backoff: no further attempt
+        call_with_retry(
+            fn, Backoff(base_s=60, cap_s=60), stop=stop, on_retry=lambda e, d: stop.set()
+        )
     assert len(calls) == 1
 
 

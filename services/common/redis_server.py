@@ -51,7 +51,7 @@ class RedisServer:
     def __init__(self, port: int | None = None, appendonly: bool = False) -> None:
         self.port = port or free_port()
         self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
-        args = [
+        self.args = [
             find_redis_server(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
@@ -61,10 +61,26 @@ class RedisServer:
             "--daemonize", "no",
             "--loglevel", "warning",
         ]  # fmt: skip
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
             preexec_fn=die_with_parent,
         )  # fmt: skip
+
+    @property
+    def appendonly(self) -> bool:
+        return self.args[self.args.index("--appendonly") + 1] == "yes"
+
+    def restart(self) -> RedisServer:
+        """Start the dead server again on the same port and directory (replaying its AOF)."""
+        if self.proc.poll() is None:
+            raise DapoError("redis-server is still running")
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = self._spawn()
+        return self.wait_ready()
 
     @property
     def url(self) -> str:

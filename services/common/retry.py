@@ -80,6 +80,8 @@ def call_with_retry(
     end = None if deadline_s is None else time.monotonic() + deadline_s
     delays = backoff.delays(rng)
     while True:
+        if stop is not None and stop.is_set():
+            raise RetriesExhausted("stopped")
         try:
             return fn()
         except Exception as exc:
@@ -87,10 +89,8 @@ def call_with_retry(
                 raise
             delay = next(delays, None)
             late = end is not None and delay is not None and time.monotonic() + delay > end
-            if delay is None or late or (stop is not None and stop.is_set()):
+            if delay is None or late:
                 raise RetriesExhausted(str(exc)) from exc
             if on_retry is not None:
                 on_retry(exc, delay)
             wait(delay)
-            if stop is not None and stop.is_set():
-                raise RetriesExhausted(f"stopped: {exc}") from exc

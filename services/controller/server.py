@@ -14,7 +14,9 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -30,6 +32,7 @@ from services.common.grpc_server import insecure_channel
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.registry import discover
+from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.types import Group
 from services.controller import adapter
 from services.controller.admission import (
@@ -53,6 +56,10 @@ SKIPPED = Counter("dapo_controller_prompts_skipped_total", "Prompts skipped", ["
 INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fraction")
 
 
+# Generate and Score write nothing: any failure of theirs is worth another try elsewhere.
+RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
+
+
 class Controller:
     """Feeds prompts through rollout and reward into the `scored` stream."""
 
@@ -68,6 +75,7 @@ class Controller:
         self._rate = RateEstimator()
         self._skips: Tally[str] = Tally()
         self._registry: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self._calls: set[Any] = set()
 
     # ------------------------------------------------------------------ admission
     def version(self) -> int:
@@ -169,46 +177,85 @@ class Controller:
         return address
 
     def generate(self, group_id: str, record: PromptRecord, stop: threading.Event) -> Any:
+        """G samples from some ready rollout server; a failed call is re-routed after a backoff.
+
+        Generate writes nothing, so repeating it is safe; None when stopping (the group
+        stays in flight and the next controller re-runs it).
+        """
         shared, cfg = self.config.shared, self.config.controller
         request = adapter.generate_request(
             group_id, record.prompt, shared.group_size, self.config.rollout.sampling,
             shared.max_response_length, cfg.apply_chat_template,
         )  # fmt: skip
-        while not stop.is_set():
+
+        def attempt() -> Any:
             address = self.pick_rollout()
             if address is None:
-                time.sleep(0.1)
-                continue
+                raise ConnectionError("no ready rollout server")
             try:
-                stream = self._stub(address, "rollout").Generate(request, timeout=cfg.rpc_timeout_s)
-                return adapter.samples_from_responses(list(stream), shared.group_size)
-            except (grpc.RpcError, ValueError) as exc:
-                RETRIES.labels("rollout").inc()
-                log.warning("generate %s on %s failed, re-routing: %s", group_id, address, exc)
-                time.sleep(0.2)
+                call = self._stub(address, "rollout").Generate(request, timeout=cfg.rpc_timeout_s)
+                with self._tracked(call):
+                    return adapter.samples_from_responses(list(call), shared.group_size)
             finally:
                 with self._lock:
                     self._load[address] -= 1
-        return None
+
+        return self._retry(attempt, "rollout", group_id, stop)
 
     def score(self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event):
-        verifier = self.config.controller.verifier
+        """Rewards from the reward service (a pure function of the request: safe to retry)."""
+        verifier, rpc = self.config.controller.verifier, self.config.shared.rpc
         request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
-        backoff = 0.1
-        while not stop.is_set():
+
+        def attempt() -> list:
             rewards = self.instances("reward")
-            try:
-                if not rewards:
-                    raise ConnectionError("no reward service registered")
-                stub = self._stub(rewards[0]["address"], "reward")
-                adapter.apply_scores(samples, stub.Score(request, timeout=60))
-                return samples
-            except (grpc.RpcError, ConnectionError, ValueError) as exc:
-                RETRIES.labels("reward").inc()
-                log.warning("score %s failed, retrying in %.1fs: %s", group_id, backoff, exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-        return None
+            if not rewards:
+                raise ConnectionError("no reward service registered")
+            call = self._stub(rewards[0]["address"], "reward").Score.future(
+                request, timeout=rpc.score_timeout_s
+            )
+            with self._tracked(call):
+                adapter.apply_scores(samples, call.result())
+            return samples
+
+        return self._retry(attempt, "reward", group_id, stop)
+
+    def _retry(self, attempt: Any, target: str, group_id: str, stop: threading.Event) -> Any:
+        """attempt() with backoff until it succeeds or we stop (then None)."""
+        rpc = self.config.shared.rpc
+
+        def on_retry(exc: BaseException, delay: float) -> None:
+            RETRIES.labels(target).inc()
+            if not isinstance(exc, ConnectionError):
+                log.warning("%s for %s failed, retrying in %.2fs: %s", target, group_id, delay, exc)
+
+        try:
+            return call_with_retry(
+                attempt, Backoff(rpc.backoff_base_s, rpc.backoff_cap_s),
+                retryable=lambda e: isinstance(e, RETRYABLE),
+                stop=stop, on_retry=on_retry,
+            )  # fmt: skip
+        except RetriesExhausted:
+            return None
+
+    @contextmanager
+    def _tracked(self, call: Any) -> Iterator[None]:
+        """Remember a running call so that stopping can cancel it (graceful shutdown)."""
+        with self._lock:
+            self._calls.add(call)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    def cancel_calls(self) -> int:
+        """Cancel every running Generate/Score; their groups stay in flight (handed back)."""
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def process(self, group_id: str, record: PromptRecord, epoch: int, version: int,
                 stop: threading.Event) -> None:  # fmt: skip
@@ -282,6 +329,8 @@ class Controller:
                 group_id, version = self.admit(cursor, record)
                 self._submit(pool, stop, group_id, record, cursor.epoch, version)
             stop.set()
+            cancelled = self.cancel_calls()  # hand unfinished groups back: they stay in flight
+            log.info("stopping: %d calls cancelled, their groups stay in flight", cancelled)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
