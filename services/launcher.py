@@ -192,7 +192,8 @@ def monitor(launch: Launch) -> int:
 
     config = launch.config
     assert config.shared.redis_url
-    client = connect(config.shared.redis_url)
+    # Fail fast while Redis is down: this loop is what restarts the launcher's own Redis.
+    client = connect(config.shared.redis_url, outage_s=1.0)
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:

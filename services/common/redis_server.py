@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from services.common.errors import DapoError
 from services.common.net import free_port
@@ -127,9 +129,15 @@ def start_redis(port: int | None = None, appendonly: bool = False) -> RedisServe
     return RedisServer(port, appendonly).wait_ready()
 
 
-def connect(url: str, timeout_s: float = 5.0) -> redis.Redis:
-    """A client that has answered PING, or a DapoError naming the URL."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s)
+def connect(url: str, timeout_s: float = 5.0, outage_s: float = 30.0) -> redis.Redis:
+    """A client that has answered PING, or a DapoError naming the URL.
+
+    It rides out a Redis restart of up to about `outage_s` (retrying with backoff and
+    jitter) instead of failing the service; every write a retry may repeat is idempotent
+    (services/common/atomic.py).
+    """
+    retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), int(outage_s / 0.5))
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, retry=retry)
     try:
         client.ping()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
