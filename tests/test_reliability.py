@@ -125,3 +125,33 @@ def test_a_replayed_step_commit_is_applied_once(redis_client: redis.Redis) -> No
     assert redis_client.get(k.version) == b"1"
     assert redis_client.xlen(k.metrics) == 1 and redis_client.xlen(k.steps) == 1
     assert redis_client.hgetall(k.ledger) == {b"stepped": b"3", b"trained": b"3"}
+
+
+# ------------------------------------------------------------- graceful shutdown
+def test_sigterm_stops_the_controller_and_hands_back_its_groups(
+    redis_server, redis_client: redis.Redis, tmp_path
+) -> None:
+    """No rollout server: every admitted group waits in a retry; SIGTERM ends the process
+    at once and leaves the groups in flight, where the next controller re-runs them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "controller", "--preset", "tiny",
+         "--redis-url", redis_server.url, "--set", "shared.run_name=graceful",
+         "--set", "controller.max_groups_in_flight=4", "--set", "controller.server.http_port=0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while read_ledger(redis_client, "graceful").admitted < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    ledger = read_ledger(redis_client, "graceful")
+    assert (ledger.admitted, ledger.in_flight, ledger.scored) == (4, 4, 0)
+    assert not ledger.problems()
