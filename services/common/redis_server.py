@@ -129,14 +129,15 @@ def start_redis(port: int | None = None, appendonly: bool = False) -> RedisServe
     return RedisServer(port, appendonly).wait_ready()
 
 
-def connect(url: str, timeout_s: float = 5.0, outage_s: float = 30.0) -> redis.Redis:
+def connect(url: str, timeout_s: float = 5.0, outage_s: float = 20.0) -> redis.Redis:
     """A client that has answered PING, or a DapoError naming the URL.
 
     It rides out a Redis restart of up to about `outage_s` (retrying with backoff and
     jitter) instead of failing the service; every write a retry may repeat is idempotent
     (services/common/atomic.py).
     """
-    retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), int(outage_s / 0.5))
+    # Waits average just under cap (1 s) once the backoff has grown: one retry ≈ 1 s.
+    retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), max(int(outage_s), 1))
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, retry=retry)
     try:
         client.ping()
