@@ -39,6 +39,7 @@ from learner.reference import Reference
 from learner.step import StepMetrics, train_step
 from learner.weights import WeightServicer, add_weight_service, snapshot
 from services.common.adapters import decode_group
+from services.common.atomic import ack_then, commit_step
 from services.common.config import DapoConfig
 from services.common.errors import DapoError
 from services.common.grpc_server import start_grpc_server
@@ -195,19 +196,13 @@ class Learner:
 
     # --------------------------------------------------------------- consuming
     def _drop_stale(self, entry: Entry) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.keys.train, CONSUMER_GROUP, entry.id)
-        pipe.hincrby(self.keys.ledger, "dropped:stale", 1)
-        pipe.execute()
+        k = self.keys
+        ack_then(self.client, k.train, CONSUMER_GROUP, [entry.id], k.ledger, ["dropped:stale"])
         GROUPS.labels("dropped_stale").inc()
 
     def _ack_trained(self, ids: list[str]) -> None:
-        if not ids:
-            return
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
-        pipe.hincrby(self.keys.ledger, "trained", len(ids))
-        pipe.execute()
+        """Ack and count `trained`; entries already acked are not counted again."""
+        ack_then(self.client, self.keys.train, CONSUMER_GROUP, ids, self.keys.ledger, ["trained"])
 
     def take(self, entries: list[Entry]) -> None:
         """Add fresh groups to the batch being built; drop (and count) stale ones.
@@ -259,23 +254,26 @@ class Learner:
         self._tell(OP_TRAIN, seed, pack_groups(groups))
         metrics = self.trainer.train(groups, seed)
         staleness = max(self.version - g.min_policy_version for g in groups)
-        self.commit([e.id for e, _ in batch], metrics, staleness)
+        self.commit([e.id for e, _ in batch], metrics, staleness, [g.group_id for g in groups])
         return metrics
 
-    def commit(self, ids: list[str], metrics: StepMetrics, staleness: int) -> None:
-        """Publish weights, then version + metrics (+ acks without checkpoints) atomically."""
+    def commit(
+        self, ids: list[str], metrics: StepMetrics, staleness: int, group_ids: list[str]
+    ) -> None:
+        """Publish weights, then version + metrics + trace (+ acks without checkpoints).
+
+        One script, once per version; `stepped` is for admission pacing only (not the
+        ledger); the `steps` trace names the groups in this step (the fault tests read it).
+        """
         new_version = self.version + 1
         self.weights.publish(new_version, snapshot(self.policy.named_weights()))
-        record = dict(metrics.as_dict(), step=self.step + 1, staleness=staleness)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.version, new_version)
-        # For admission pacing only (not the ledger): groups trained, acked or not yet.
-        pipe.hincrby(self.keys.ledger, "stepped", len(ids))
-        if not self.checkpointing:
-            pipe.xack(self.keys.train, CONSUMER_GROUP, *ids)
-            pipe.hincrby(self.keys.ledger, "trained", len(ids))
-        pipe.xadd(self.keys.metrics, {"json": json.dumps(record)})
-        pipe.execute()
+        step = self.step + 1
+        record = dict(metrics.as_dict(), step=step, staleness=staleness)
+        trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}
+        commit_step(
+            self.client, self.keys, new_version, len(ids), json.dumps(record), json.dumps(trace),
+            None if self.checkpointing else (CONSUMER_GROUP, ids),
+        )  # fmt: skip
         self.step, self.version, self.last = self.step + 1, new_version, metrics
         self.cursor = max([self.cursor, *ids], key=stream_id)
         if self.checkpointing:

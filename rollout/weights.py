@@ -128,11 +128,13 @@ class WeightSync:
         if not learners:
             log.info("version %d published but no learner registered yet", target)
             return False
-        stub = self._stub(learners[0]["address"])
-        offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
+        stub, rpc = self._stub(learners[0]["address"]), self.config.shared.rpc
+        request = learner_pb2.GetVersionRequest()
+        offered = stub.GetVersion(request, timeout=rpc.control_timeout_s).version
         if offered <= self.served:
             return False  # the learner's snapshot is not there yet
-        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
+        fetch = learner_pb2.FetchWeightsRequest(version=0)
+        buckets = stub.FetchWeights(fetch, timeout=rpc.weights_timeout_s)
         version = self.updater.apply(buckets)
         log.info("loaded weights version=%d (published %d)", version, target)
         if version >= target:

@@ -207,7 +207,9 @@ def fetch_latest_weights(config: Any, engine: Any) -> None:
     )
     try:
         stub = learner_pb2_grpc.WeightServiceStub(channel)
-        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(), timeout=300)
+        buckets = stub.FetchWeights(
+            learner_pb2.FetchWeightsRequest(), timeout=config.shared.rpc.weights_timeout_s
+        )
         version, tensors = assemble_update(buckets)
         engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
     finally:

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import redis
+
 from services.common.config import DapoConfig, dump_config
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.lifecycle import PARENT_ENV
-from services.common.redis_server import RedisServer, connect_run, start_redis
+from services.common.redis_server import RedisServer, connect, connect_run, start_redis
 from services.common.security import secret_env, without_secrets
 from services.evaluate import eval_plan, run_eval_plan
 from services.ledger import read_ledger
@@ -66,11 +68,14 @@ class Launch:
         """The resolved config every child reads (written by `prepare`)."""
         return self.run_dir / "config.yaml"
 
-    def spawn(self, role: str, name: str) -> tuple[subprocess.Popen, IO[bytes]]:
+    def spawn(
+        self, role: str, name: str, extra: tuple[str, ...] = ()
+    ) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path)],
+            [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path),
+             *extra],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
         return proc, log_file
@@ -91,10 +96,25 @@ class Launch:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
     def restart(self, child: Child) -> None:
-        """Start a dead child again (same role, same log); it resumes from Redis state."""
+        """Start a dead child again (same role, same log); it resumes from Redis state.
+
+        A learner also restores its latest checkpoint (the first start never does: a run
+        directory reused with a fresh Redis must not inherit an old model).
+        """
         child.log_file.close()
-        child.proc, child.log_file = self.spawn(child.role, child.name)
+        extra = ("--set", "learner.resume=true") if child.role == "learner" else ()
+        child.proc, child.log_file = self.spawn(child.role, child.name, extra)
         child.restarts += 1
+
+    def redis_died(self) -> bool:
+        """True if our redis-server died; it is then started again from its AOF."""
+        server = self.redis_server
+        if server is None or server.proc.poll() is None:
+            return False
+        if not server.appendonly:
+            raise DapoError("redis-server died and has no AOF to restart from (redis_appendonly)")
+        server.restart()
+        return True
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
@@ -153,9 +173,13 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     """Start Redis if needed and write the resolved config every child reads."""
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
-        launch.redis_server = start_redis(password=config.security.redis.secret())
+        launch.redis_server = start_redis(
+            appendonly=config.shared.redis_appendonly, password=config.security.redis.secret()
+        )
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
+    if data.learner.checkpoint_dir is None:  # a restarted learner resumes from here
+        data.learner.checkpoint_dir = str(run_dir / "checkpoints")
     for section in ROLES:
         getattr(data, section).server.grpc_port = 0
         getattr(data, section).server.http_port = 0
@@ -177,27 +201,39 @@ def monitor(launch: Launch) -> int:
 
     config = launch.config
     assert config.shared.redis_url
-    client = connect_run(config)
+    # Fail fast while Redis is down: this loop is what restarts the launcher's own Redis.
+    client = connect(config.shared.redis_url, config.security.redis, outage_s=1.0)
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
         while True:
-            done = bool(client.exists(keys.done))
+            if launch.redis_died():
+                bar.write("redis-server died; restarted it from its append-only file")
+            try:
+                done = bool(client.exists(keys.done))
+                update_bar(bar, client, keys, config.shared.run_name, launch.history)
+            except redis.ConnectionError:  # Redis restarting: supervise, read it next time
+                done = False
             dead = launch.dead_child()
-            if dead is not None and not done:
-                log_path = launch.run_dir / "logs" / f"{dead.name}.log"
-                bar.write(f"{dead.name} exited with code {dead.proc.returncode}; see {log_path}")
-                if dead.restarts >= launch.max_restarts:
-                    bar.write(f"{dead.name} failed {dead.restarts + 1} times; stopping the run")
-                    return 1
-                launch.restart(dead)
-                bar.write(f"restarted {dead.name} ({dead.restarts}/{launch.max_restarts})")
-            update_bar(bar, client, keys, config.shared.run_name, launch.history)
+            if dead is not None and not done and not supervise(launch, dead, bar):
+                return 1
             if launch.on_step is not None:
                 launch.on_step(launch, bar.n, done)
             if done:
                 return 0
             time.sleep(0.2)
+
+
+def supervise(launch: Launch, dead: Child, bar: Any) -> bool:
+    """Restart a dead child; False once it has used up its restarts."""
+    log_path = launch.run_dir / "logs" / f"{dead.name}.log"
+    bar.write(f"{dead.name} exited with code {dead.proc.returncode}; see {log_path}")
+    if dead.restarts >= launch.max_restarts:
+        bar.write(f"{dead.name} failed {dead.restarts + 1} times; stopping the run")
+        return False
+    launch.restart(dead)
+    bar.write(f"restarted {dead.name} ({dead.restarts}/{launch.max_restarts})")
+    return True
 
 
 def update_bar(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import redis
 
@@ -23,17 +24,33 @@ from services.common.keys import RunKeys
 BUFFER_GROUP, LEARNER_GROUP = "buffer", "learner"
 
 
+def _queue_stream_state(pipe: Any, stream: str) -> None:
+    pipe.xinfo_groups(stream)
+    pipe.xinfo_stream(stream)
+
+
+def _unconsumed(client: redis.Redis, stream: str, group: str, groups: Any, info: Any) -> int:
+    """From a snapshot of the stream's groups and last id: unacked entries at that instant.
+
+    Entries after the snapshot's last id are not counted (they did not exist then), so the
+    count agrees with counters read in the same MULTI.
+    """
+    if isinstance(info, Exception):  # no such stream yet
+        return 0
+    last = info["last-generated-id"].decode()
+    for g in groups:
+        if g["name"].decode() == group:
+            delivered = g["last-delivered-id"].decode()
+            return int(g["pending"]) + len(client.xrange(stream, min=f"({delivered}", max=last))
+    return len(client.xrange(stream, max=last))  # group not created yet: nothing consumed
+
+
 def unconsumed(client: redis.Redis, stream: str, group: str) -> int:
     """Entries of `stream` the group has not acked: delivered-but-pending plus undelivered."""
-    if not client.exists(stream):
-        return 0
-    for info in client.xinfo_groups(stream):
-        if info["name"].decode() != group:
-            continue
-        last = info["last-delivered-id"].decode()
-        undelivered = len(client.xrange(stream, min=f"({last}", max="+"))
-        return int(info["pending"]) + undelivered
-    return int(client.xlen(stream))  # group not created yet: nothing consumed
+    pipe = client.pipeline(transaction=True)
+    _queue_stream_state(pipe, stream)
+    groups, info = pipe.execute(raise_on_error=False)
+    return _unconsumed(client, stream, group, groups, info)
 
 
 @dataclass
@@ -79,13 +96,16 @@ class Ledger:
 
 
 def read_ledger(client: redis.Redis, run: str) -> Ledger:
-    """Snapshot the counters and stream state of a run (read in one MULTI for coherence)."""
+    """Snapshot the counters and stream state of a run (one MULTI: the identity holds at
+    every instant, also while the services run)."""
     keys = RunKeys(run)
     pipe = client.pipeline(transaction=True)
     pipe.hgetall(keys.ledger)
     pipe.hlen(keys.inflight)
     pipe.get(keys.version)
-    counters_raw, in_flight, version = pipe.execute()
+    _queue_stream_state(pipe, keys.scored)
+    _queue_stream_state(pipe, keys.train)
+    counters_raw, in_flight, version, *streams = pipe.execute(raise_on_error=False)
     counters = {k.decode(): int(v) for k, v in counters_raw.items()}
     return Ledger(
         admitted=counters.get("admitted", 0),
@@ -93,10 +113,10 @@ def read_ledger(client: redis.Redis, run: str) -> Ledger:
         scored=counters.get("scored", 0),
         kept=counters.get("kept", 0),
         filtered=prefixed(counters, "filtered:"),
-        pending_scored=unconsumed(client, keys.scored, BUFFER_GROUP),
+        pending_scored=_unconsumed(client, keys.scored, BUFFER_GROUP, *streams[:2]),
         trained=counters.get("trained", 0),
         dropped=prefixed(counters, "dropped:"),
-        pending_train=unconsumed(client, keys.train, LEARNER_GROUP),
+        pending_train=_unconsumed(client, keys.train, LEARNER_GROUP, *streams[2:]),
         version=int(version or 0),
     )
 

@@ -1,8 +1,10 @@
 """The buffer service: reads `scored`, forwards informative fresh groups to `train`.
 
-Forwarding and acking happen in one Redis transaction together with the ledger counter,
-so every scored group is counted exactly once as kept or filtered (by reason), even if
-this process dies at any point. Malformed entries are acked and counted, never retried.
+Forwarding, acking and the ledger counter of an entry happen in one Redis script that
+does nothing if the entry was already acked, so every scored group is counted exactly
+once as kept or filtered (by reason), even if this process dies at any point or a write
+is replayed. A whole read goes in one pipelined round trip. Malformed entries are acked
+and counted, never retried.
 """
 
 from __future__ import annotations
@@ -63,28 +65,24 @@ class Buffer:
         return decision, group
 
     def handle(self, entries: list[Entry]) -> None:
-        """Decide every entry of a read, then forward+count+ack them in one transaction."""
+        """Decide every entry of a read, then forward+count+ack them in one round trip."""
         if not entries:
             return
         version = self.current_version()
-        forwards: list[dict[str, bytes]] = []
-        counters: dict[str, int] = {}
+        moves: list[tuple[str, str, dict[str, bytes] | None]] = []
         rates: list[tuple[str, float]] = []
         for entry in entries:
             decision, group = self.classify(entry, version)
-            if decision.keep:
-                forwards.append({"group": entry.fields["group"]})
             counter = "kept" if decision.keep else f"filtered:{decision.reason}"
-            counters[counter] = counters.get(counter, 0) + 1
+            moves.append(
+                (entry.id, counter, {"group": entry.fields["group"]} if decision.keep else None)
+            )
             if group is not None:
                 rates.append((group.prompt_id, group.accuracy))
             DECISIONS.labels(decision.reason).inc()
             self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
             self.recent.append(decision.keep)
-        forward_and_ack_many(
-            self.consumer, [e.id for e in entries], self.keys.train, forwards, counters,
-            self.keys.ledger,
-        )  # fmt: skip
+        forward_and_ack_many(self.consumer, moves, self.keys.train, self.keys.ledger)
         self.record_pass_rates(rates)
         self.watch_rate()
         self.trim()

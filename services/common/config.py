@@ -23,7 +23,7 @@ from services.buffer.config import BufferConfig
 from services.common.errors import DapoError
 from services.common.presets import PRESETS
 from services.common.security import VERBATIM_FIELDS, SecurityConfig, redact_url
-from services.common.server_config import StrictModel
+from services.common.server_config import RpcConfig, StrictModel
 from services.controller.config import ControllerConfig
 
 ENV_PREFIX = "DAPO_"
@@ -61,6 +61,12 @@ class SharedConfig(StrictModel):
     model_init: Literal["tiny", "small"] | None = Field(
         None, description="`dapo up` builds a random model of this preset if model_path is absent."
     )
+    redis_appendonly: bool = Field(
+        True,
+        description="The redis-server `dapo up` starts logs every write (AOF) and is "
+        "restarted from that log if it dies; off = a dead Redis loses the run's state.",
+    )
+    rpc: RpcConfig = Field(default_factory=RpcConfig)
 
 
 class DapoConfig(StrictModel):

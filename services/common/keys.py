@@ -50,6 +50,15 @@ class RunKeys:
         return self._key("metrics")
 
     @property
+    def steps(self) -> str:
+        """Stream of committed steps: each one's step, version, group ids and entry ids.
+
+        Written in the step's commit; a step redone after a learner restart appears again,
+        and the last record of a step is the one in the model.
+        """
+        return self._key("steps")
+
+    @property
     def cursor(self) -> str:
         """The controller's position in the prompt stream (epoch:index)."""
         return self._key("cursor")

@@ -9,11 +9,14 @@ from typing import Any
 PARENT_ENV = "DAPO_PARENT_PID"
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """If started by `dapo up`, SIGTERM ourselves once the launcher is gone.
+def exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """If started by `dapo up`, SIGTERM ourselves once the launcher is gone, and exit
+    anyway `grace_s` later (as `dapo up` itself would SIGKILL a straggler).
 
     Services run in their own session (so Ctrl-C reaches only the launcher, which stops
     them in order); without this, a launcher killed by SIGKILL would leave them running.
+    The hard exit matters because the launcher's Redis dies with it, and a service may be
+    inside a Redis call that keeps retrying through what looks like a Redis restart.
     """
     import os
 
@@ -25,6 +28,8 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
         while os.getppid() == int(parent):
             threading.Event().wait(poll_s)
         os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(grace_s)
+        os._exit(1)
 
     threading.Thread(target=_watch, daemon=True, name="parent-watch").start()
 

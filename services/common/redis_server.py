@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from services.common.errors import DapoError
 from services.common.net import free_port
@@ -62,7 +64,7 @@ class RedisServer:
         self.port = port or free_port()
         self.password = password
         self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
-        args = [
+        self.args = [
             find_redis_server(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
@@ -74,14 +76,32 @@ class RedisServer:
             *extra_args,
         ]  # fmt: skip
         if password is not None:  # a config directive via stdin, not argv (ps shows argv)
-            args += ["-"]
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-            preexec_fn=die_with_parent, stdin=subprocess.PIPE if password is not None else None,
+            self.args += ["-"]
+        self.proc = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            preexec_fn=die_with_parent,
+            stdin=subprocess.PIPE if self.password is not None else None,
         )  # fmt: skip
-        if password is not None and self.proc.stdin is not None:
-            self.proc.stdin.write(f"requirepass {quote(password)}\n".encode())
-            self.proc.stdin.close()
+        if self.password is not None and proc.stdin is not None:
+            proc.stdin.write(f"requirepass {quote(self.password)}\n".encode())
+            proc.stdin.close()
+        return proc
+
+    @property
+    def appendonly(self) -> bool:
+        return self.args[self.args.index("--appendonly") + 1] == "yes"
+
+    def restart(self) -> RedisServer:
+        """Start the dead server again on the same port and directory (replaying its AOF)."""
+        if self.proc.poll() is None:
+            raise DapoError("redis-server is still running")
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.proc = self._spawn()
+        return self.wait_ready()
 
     @property
     def url(self) -> str:
@@ -151,9 +171,20 @@ def client_kwargs(url: str, auth: RedisAuthConfig | None) -> dict[str, object]:
     return kwargs
 
 
-def connect(url: str, auth: RedisAuthConfig | None = None, timeout_s: float = 5.0) -> redis.Redis:
-    """A client that has answered PING, or a DapoError naming the URL (password redacted)."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, **client_kwargs(url, auth))
+def connect(
+    url: str, auth: RedisAuthConfig | None = None, timeout_s: float = 5.0, outage_s: float = 20.0
+) -> redis.Redis:
+    """A client that has answered PING, or a DapoError naming the URL (password redacted).
+
+    It rides out a Redis restart of up to about `outage_s` (retrying with backoff and
+    jitter) instead of failing the service; every write a retry may repeat is idempotent
+    (services/common/atomic.py).
+    """
+    # Waits average just under cap (1 s) once the backoff has grown: one retry ≈ 1 s.
+    retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), max(int(outage_s), 1))
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=timeout_s, retry=retry, **client_kwargs(url, auth)
+    )
     try:
         client.ping()
     except redis.AuthenticationError as exc:

@@ -20,3 +20,17 @@ class ServerConfig(StrictModel):
     max_message_bytes: int = Field(
         64 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
     )
+
+
+class RpcConfig(StrictModel):
+    """Deadlines of the gRPC calls between services, and how idempotent ones are retried."""
+
+    score_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Score call.")
+    weights_timeout_s: float = Field(
+        600.0, gt=0, description="Deadline of one FetchWeights call (the whole model)."
+    )
+    control_timeout_s: float = Field(
+        10.0, gt=0, description="Deadline of small calls (GetVersion, GetStatus, Pause)."
+    )
+    backoff_base_s: float = Field(0.1, gt=0, description="First retry waits up to this.")
+    backoff_cap_s: float = Field(5.0, gt=0, description="No retry waits longer than this.")

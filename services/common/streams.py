@@ -1,16 +1,18 @@
 """Redis Streams with consumer groups: the queues between controller, buffer and learner.
 
 A consumer acknowledges an entry only once its output is durable. `forward_and_ack`
-writes the output and acks the input in one MULTI/EXEC transaction, so a crash between
-the two can neither lose nor duplicate a group.
+writes the output and acks the input in one atomic script, so a crash between the two can
+neither lose nor duplicate a group, and a replayed forward writes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
+
+from services.common.atomic import ack_then, queue_ack_then
 
 Fields = Mapping[str, bytes | str | int | float]
 
@@ -93,32 +95,34 @@ def forward_and_ack(
     entry_id: str,
     out_stream: str | None,
     fields: Fields | None,
-    counters: Mapping[str, int] | None = None,
+    counters: Iterable[str] = (),
     ledger_key: str | None = None,
-) -> None:
-    """Atomically: optionally append to out_stream, bump ledger counters, ack entry_id."""
-    forwards = [fields] if out_stream is not None and fields is not None else []
-    forward_and_ack_many(consumer, [entry_id], out_stream, forwards, counters, ledger_key)
+) -> bool:
+    """Atomically: ack entry_id and, only if it was still pending, append to out_stream and
+    bump the ledger counters (by one each). False: already done (a replay), nothing written.
+    """
+    c, ledger = consumer, ledger_key or ""
+    return bool(
+        ack_then(c.client, c.stream, c.group, [entry_id], ledger, counters, out_stream, fields)
+    )
 
 
 def forward_and_ack_many(
     consumer: StreamConsumer,
-    entry_ids: Sequence[str],
-    out_stream: str | None,
-    forwards: Sequence[Fields],
-    counters: Mapping[str, int] | None = None,
-    ledger_key: str | None = None,
-) -> None:
-    """Atomically: append every `forwards` entry to out_stream, bump the counters, ack
-    every id. One transaction for a whole read: all of it happens, or none."""
-    pipe = consumer.client.pipeline(transaction=True)
-    for fields in forwards if out_stream is not None else ():
-        pipe.xadd(out_stream, dict(fields))
-    for name, delta in (counters or {}).items():
-        pipe.hincrby(ledger_key or "", name, delta)
-    if entry_ids:
-        pipe.xack(consumer.stream, consumer.group, *entry_ids)
-    pipe.execute()
+    moves: Sequence[tuple[str, str, Fields | None]],
+    out_stream: str,
+    ledger_key: str,
+) -> int:
+    """`forward_and_ack` for a whole read in one round trip: per (entry id, counter,
+    fields or None) one idempotent script, pipelined. Each move stays atomic on its own;
+    a replayed move writes nothing. Returns how many entries were acked."""
+    pipe = consumer.client.pipeline(transaction=False)
+    for entry_id, counter, fields in moves:
+        target = out_stream if fields is not None else None
+        queue_ack_then(
+            pipe, consumer.stream, consumer.group, entry_id, ledger_key, [counter], target, fields
+        )
+    return sum(int(acked) for acked in pipe.execute())
 
 
 def _id(entry_id: bytes | str) -> tuple[int, int]:

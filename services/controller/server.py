@@ -14,7 +14,9 @@ import logging
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -23,12 +25,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
+from services.common.atomic import admit_inflight, publish_inflight
 from services.common.config import DapoConfig
 from services.common.data import PromptRecord
 from services.common.grpc_server import channel
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.registry import discover
+from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.types import Group
 from services.controller import adapter
 from services.controller.admission import (
@@ -53,6 +57,10 @@ SKIPPED = Counter("dapo_controller_prompts_skipped_total", "Prompts skipped", ["
 INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fraction")
 
 
+# Generate and Score write nothing: any failure of theirs is worth another try elsewhere.
+RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
+
+
 class Controller:
     """Feeds prompts through rollout and reward into the `scored` stream."""
 
@@ -69,6 +77,7 @@ class Controller:
         self._skips: Tally[str] = Tally()
         self._registry: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self._group_done = threading.Event()  # wakes admission when a slot frees up
+        self._calls: set[Any] = set()
         self.scorer = ScoreBatcher(
             self._score_call, config.reward.max_items, config.reward.server.max_message_bytes // 2
         )
@@ -156,11 +165,8 @@ class Controller:
         """
         group_id = f"e{cursor.epoch}-{cursor.index - 1}"
         meta = json.dumps({"prompt_id": record.prompt_id, "epoch": cursor.epoch, "v": version})
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hset(self.keys.inflight, group_id, meta)
-        pipe.set(self.keys.cursor, cursor.encode())
-        pipe.hincrby(self.keys.ledger, "admitted", 1)
-        pipe.execute()
+        k = self.keys
+        admit_inflight(self.client, k.inflight, k.cursor, k.ledger, group_id, meta, cursor.encode())
         ADMITTED.inc()
         return group_id
 
@@ -191,50 +197,89 @@ class Controller:
     def generate(
         self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
     ) -> Any:
+        """G samples from some ready rollout server; a failed call is re-routed after a backoff.
+
+        Generate writes nothing, so repeating it is safe; None when stopping (the group
+        stays in flight and the next controller re-runs it).
+        """
         shared, cfg = self.config.shared, self.config.controller
         request = adapter.generate_request(
             group_id, record.prompt, shared.group_size, self.config.rollout.sampling,
             shared.max_response_length, cfg.apply_chat_template, min_version=version,
         )  # fmt: skip
-        while not stop.is_set():
+
+        def attempt() -> Any:
             address = self.pick_rollout()
             if address is None:
-                time.sleep(0.1)
-                continue
+                raise ConnectionError("no ready rollout server")
             try:
                 stub = self._stub(address, "rollout")
-                group = stub.GenerateGroup(request, timeout=cfg.rpc_timeout_s)
-                return adapter.samples_from_group(group, shared.group_size)
-            except (grpc.RpcError, ValueError) as exc:
-                RETRIES.labels("rollout").inc()
-                log.warning("generate %s on %s failed, re-routing: %s", group_id, address, exc)
-                time.sleep(0.2)
+                call = stub.GenerateGroup.future(request, timeout=cfg.rpc_timeout_s)
+                with self._tracked(call):
+                    return adapter.samples_from_group(call.result(), shared.group_size)
             finally:
                 with self._lock:
                     self._load[address] -= 1
-        return None
+
+        return self._retry(attempt, "rollout", group_id, stop)
 
     def score(self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event):
+        """Rewards from the reward service (a pure function of the request: safe to retry)."""
         verifier = self.config.controller.verifier
         request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
-        backoff = 0.1
-        while not stop.is_set():
-            try:
-                adapter.apply_scores(samples, self.scorer.score(request))
-                return samples
-            except (grpc.RpcError, ConnectionError, ValueError) as exc:
-                RETRIES.labels("reward").inc()
-                log.warning("score %s failed, retrying in %.1fs: %s", group_id, backoff, exc)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-        return None
+
+        def attempt() -> list:
+            adapter.apply_scores(samples, self.scorer.score(request))
+            return samples
+
+        return self._retry(attempt, "reward", group_id, stop)
+
+    def _retry(self, attempt: Any, target: str, group_id: str, stop: threading.Event) -> Any:
+        """attempt() with backoff until it succeeds or we stop (then None)."""
+        rpc = self.config.shared.rpc
+
+        def on_retry(exc: BaseException, delay: float) -> None:
+            RETRIES.labels(target).inc()
+            if not isinstance(exc, ConnectionError):
+                log.warning("%s for %s failed, retrying in %.2fs: %s", target, group_id, delay, exc)
+
+        try:
+            return call_with_retry(
+                attempt, Backoff(rpc.backoff_base_s, rpc.backoff_cap_s),
+                retryable=lambda e: isinstance(e, RETRYABLE),
+                stop=stop, on_retry=on_retry,
+            )  # fmt: skip
+        except RetriesExhausted:
+            return None
+
+    @contextmanager
+    def _tracked(self, call: Any) -> Iterator[None]:
+        """Remember a running call so that stopping can cancel it (graceful shutdown)."""
+        with self._lock:
+            self._calls.add(call)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    def cancel_calls(self) -> int:
+        """Cancel every running Generate/Score; their groups stay in flight (handed back)."""
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        return len(calls)
 
     def _score_call(self, request: Any) -> Any:
-        """One (merged) Score call on the registered reward service."""
+        """One (merged) Score call on the registered reward service; stopping cancels it."""
         rewards = self.instances("reward")
         if not rewards:
             raise ConnectionError("no reward service registered")
-        return self._stub(rewards[0]["address"], "reward").Score(request, timeout=60)
+        stub = self._stub(rewards[0]["address"], "reward")
+        call = stub.Score.future(request, timeout=self.config.shared.rpc.score_timeout_s)
+        with self._tracked(call):
+            return call.result()
 
     def process(self, group_id: str, record: PromptRecord, epoch: int, version: int,
                 stop: threading.Event) -> None:  # fmt: skip
@@ -264,13 +309,11 @@ class Controller:
             self._group_done.set()
 
     def publish(self, group: Group) -> None:
-        """Append to `scored` and leave `inflight` in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.scored, {"group": encode_group(group), "group_id": group.group_id})
-        pipe.hdel(self.keys.inflight, group.group_id)
-        pipe.hincrby(self.keys.ledger, "scored", 1)
-        pipe.execute()
-        SCORED.inc()
+        """Leave `inflight` and append to `scored`, atomically and once per group id."""
+        fields = {"group": encode_group(group), "group_id": group.group_id}
+        k = self.keys
+        if publish_inflight(self.client, k.inflight, k.scored, k.ledger, group.group_id, fields):
+            SCORED.inc()
 
     # ------------------------------------------------------------------ main loop
     def _submit(self, pool: ThreadPoolExecutor, stop: threading.Event, *args: Any) -> None:
@@ -315,6 +358,8 @@ class Controller:
                 group_id = self.admit(cursor, record, version)
                 self._submit(pool, stop, group_id, record, cursor.epoch, version)
             stop.set()
+            cancelled = self.cancel_calls()  # hand unfinished groups back: they stay in flight
+            log.info("stopping: %d calls cancelled, their groups stay in flight", cancelled)
         self.scorer.close()
 
     def status(self) -> dict[str, Any]:

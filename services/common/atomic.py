@@ -1,0 +1,155 @@
+"""Idempotent moves of a group between Redis keys, each one Lua script (atomic).
+
+A write can be sent twice: redis-py resends a command whose connection broke (the first
+may have run), and a restarted service redoes the move it was making when it died. So
+every move is keyed by the thing it consumes, and does nothing if that is already gone:
+
+- publish (controller): `HDEL inflight <group id>` must remove the group, else no XADD;
+- forward / ack / drop (buffer, learner): `XACK <entry ids>` must ack something, and
+  the counters move by what was acked, else no XADD;
+- admit (controller): `HSETNX inflight <group id>`; counted only when new;
+- a learner step: only if its version is newer than the stored one.
+
+Lua's unpack is limited to a few thousand values: long id lists are acked in chunks (each
+chunk atomic with its own counters, which keeps the ledger exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import redis
+
+from services.common.keys import RunKeys
+
+Fields = Mapping[str, bytes | str | int | float]
+
+_ACK_THEN = """
+local group, n = ARGV[1], tonumber(ARGV[2])
+local acked = redis.call('XACK', KEYS[1], group, unpack(ARGV, 3, 2 + n))
+if acked == 0 then return 0 end
+local at, m = 3 + n, tonumber(ARGV[3 + n])
+for i = at + 1, at + m do redis.call('HINCRBY', KEYS[3], ARGV[i], acked) end
+if #ARGV > at + m then redis.call('XADD', KEYS[2], '*', unpack(ARGV, at + m + 1)) end
+return acked
+"""
+
+_PUBLISH = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('HINCRBY', KEYS[3], 'scored', 1)
+return 1
+"""
+
+_ADMIT = """
+local new = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if new == 1 then redis.call('HINCRBY', KEYS[3], 'admitted', 1) end
+redis.call('SET', KEYS[2], ARGV[3])
+return new
+"""
+
+
+_COMMIT_STEP = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('HINCRBY', KEYS[2], 'stepped', ARGV[2])
+redis.call('XADD', KEYS[3], '*', 'json', ARGV[3])
+redis.call('XADD', KEYS[4], '*', 'json', ARGV[4])
+if #ARGV > 5 then
+  local acked = redis.call('XACK', KEYS[5], ARGV[5], unpack(ARGV, 6))
+  redis.call('HINCRBY', KEYS[2], 'trained', acked)
+end
+return 1
+"""
+
+CHUNK = 1000
+
+
+def _flat(fields: Fields) -> list[bytes | str | int | float]:
+    return [x for kv in fields.items() for x in kv]
+
+
+def ack_then(
+    client: redis.Redis,
+    stream: str,
+    group: str,
+    ids: Sequence[str],
+    ledger_key: str,
+    counters: Iterable[str] = (),
+    out_stream: str | None = None,
+    fields: Fields | None = None,
+) -> int:
+    """Ack ids; by as many as were acked, bump counters and (if any) append fields.
+
+    Returns the number acked: 0 means this move already happened (a replay).
+    """
+    names = list(counters)
+    if not ids:
+        return 0
+    if len(ids) > CHUNK and not fields:
+        return sum(
+            ack_then(client, stream, group, ids[i : i + CHUNK], ledger_key, names)
+            for i in range(0, len(ids), CHUNK)
+        )
+    return int(_ack_then(client, stream, group, ids, ledger_key, names, out_stream, fields))
+
+
+def queue_ack_then(
+    pipe: redis.client.Pipeline,
+    stream: str,
+    group: str,
+    entry_id: str,
+    ledger_key: str,
+    counters: Iterable[str],
+    out_stream: str | None,
+    fields: Fields | None,
+) -> None:
+    """Queue one entry's `ack_then` on a pipeline (its result comes from `execute`)."""
+    _ack_then(pipe, stream, group, [entry_id], ledger_key, list(counters), out_stream, fields)
+
+
+def _ack_then(
+    client: redis.Redis | redis.client.Pipeline,
+    stream: str,
+    group: str,
+    ids: Sequence[str],
+    ledger_key: str,
+    names: list[str],
+    out_stream: str | None,
+    fields: Fields | None,
+) -> object:
+    args = [group, len(ids), *ids, len(names), *names]
+    if out_stream is not None and fields:
+        args += _flat(fields)
+    keys = [stream, out_stream or stream, ledger_key]
+    return client.register_script(_ACK_THEN)(keys=keys, args=args)
+
+
+def publish_inflight(
+    client: redis.Redis, inflight: str, stream: str, ledger_key: str, group_id: str, fields: Fields
+) -> bool:
+    """Move a group from `inflight` to `stream` (+1 `scored`); False if already moved."""
+    script = client.register_script(_PUBLISH)
+    return bool(script(keys=[inflight, stream, ledger_key], args=[group_id, *_flat(fields)]))
+
+
+def admit_inflight(
+    client: redis.Redis, inflight: str, cursor_key: str, ledger_key: str,
+    group_id: str, meta: str, cursor: str,
+) -> bool:  # fmt: skip
+    """Record a group in flight (+1 `admitted` if new) and move the cursor."""
+    script = client.register_script(_ADMIT)
+    return bool(script(keys=[inflight, cursor_key, ledger_key], args=[group_id, meta, cursor]))
+
+
+def commit_step(
+    client: redis.Redis, keys: RunKeys, version: int, stepped: int, metrics_json: str,
+    trace_json: str, ack: tuple[str, Sequence[str]] | None = None,
+) -> bool:  # fmt: skip
+    """Publish a step: version, pacing counter, metrics, trace (+ acks); once per version."""
+    args: list[str | int] = [version, stepped, metrics_json, trace_json]
+    if ack is not None and ack[1]:
+        args += [ack[0], *ack[1]]
+    script = client.register_script(_COMMIT_STEP)
+    names = [keys.version, keys.ledger, keys.metrics, keys.steps, keys.train]
+    return bool(script(keys=names, args=args))
