@@ -20,7 +20,7 @@ from learner.config import LearnerConfig
 from reward.config import RewardConfig
 from rollout.config import RolloutConfig
 from services.buffer.config import BufferConfig
-from services.common.errors import DapoError
+from services.common.errors import DapoError, describe_validation
 from services.common.presets import PRESETS
 from services.common.server_config import StrictModel
 from services.controller.config import ControllerConfig
@@ -147,12 +147,8 @@ def cli_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem, each naming the dotted field."""
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{where}: {err['msg']}")
-    return "invalid config: " + "; ".join(lines)
+    """One line naming each problem's dotted field (control characters escaped)."""
+    return "invalid config: " + describe_validation(exc.errors(), "config", limit=None)
 
 
 def build_config(data: Mapping[str, Any]) -> DapoConfig:
