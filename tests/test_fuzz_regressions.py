@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
+import pytest
 
 from reward.http_api import parse_items
 from reward.scoring import RequestError
@@ -44,3 +46,20 @@ def test_config_error_naming_a_key_with_a_newline_stays_on_one_line() -> None:
     except ConfigError as exc:
         message = str(exc)
     assert "\n" not in message and "shared.a\\nb" in message
+
+
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """Found by the config fuzzer: a non-UTF-8 file raised UnicodeDecodeError."""
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"\x80")
+    with pytest.raises(ConfigError, match="cannot read .*c.yaml"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400"])
+def test_config_refuses_non_finite_numbers(value: str) -> None:
+    """Found by the config fuzzer: rollout.drain_timeout_s=1e400 (inf) was accepted, and
+    so were an infinite lr, timeout or temperature."""
+    for field in ("rollout.drain_timeout_s", "learner.lr", "reward.timeout_s"):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(overrides=[f"{field}={value}"], env={})
