@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from reward.config import VerifierName
 from reward.scoring import LimitExceeded, RequestError, ScoreInput, Scorer
+from services.common.errors import describe_validation
 
 
 def clean_text(text: str) -> str:
@@ -103,11 +104,8 @@ def parse_items(body: bytes) -> list[ScoreInput]:
 
 
 def _describe(exc: ValidationError) -> str:
-    """One line per problem, each naming the field path."""
-    parts = [
-        f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()
-    ]
-    return "invalid request: " + "; ".join(parts[:10])
+    """One line naming each problem's field path (control characters escaped)."""
+    return "invalid request: " + describe_validation(exc.errors(), "body")
 
 
 def error_response(exc: RequestError) -> JSONResponse:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import grpc
 import redis
@@ -66,11 +67,13 @@ class WeightUpdater:
         for bucket in buckets:
             self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
             assembler.add(bucket)
-        tensors = assembler.result()
+        named = [(t.name, to_torch(t)) for t in assembler.result()]
+        for name, tensor in named:
+            check_finite(name, tensor)
         version = assembler.version or 0
         with self._lock:
             self._check_newer(version)
-            self.engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
+            self.engine.load_weights(named, version)
         with self._loaded:
             self._loaded.notify_all()
         return version
@@ -78,6 +81,15 @@ class WeightUpdater:
     def _check_newer(self, version: int) -> None:
         if version <= self.engine.version:
             raise StaleUpdate(f"version {version} is not newer than served {self.engine.version}")
+
+
+def check_finite(name: str, tensor: Any) -> None:
+    """Refuse NaN or infinite values: one would poison every later sample's log-probs.
+    (Found by tests/test_fuzz_rollout.py: such an update was applied.)"""
+    import torch
+
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise ValueError(f"weight {name!r} holds NaN or infinite values; weights left unchanged")
 
 
 class WeightSync:

@@ -20,7 +20,7 @@ from learner.config import LearnerConfig
 from reward.config import RewardConfig
 from rollout.config import RolloutConfig
 from services.buffer.config import BufferConfig
-from services.common.errors import DapoError
+from services.common.errors import DapoError, describe_validation
 from services.common.presets import PRESETS
 from services.common.security import VERBATIM_FIELDS, SecurityConfig, redact_url
 from services.common.server_config import RpcConfig, StrictModel
@@ -121,7 +121,10 @@ def read_file(path: Path) -> dict[str, Any]:
     """Load a YAML or TOML config file into a dict."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
     try:
         data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
@@ -156,12 +159,8 @@ def cli_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem, each naming the dotted field."""
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{where}: {err['msg']}")
-    return "invalid config: " + "; ".join(lines)
+    """One line naming each problem's dotted field (control characters escaped)."""
+    return "invalid config: " + describe_validation(exc.errors(), "config", limit=None)
 
 
 def build_config(data: Mapping[str, Any]) -> DapoConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DapoError(Exception):
     """A user-facing failure: bad config, missing file, busy port, unreachable Redis."""
@@ -9,3 +11,17 @@ class DapoError(Exception):
 
 class PortInUseError(DapoError):
     """A requested port is already taken."""
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters escaped, so a message stays on one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def describe_validation(errors: list[Any], default: str, limit: int | None = 10) -> str:
+    """pydantic's errors as one line: `field.path: problem; ...`, names escaped."""
+    parts = [
+        f"{one_line('.'.join(str(p) for p in err['loc'])) or default}: {one_line(err['msg'])}"
+        for err in errors[:limit]
+    ]
+    return "; ".join(parts)

@@ -83,6 +83,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise PortInUseError(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    # Accepted connections inherit this. uvicorn on a pre-bound socket leaves Nagle on,
+    # and Nagle plus the client's delayed ACK held every keep-alive response ~40 ms.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.listen(128)
     return sock
 

@@ -6,9 +6,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class StrictModel(BaseModel):
-    """Base for every config model: unknown keys are errors, so typos never pass silently."""
+    """Base for every config model: unknown keys are errors, so typos never pass silently;
+    NaN and infinity are refused (an infinite lr or timeout is never what was meant)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ServerConfig(StrictModel):

@@ -1,0 +1,240 @@
+"""Fuzzing the reward service: generated JSON and protobuf against one real server.
+
+1000 generated requests per HTTP route and for gRPC Score (decoded messages and raw
+bytes): none may crash the server or answer 5xx / INTERNAL; a refusal is a 4xx or
+INVALID_ARGUMENT with a message, an acceptance answers every item in order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from fuzzing import (
+    PROTO_TEXTS,
+    TEXT_LIMIT,
+    TEXTS,
+    Counter,
+    assert_clear_refusal,
+    cases,
+    http_client,
+    raw_call,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dapo.v1 import reward_pb2, reward_pb2_grpc
+from reward.server import RewardServer, create_server
+from services.common.config import DapoConfig
+
+EXAMPLES = 1000
+MAX_ITEMS = 4
+VERIFIERS = ["dapo", "math_verify", "cascade", "first_integer"]
+SCORE = "/dapo.v1.RewardService/Score"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RewardServer]:
+    config = DapoConfig.model_validate(
+        {
+            "shared": {"max_response_length": 100, "overlong_buffer_length": 20},
+            "reward": {
+                "num_workers": 2,
+                "timeout_s": 5.0,
+                "max_items": MAX_ITEMS,
+                "max_response_chars": TEXT_LIMIT,
+                "max_ground_truth_chars": TEXT_LIMIT,
+                "default_verifier": "dapo",  # cheap: 1000 requests must finish fast
+                "max_request_bytes": 64 * 1024,
+                "server": {"grpc_port": 0, "http_port": 0},
+            },
+        }
+    )
+    server = create_server(config)
+    assert server.scorer.pool.wait_ready(60)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server: RewardServer) -> Iterator[httpx.Client]:
+    with http_client(f"http://127.0.0.1:{server.http_port}") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def channel(server: RewardServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield channel
+
+
+# -- strategies -------------------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), TEXTS)
+JSON_VALUES = st.recursive(
+    JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXTS, inner, max_size=3),
+    max_leaves=8,
+)
+OPTIONAL_FIELDS = {
+    "id": st.one_of(TEXTS, JSON_SCALARS),
+    "verifier": st.one_of(st.sampled_from(VERIFIERS), st.none(), JSON_SCALARS),
+    "response_length": st.one_of(
+        st.integers(-5, 200), st.integers(), st.none(), st.floats(), JSON_SCALARS
+    ),
+    "truncated": st.one_of(st.booleans(), JSON_SCALARS),
+    "extra": JSON_VALUES,
+}
+
+
+@st.composite
+def json_items(draw: st.DrawFn) -> dict[str, Any]:
+    """Mostly well-typed items; any field may be missing, mistyped or unknown."""
+    item: dict[str, Any] = {}
+    for name in ("response", "ground_truth"):
+        if draw(st.integers(0, 9)):  # 1 in 10 missing
+            item[name] = draw(TEXTS) if draw(st.integers(0, 9)) else draw(JSON_VALUES)
+    for name, strategy in OPTIONAL_FIELDS.items():
+        if draw(st.booleans()) and (name != "extra" or draw(st.integers(0, 4)) == 0):
+            item[name] = draw(strategy)
+    return item
+
+
+SCORE_BODIES = st.one_of(
+    st.builds(
+        lambda items: json.dumps({"items": items}).encode(),
+        st.lists(json_items(), max_size=MAX_ITEMS + 1),
+    ),
+    st.builds(lambda value: json.dumps(value).encode(), JSON_VALUES),
+    st.binary(max_size=64),
+    st.builds(lambda t: t.encode("utf-8", "surrogatepass"), st.text(max_size=32)),
+)
+
+
+def expected_items(body: bytes) -> list[Any] | None:
+    """The items list a well-formed body carries (None: the server must refuse)."""
+    try:
+        data = json.loads(body.decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return data.get("items") if isinstance(data, dict) else None
+
+
+# -- HTTP -------------------------------------------------------------------------------
+
+
+def check_score_reply(reply: httpx.Response, body: bytes) -> None:
+    assert reply.status_code < 500, reply.text
+    if reply.status_code != 200:
+        assert 400 <= reply.status_code < 500
+        detail = reply.json()["detail"]
+        assert isinstance(detail, str) and detail.strip()
+        assert "\n" not in detail
+        return
+    items = expected_items(body)
+    assert isinstance(items, list) and len(items) <= MAX_ITEMS
+    results = reply.json()["results"]
+    assert len(results) == len(items)
+    for result, item in zip(results, items, strict=True):
+        assert result["id"] == item.get("id", "").encode("utf-8", "replace").decode()
+        assert result["reward"] <= 1.0 and isinstance(result["correct"], bool)
+
+
+def test_fuzz_http_score(http: httpx.Client) -> None:
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(body=SCORE_BODIES)
+    def run(body: bytes) -> None:
+        seen()
+        reply = http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        check_score_reply(reply, body)
+
+    run()
+    assert seen.n >= EXAMPLES
+
+
+ROUTES = ["/healthz", "/readyz", "/metrics", "/status", "/openapi.json"]
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+QUERY = st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=3)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_fuzz_http_other_routes(http: httpx.Client, route: str) -> None:
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(method=st.sampled_from(METHODS), params=QUERY, body=st.binary(max_size=32))
+    def run(method: str, params: dict[str, str], body: bytes) -> None:
+        seen()
+        reply = http.request(method, route, params=params, content=body)
+        assert reply.status_code < 500, reply.text
+        if method == "GET":
+            assert reply.status_code == 200
+        elif method != "HEAD":  # HEAD: 405 on API routes, 200 on /openapi.json
+            assert reply.status_code == 405
+            assert "not allowed" in reply.json()["detail"].lower()
+
+    run()
+    assert seen.n >= EXAMPLES
+
+
+# -- gRPC -------------------------------------------------------------------------------
+
+PROTO_ITEMS = st.builds(
+    reward_pb2.ScoreItem,
+    id=PROTO_TEXTS,
+    response=PROTO_TEXTS,
+    ground_truth=PROTO_TEXTS,
+    verifier=st.integers(-2, 7),
+    response_length=st.one_of(st.integers(0, 200), st.integers(0, 2**32 - 1)),
+    truncated=st.booleans(),
+)
+
+
+def test_fuzz_grpc_score(channel: grpc.Channel) -> None:
+    stub = reward_pb2_grpc.RewardServiceStub(channel)
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(items=st.lists(PROTO_ITEMS, max_size=MAX_ITEMS + 1))
+    def run(items: list[reward_pb2.ScoreItem]) -> None:
+        seen()
+        try:
+            reply = stub.Score(reward_pb2.ScoreRequest(items=items), timeout=60)
+        except grpc.RpcError as exc:
+            assert_clear_refusal(exc)
+            assert (
+                len(items) > MAX_ITEMS
+                or any(i.verifier not in range(5) for i in items)
+                or any(max(len(i.response), len(i.ground_truth)) > TEXT_LIMIT for i in items)
+            )
+            return
+        assert len(items) <= MAX_ITEMS
+        assert [r.id for r in reply.results] == [i.id for i in items]
+
+    run()
+    assert seen.n >= EXAMPLES
+
+
+def test_fuzz_grpc_score_raw_bytes(channel: grpc.Channel) -> None:
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(data=st.binary(max_size=96))
+    def run(data: bytes) -> None:
+        seen()
+        try:
+            reply = reward_pb2.ScoreResponse.FromString(raw_call(channel, SCORE, data))
+        except grpc.RpcError as exc:
+            assert_clear_refusal(exc)
+            return
+        request = reward_pb2.ScoreRequest.FromString(data)  # the server decoded it too
+        assert len(reply.results) == len(request.items)
+
+    run()
+    assert seen.n >= EXAMPLES
