@@ -37,7 +37,7 @@ from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
-from learner.weights import WeightServicer, add_weight_service, snapshot
+from learner.weights import WeightServicer, add_weight_service, live_views
 from services.common.adapters import decode_group
 from services.common.config import DapoConfig
 from services.common.errors import DapoError
@@ -190,7 +190,7 @@ class Learner:
         if published > self.version:  # a lost learner got further: its weights are gone
             self.version = published + 1
             self.client.set(self.keys.version, self.version)
-        self.weights.publish(self.version, snapshot(self.policy.named_weights()))
+        self.weights.publish(self.version, live_views(self.policy.named_weights()))
         VERSION.set(self.version)
 
     # --------------------------------------------------------------- consuming
@@ -265,7 +265,7 @@ class Learner:
     def commit(self, ids: list[str], metrics: StepMetrics, staleness: int) -> None:
         """Publish weights, then version + metrics (+ acks without checkpoints) atomically."""
         new_version = self.version + 1
-        self.weights.publish(new_version, snapshot(self.policy.named_weights()))
+        self.weights.publish(new_version, live_views(self.policy.named_weights()))
         record = dict(metrics.as_dict(), step=self.step + 1, staleness=staleness)
         pipe = self.client.pipeline(transaction=True)
         pipe.set(self.keys.version, new_version)

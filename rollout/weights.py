@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import redis
@@ -28,7 +28,13 @@ from services.common.config import DapoConfig
 from services.common.grpc_server import insecure_channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import TensorWireError, WeightAssembler, to_torch
+from services.common.tensor_codec import (
+    TensorWireError,
+    WeightAssembler,
+    WireBucket,
+    parse_bucket,
+    to_torch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ class WeightUpdater:
         self.engine, self.metrics = engine, metrics
         self._lock = threading.Lock()
 
-    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
+    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket | WireBucket]) -> int:
         """Assemble, check and load one update; raise (old weights stay) on anything wrong."""
         started = time.perf_counter()
         try:
@@ -55,7 +61,7 @@ class WeightUpdater:
         self.metrics.weight_seconds.observe(time.perf_counter() - started)
         return version
 
-    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
+    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket | WireBucket]) -> int:
         assembler = WeightAssembler()
         for bucket in buckets:
             self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
@@ -70,6 +76,23 @@ class WeightUpdater:
     def _check_newer(self, version: int) -> None:
         if version <= self.engine.version:
             raise StaleUpdate(f"version {version} is not newer than served {self.engine.version}")
+
+
+FETCH_WEIGHTS = "/dapo.v1.WeightService/FetchWeights"
+
+
+def fetch_weights(
+    channel: grpc.Channel, version: int = 0, timeout: float | None = None
+) -> Iterator[WireBucket]:
+    """FetchWeights, each bucket parsed in place (`parse_bucket`): the tensor bytes are
+    copied once, from the received message into the update's buffers, never by protobuf."""
+    call = channel.unary_stream(
+        FETCH_WEIGHTS,
+        request_serializer=learner_pb2.FetchWeightsRequest.SerializeToString,
+        response_deserializer=None,  # raw bytes
+    )
+    for message in call(learner_pb2.FetchWeightsRequest(version=version), timeout=timeout):
+        yield parse_bucket(message)
 
 
 class WeightSync:
@@ -111,8 +134,7 @@ class WeightSync:
             offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
             if offered <= self.served:
                 return False  # the learner's snapshot is not there yet
-            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
-            version = self.updater.apply(buckets)
+            version = self.updater.apply(fetch_weights(channel, timeout=600))
         log.info("loaded weights version=%d (published %d)", version, target)
         if version >= target:
             self.caught_up.set()
