@@ -253,16 +253,21 @@ class _Partial:
     dtype: str
     shape: tuple[int, ...]
     total: int
-    buffer: memoryview
+    buffer: Any  # a numpy uint8 array
     filled: int = 0
 
+    def write(self, data: bytes | memoryview, end: int) -> None:
+        """Copy the next slice in (one memcpy)."""
+        memoryview(self.buffer)[self.filled : end] = data
+        self.filled = end
 
-def _uninitialized(nbytes: int) -> memoryview:
+
+def _uninitialized(nbytes: int) -> Any:
     """A writable buffer that is not zeroed first (every byte gets written by a slice);
     zero-filling a bytearray cost as much as the copy itself here."""
     import numpy
 
-    return memoryview(numpy.empty(nbytes, dtype=numpy.uint8))
+    return numpy.empty(nbytes, dtype=numpy.uint8)
 
 
 @dataclass
@@ -311,8 +316,7 @@ class WeightAssembler:
         end = piece.offset + len(data)
         if piece.offset != part.filled or end > total:
             raise TensorWireError(f"{piece.name}: slice at {piece.offset} does not follow")
-        part.buffer[part.filled : end] = data
-        part.filled = end
+        part.write(data, end)
 
     def _start(self, name: str, dtype: str, shape: tuple[int, ...], total: int) -> _Partial:
         """The tensor's final buffer, sized from its announced shape (bounded first)."""
@@ -332,7 +336,9 @@ class WeightAssembler:
         short = [n for n, p in self._tensors.items() if p.filled != p.total]
         if short:
             raise TensorWireError(f"incomplete tensors: {', '.join(short[:5])}")
-        return [RawTensor(n, p.dtype, p.shape, p.buffer) for n, p in self._tensors.items()]
+        return [
+            RawTensor(n, p.dtype, p.shape, memoryview(p.buffer)) for n, p in self._tensors.items()
+        ]
 
 
 def from_torch(name: str, tensor: Any) -> RawTensor:
