@@ -214,12 +214,13 @@ def raw_tcp_bytes_per_s(tensors: list[Any]) -> float:
 
 def fetch_seconds(channel: Any, nbytes: int) -> float:
     """One FetchWeights as a rollout server runs it: parsed in place, assembled, to torch."""
-    from rollout.weights import fetch_weights
+    from dapo.v1 import learner_pb2
+    from rollout.weights import WeightStub
     from services.common.tensor_codec import WeightAssembler, to_torch
 
     started = time.perf_counter()
     assembler = WeightAssembler()
-    for bucket in fetch_weights(channel):
+    for bucket in WeightStub(channel).FetchWeights(learner_pb2.FetchWeightsRequest()):
         assembler.add(bucket)
     out = [to_torch(t) for t in assembler.result()]
     seconds = time.perf_counter() - started

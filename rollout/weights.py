@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import grpc
 import redis
@@ -28,13 +28,7 @@ from services.common.config import DapoConfig
 from services.common.grpc_server import insecure_channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import (
-    TensorWireError,
-    WeightAssembler,
-    WireBucket,
-    parse_bucket,
-    to_torch,
-)
+from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +44,7 @@ class WeightUpdater:
         self.engine, self.metrics = engine, metrics
         self._lock = threading.Lock()
 
-    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket | WireBucket]) -> int:
+    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
         """Assemble, check and load one update; raise (old weights stay) on anything wrong."""
         started = time.perf_counter()
         try:
@@ -61,7 +55,7 @@ class WeightUpdater:
         self.metrics.weight_seconds.observe(time.perf_counter() - started)
         return version
 
-    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket | WireBucket]) -> int:
+    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
         assembler = WeightAssembler()
         for bucket in buckets:
             self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
@@ -78,21 +72,19 @@ class WeightUpdater:
             raise StaleUpdate(f"version {version} is not newer than served {self.engine.version}")
 
 
-FETCH_WEIGHTS = "/dapo.v1.WeightService/FetchWeights"
+class WeightStub(learner_pb2_grpc.WeightServiceStub):
+    """The generated stub, except that FetchWeights yields `parse_bucket` WireBuckets: the
+    tensor bytes are viewed in the received message, never copied by protobuf, and copied
+    once into the update's buffers by WeightAssembler."""
 
-
-def fetch_weights(
-    channel: grpc.Channel, version: int = 0, timeout: float | None = None
-) -> Iterator[WireBucket]:
-    """FetchWeights, each bucket parsed in place (`parse_bucket`): the tensor bytes are
-    copied once, from the received message into the update's buffers, never by protobuf."""
-    call = channel.unary_stream(
-        FETCH_WEIGHTS,
-        request_serializer=learner_pb2.FetchWeightsRequest.SerializeToString,
-        response_deserializer=None,  # raw bytes
-    )
-    for message in call(learner_pb2.FetchWeightsRequest(version=version), timeout=timeout):
-        yield parse_bucket(message)
+    def __init__(self, channel: grpc.Channel) -> None:
+        super().__init__(channel)
+        raw = channel.unary_stream(
+            "/dapo.v1.WeightService/FetchWeights",
+            request_serializer=learner_pb2.FetchWeightsRequest.SerializeToString,
+            response_deserializer=None,  # the serialized bytes
+        )
+        self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
 
 
 class WeightSync:
@@ -130,11 +122,12 @@ class WeightSync:
             return False
         max_bytes = self.config.learner.server.max_message_bytes
         with insecure_channel(learners[0]["address"], max_bytes) as channel:
-            stub = learner_pb2_grpc.WeightServiceStub(channel)
+            stub = WeightStub(channel)
             offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=10).version
             if offered <= self.served:
                 return False  # the learner's snapshot is not there yet
-            version = self.updater.apply(fetch_weights(channel, timeout=600))
+            buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest(version=0), timeout=600)
+            version = self.updater.apply(buckets)
         log.info("loaded weights version=%d (published %d)", version, target)
         if version >= target:
             self.caught_up.set()

@@ -204,8 +204,9 @@ def test_malformed_records_raise_value_error() -> None:
 
 
 def test_published_version_is_a_snapshot_served_bitwise_over_grpc() -> None:
+    from dapo.v1 import learner_pb2
     from learner.weights import WeightServicer, add_weight_service, live_views
-    from rollout.weights import fetch_weights
+    from rollout.weights import WeightStub
     from services.common.grpc_server import insecure_channel, start_grpc_server
     from services.common.server_config import ServerConfig
 
@@ -220,7 +221,8 @@ def test_published_version_is_a_snapshot_served_bitwise_over_grpc() -> None:
     try:
         with insecure_channel(f"127.0.0.1:{port}") as channel:
             assembler = WeightAssembler()
-            for bucket in fetch_weights(channel, version=7, timeout=30):
+            request = learner_pb2.FetchWeightsRequest(version=7)
+            for bucket in WeightStub(channel).FetchWeights(request, timeout=30):
                 assembler.add(bucket)
     finally:
         server.stop(0)
