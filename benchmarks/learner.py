@@ -9,7 +9,10 @@
    against `token_budget_micro_batches`. Target: ≤ 10 % with the budget.
 3. Weight publication: the learner's WeightService streaming a ≥ 100 MB random Qwen2
    over gRPC on loopback into a `WeightAssembler` (the rollout side, up to torch tensors)
-   against raw loopback TCP measured in the same run. Target: ≥ 0.5×.
+   against raw loopback TCP of the same bytes measured in the same run, paired per
+   published version, steady state (docs/weight_publication.md). Target: ≥ 0.5×.
+   Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
+   (`--no-malloc-tuning` to compare).
 
 Writes benchmarks/results/learner.json (details + `checks`).
 """

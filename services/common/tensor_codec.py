@@ -4,6 +4,8 @@ Weights travel as a sequence of `WeightBucket` messages (proto/dapo/v1/tensor.pr
 `encode_buckets` splits named tensors into buckets of at most `bucket_bytes` payload;
 `WeightAssembler` rebuilds them and refuses anything inconsistent, so a receiver either
 gets a complete, well-formed update or an error — never half an update.
+`encode_bucket_bytes` / `parse_bucket` are the same wire format without protobuf
+copying the tensor bytes (docs/weight_publication.md).
 
 The module is torch-free at import; `to_torch` / `from_torch` import torch lazily for
 the processes that have it.
