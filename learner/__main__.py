@@ -13,6 +13,9 @@ from services.common.redis_server import connect_run
 
 
 def run(config: DapoConfig) -> None:
+    from services.common.malloc import keep_freed_memory
+
+    keep_freed_memory()  # weight buckets reuse warm memory (services/common/malloc.py)
     assert config.shared.redis_url
     if int(os.environ.get("RANK", "0")) > 0:
         from learner.server import Follower

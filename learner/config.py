@@ -65,7 +65,11 @@ class LearnerConfig(StrictModel):
     export_dir: str | None = Field(
         None, description="Final save_pretrained model (default: <checkpoint_dir>/final)."
     )
-    weight_bucket_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    weight_bucket_bytes: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Weight bytes per gRPC message (4 MiB: docs/weight_publication.md).",
+    )
     linger_s: float = Field(
         30.0, ge=0, description="After the last step, keep serving the final weights this long."
     )

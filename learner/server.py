@@ -37,7 +37,7 @@ from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
-from learner.weights import WeightServicer, add_weight_service, snapshot
+from learner.weights import WeightServicer, add_weight_service, live_views
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
 from services.common.config import DapoConfig
@@ -191,7 +191,7 @@ class Learner:
         if published > self.version:  # a lost learner got further: its weights are gone
             self.version = published + 1
             self.client.set(self.keys.version, self.version)
-        self.weights.publish(self.version, snapshot(self.policy.named_weights()))
+        self.weights.publish(self.version, live_views(self.policy.named_weights()))
         VERSION.set(self.version)
 
     # --------------------------------------------------------------- consuming
@@ -266,7 +266,7 @@ class Learner:
         ledger); the `steps` trace names the groups in this step (the fault tests read it).
         """
         new_version = self.version + 1
-        self.weights.publish(new_version, snapshot(self.policy.named_weights()))
+        self.weights.publish(new_version, live_views(self.policy.named_weights()))
         step = self.step + 1
         record = dict(metrics.as_dict(), step=step, staleness=staleness)
         trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}

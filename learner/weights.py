@@ -1,10 +1,10 @@
 """The learner's WeightService: rollout servers pull the latest weights from here.
 
-A snapshot is taken after each committed step (bytes on CPU), so a fetch streams a
-consistent version even while the next step trains. The buckets of a version are
-serialized once, on its first fetch, and every later fetch (R rollout servers) streams
-the same bytes: `add_weight_service` registers FetchWeights with a pass-through
-serializer, so the wire format is exactly the generated `WeightBucket` messages.
+`publish` serializes a version into wire-ready buckets at once: that is the snapshot
+(one copy of every weight byte, so a fetch streams a consistent version even while the
+next step trains) and also the encoding, so every fetch (R rollout servers) streams the
+same bytes. `add_weight_service` registers FetchWeights with a pass-through serializer;
+the bytes are exactly the generated `WeightBucket` messages (`encode_bucket_bytes`).
 """
 
 from __future__ import annotations
@@ -15,28 +15,36 @@ from collections.abc import Iterable
 import grpc
 import torch
 
-from dapo.v1 import learner_pb2, learner_pb2_grpc
-from services.common.tensor_codec import RawTensor, encode_buckets, from_torch
+from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
+from services.common.tensor_codec import (
+    RawTensor,
+    WeightAssembler,
+    encode_bucket_bytes,
+    parse_bucket,
+    torch_view,
+)
 
 
-def snapshot(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
-    """Copy weights to CPU bytes."""
-    return [from_torch(name, tensor) for name, tensor in named]
+def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
+    """The weights as RawTensors viewing their CPU memory (no copy): `publish` them
+    before the weights change."""
+    return [torch_view(name, tensor) for name, tensor in named]
 
 
 class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
-    """Serves the latest published snapshot."""
+    """Serves the latest published version."""
 
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
         self._lock = threading.Lock()
         self._version = 0
-        self._tensors: list[RawTensor] = []
-        self._encoded: dict[tuple[int, int], list[bytes]] = {}
+        self._encoded: dict[int, list[bytes]] = {}  # bucket size → serialized buckets
 
     def publish(self, version: int, tensors: list[RawTensor]) -> None:
+        """Serialize `tensors` now (they may view live weights) and serve them."""
+        encoded = list(encode_bucket_bytes(tensors, version, self.bucket_bytes))
         with self._lock:
-            self._version, self._tensors, self._encoded = version, tensors, {}
+            self._version, self._encoded = version, {self.bucket_bytes: encoded}
 
     @property
     def version(self) -> int:
@@ -45,33 +53,35 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def GetVersion(self, request, context):
         return learner_pb2.GetVersionResponse(version=self._version)
 
-    def _checked(self, request: learner_pb2.FetchWeightsRequest, context) -> tuple[int, int]:
-        """(version, bucket size) to serve, or abort the call."""
-        if not self._tensors:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
-        if request.version not in (0, self._version):
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"version {request.version} not available (latest is {self._version})",
-            )
-        return self._version, min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
+    def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> list[bytes]:
+        """The serialized buckets to stream, or abort the call."""
+        with self._lock:
+            if not self._encoded:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
+            if request.version not in (0, self._version):
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"version {request.version} not available (latest is {self._version})",
+                )
+            size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
+            if size not in self._encoded:  # a smaller bucket size: re-cut, once per version
+                self._encoded[size] = self._recut(size)
+            return self._encoded[size]
+
+    def _recut(self, size: int) -> list[bytes]:
+        assembler = WeightAssembler()
+        for message in self._encoded[self.bucket_bytes]:
+            assembler.add(parse_bucket(message))
+        return list(encode_bucket_bytes(assembler.result(), self._version, size))
 
     def FetchWeights(self, request: learner_pb2.FetchWeightsRequest, context):
         """Buckets as messages (for servers registered with the generated helper)."""
-        with self._lock:
-            version, size = self._checked(request, context)
-            tensors = self._tensors
-        yield from encode_buckets(tensors, version, size)
+        for message in self._buckets(request, context):
+            yield tensor_pb2.WeightBucket.FromString(message)
 
     def fetch_serialized(self, request: learner_pb2.FetchWeightsRequest, context):
-        """Buckets as serialized bytes, encoded once per (version, bucket size)."""
-        with self._lock:
-            key = self._checked(request, context)
-            if key not in self._encoded:
-                buckets = encode_buckets(self._tensors, *key)
-                self._encoded[key] = [b.SerializeToString() for b in buckets]
-            encoded = self._encoded[key]
-        yield from encoded
+        """Buckets as the serialized bytes cached by `publish`."""
+        yield from self._buckets(request, context)
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.Server) -> None:

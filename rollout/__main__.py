@@ -9,6 +9,10 @@ from services.common.redis_server import connect_run
 
 
 def run(config: DapoConfig) -> None:
+    from services.common.malloc import keep_freed_memory
+
+    keep_freed_memory()  # received weights reuse warm memory (services/common/malloc.py)
+
     stop = stop_event_on_signals()
     client = connect_run(config) if config.shared.redis_url else None
     server = RolloutServer(config, client, build_engine(config)).start()

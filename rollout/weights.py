@@ -29,7 +29,7 @@ from services.common.config import DapoConfig
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import TensorWireError, WeightAssembler, to_torch
+from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,21 @@ def check_finite(name: str, tensor: Any) -> None:
         raise ValueError(f"weight {name!r} holds NaN or infinite values; weights left unchanged")
 
 
+class WeightStub(learner_pb2_grpc.WeightServiceStub):
+    """The generated stub, except that FetchWeights yields `parse_bucket` WireBuckets: the
+    tensor bytes are viewed in the received message, never copied by protobuf, and copied
+    once into the update's buffers by WeightAssembler."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        super().__init__(channel)
+        raw = channel.unary_stream(
+            "/dapo.v1.WeightService/FetchWeights",
+            request_serializer=learner_pb2.FetchWeightsRequest.SerializeToString,
+            response_deserializer=None,  # the serialized bytes
+        )
+        self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
+
+
 class WeightSync:
     """Pulls new weights from the learner whenever the published version moves ahead."""
 
@@ -113,7 +128,7 @@ class WeightSync:
                 self._channel[1].close()
             max_bytes = self.config.learner.server.max_message_bytes
             self._channel = (address, channel(address, self.config.security, max_bytes))
-        return learner_pb2_grpc.WeightServiceStub(self._channel[1])
+        return WeightStub(self._channel[1])
 
     @property
     def served(self) -> int:

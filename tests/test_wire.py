@@ -17,9 +17,12 @@ from services.common.tensor_codec import (
     RawTensor,
     TensorWireError,
     WeightAssembler,
+    encode_bucket_bytes,
     encode_buckets,
     from_torch,
+    parse_bucket,
     to_torch,
+    torch_view,
 )
 from services.common.types import Group, Sample
 
@@ -92,6 +95,54 @@ def test_weights_round_trip_bitwise(bucket_bytes: int) -> None:
         assert torch.equal(out[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("bucket_bytes", [1, 7, 64, 1 << 20])
+def test_zero_copy_path_is_the_protobuf_wire_format_and_bitwise(bucket_bytes: int) -> None:
+    tensors = _tensors()
+    raws = [torch_view(n, t) for n, t in tensors.items()]
+    spliced = list(encode_bucket_bytes(raws, 5, bucket_bytes))
+    assert spliced == [b.SerializeToString() for b in encode_buckets(raws, 5, bucket_bytes)]
+    assembler = WeightAssembler()
+    for message in spliced:
+        assembler.add(parse_bucket(message))
+    out = {raw.name: to_torch(raw) for raw in assembler.result()}
+    for name, tensor in tensors.items():
+        assert out[name].dtype == tensor.dtype and out[name].shape == tensor.shape
+        assert torch.equal(out[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))
+    out["w"].fill_(0)  # the received tensors own their memory: the sender's are untouched
+    assert not torch.equal(out["w"], tensors["w"])
+
+
+def test_parse_bucket_reads_any_valid_field_order() -> None:
+    data = torch.arange(6, dtype=torch.int32)
+    piece = tensor_pb2.TensorSlice(data=data.numpy().tobytes()).SerializeToString()
+    piece += tensor_pb2.TensorSlice(name="x", dtype=tensor_pb2.DTYPE_INT32, shape=[2, 3],
+                                    total_bytes=24).SerializeToString()  # fmt: skip
+    message = tensor_pb2.WeightBucket(total_tensors=1, last=True, version=3).SerializeToString()
+    message += b"\x22" + bytes([len(piece)]) + piece
+    bucket = parse_bucket(message)
+    assert (bucket.version, bucket.index, bucket.last, bucket.total_tensors) == (3, 0, True, 1)
+    assembler = WeightAssembler()
+    assembler.add(bucket)
+    (raw,) = assembler.result()
+    assert raw.name == "x" and torch.equal(to_torch(raw), data.reshape(2, 3))
+
+
+def test_malformed_serialized_buckets_are_refused() -> None:
+    good = next(encode_bucket_bytes([from_torch("w", torch.ones(4))], 1, 1 << 20))
+    for bad, why in [
+        (good[:-3], "truncated"),
+        (good + b"\xff", "varint"),
+        (good + b"\x0b", "wire type 3"),  # a group: never in our messages
+        (b"\x08" + b"\x80" * 11, "varint"),  # a varint longer than 64 bits
+    ]:
+        with pytest.raises(TensorWireError, match=why):
+            parse_bucket(bad)
+    liar = tensor_pb2.WeightBucket(last=True, total_tensors=1)
+    liar.slices.add(name="w", dtype=tensor_pb2.DTYPE_UINT8, shape=[1 << 40], total_bytes=1 << 40)
+    with pytest.raises(TensorWireError, match="exceeds"):
+        WeightAssembler().add(parse_bucket(liar.SerializeToString()))
+
+
 def _buckets(bucket_bytes: int = 16) -> list[tensor_pb2.WeightBucket]:
     return list(encode_buckets([from_torch(n, t) for n, t in _tensors().items()], 1, bucket_bytes))
 
@@ -150,3 +201,39 @@ def test_malformed_records_raise_value_error() -> None:
     bad = records_pb2.ScoredGroup(samples=[records_pb2.ScoredSample()])
     with pytest.raises(ValueError, match="finish reason"):
         decode_group(bad.SerializeToString())
+
+
+def test_published_version_is_a_snapshot_served_bitwise_over_grpc() -> None:
+    from dapo.v1 import learner_pb2
+    from learner.weights import WeightServicer, add_weight_service, live_views
+    from rollout.weights import WeightStub
+    from services.common.grpc_server import insecure_channel, start_grpc_server
+    from services.common.server_config import ServerConfig
+
+    weights = _tensors()
+    expected = {n: t.clone() for n, t in weights.items()}
+    servicer = WeightServicer(bucket_bytes=64)
+    servicer.publish(7, live_views(weights.items()))
+    weights["w"].add_(1.0)  # the next step trains in place: the published version holds
+    server, port = start_grpc_server(
+        ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
+    )
+    try:
+        with insecure_channel(f"127.0.0.1:{port}") as channel:
+            assembler = WeightAssembler()
+            request = learner_pb2.FetchWeightsRequest(version=7)
+            for bucket in WeightStub(channel).FetchWeights(request, timeout=30):
+                assembler.add(bucket)
+    finally:
+        server.stop(0)
+    assert assembler.version == 7 and assembler.next_index > 5
+    out = {raw.name: to_torch(raw) for raw in assembler.result()}
+    assert out.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+def test_malloc_tuning_applies_on_glibc() -> None:
+    code = "from services.common.malloc import keep_freed_memory as k; print(k())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

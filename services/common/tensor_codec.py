@@ -4,6 +4,8 @@ Weights travel as a sequence of `WeightBucket` messages (proto/dapo/v1/tensor.pr
 `encode_buckets` splits named tensors into buckets of at most `bucket_bytes` payload;
 `WeightAssembler` rebuilds them and refuses anything inconsistent, so a receiver either
 gets a complete, well-formed update or an error — never half an update.
+`encode_bucket_bytes` / `parse_bucket` are the same wire format without protobuf
+copying the tensor bytes (docs/weight_publication.md).
 
 The module is torch-free at import; `to_torch` / `from_torch` import torch lazily for
 the processes that have it.
@@ -32,6 +34,9 @@ DTYPES: dict[str, tuple[int, int]] = {
     "bool": (tensor_pb2.DTYPE_BOOL, 1),
 }
 DTYPE_NAMES: dict[int, str] = {enum: name for name, (enum, _) in DTYPES.items()}
+# A receiver allocates each tensor's buffer from its announced shape; a lying shape must
+# get an error, not an out-of-memory kill.
+MAX_TENSOR_BYTES = 16 << 30
 
 
 class TensorWireError(ValueError):
@@ -70,56 +75,220 @@ def encode_buckets(
     tensors: Iterable[RawTensor], version: int, bucket_bytes: int
 ) -> Iterator[tensor_pb2.WeightBucket]:
     """Split tensors into WeightBuckets of at most bucket_bytes payload (tensors may span)."""
-    tensors = list(tensors)
+    for bucket, views in _plan(list(tensors), version, bucket_bytes):
+        for piece, view in zip(bucket.slices, views, strict=True):
+            piece.data = bytes(view)
+        yield bucket
+
+
+# ---------------------------------------------------------------- zero-copy wire path
+# `encode_bucket_bytes` / `parse_bucket` produce and read exactly the bytes of a
+# serialized WeightBucket, but never copy tensor data through protobuf: the small
+# metadata fields go through the generated classes, the `data` fields are spliced in
+# (sender: one copy into the message) or viewed in place (receiver: a memoryview).
+_SLICE_TAG, _DATA_TAG = b"\x22", b"\x32"  # WeightBucket.slices = 4, TensorSlice.data = 6
+_SLICES_FIELD, _DATA_FIELD = 4, 6
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it); TensorWireError when truncated or too long."""
+    value = shift = 0
+    while pos < len(buf) and shift < 64:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise TensorWireError("malformed varint in weight bucket")
+
+
+_FIXED = {1: 8, 5: 4}  # wire type → width (64-bit, 32-bit)
+
+
+def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
+    """(key, start of the key, start of the value, end) of each field of a message."""
+    pos = 0
+    while pos < len(buf):
+        key, start = _read_varint(buf, pos)
+        wire_type = key & 7
+        if wire_type == 0:
+            end = _read_varint(buf, start)[1]
+        elif wire_type == 2:
+            length, start = _read_varint(buf, start)
+            end = start + length
+        elif wire_type in _FIXED:
+            end = start + _FIXED[wire_type]
+        else:
+            raise TensorWireError(f"unsupported wire type {wire_type} in weight bucket")
+        if end > len(buf):
+            raise TensorWireError("weight bucket truncated")
+        yield key, pos, start, end
+        pos = end
+
+
+def _split(buf: memoryview, big_field: int) -> tuple[bytes, list[memoryview]]:
+    """Every field but the length-delimited `big_field` re-joined (for protobuf to parse
+    and check), and views of each `big_field` value."""
+    small, big = [], []
+    for key, key_at, start, end in _fields(buf):
+        if key == big_field << 3 | 2:
+            big.append(buf[start:end])
+        else:
+            small.append(buf[key_at:end])
+    return b"".join(small), big
+
+
+@dataclass(frozen=True)
+class WireSlice:
+    """A TensorSlice whose `data` is a view into the received message (no copy)."""
+
+    name: str
+    dtype: int
+    shape: tuple[int, ...]
+    offset: int
+    total_bytes: int
+    data: memoryview | bytes
+
+
+@dataclass(frozen=True)
+class WireBucket:
+    """A WeightBucket as `parse_bucket` reads it; quacks like the generated message."""
+
+    version: int
+    index: int
+    last: bool
+    total_tensors: int
+    slices: list[WireSlice]
+
+
+def _parse_slice(buf: memoryview) -> WireSlice:
+    meta, data = _split(buf, _DATA_FIELD)
+    m = _from_string(tensor_pb2.TensorSlice, meta)
+    view = data[-1] if data else memoryview(b"")  # proto3: the last occurrence wins
+    return WireSlice(m.name, m.dtype, tuple(m.shape), m.offset, m.total_bytes, view)
+
+
+def _from_string(message: Any, data: bytes) -> Any:
+    try:
+        return message.FromString(data)
+    except Exception as exc:  # protobuf's DecodeError, kept out of callers' types
+        raise TensorWireError(f"malformed {message.__name__}: {exc}") from exc
+
+
+def parse_bucket(data: bytes | memoryview) -> WireBucket:
+    """A serialized WeightBucket → WireBucket, tensor bytes viewed in place."""
+    header, slices = _split(memoryview(data).cast("B"), _SLICES_FIELD)
+    h = _from_string(tensor_pb2.WeightBucket, header)
+    pieces = [_parse_slice(s) for s in slices]
+    return WireBucket(h.version, h.index, h.last, h.total_tensors, pieces)
+
+
+def _slice_bytes(piece: tensor_pb2.TensorSlice, data: memoryview) -> list[bytes | memoryview]:
+    """The serialized TensorSlice: protobuf for the metadata, then `data` spliced in."""
+    meta = piece.SerializeToString()
+    if not len(data):
+        return [meta]
+    return [meta, _DATA_TAG, _varint_bytes(len(data)), data]
+
+
+def encode_bucket_bytes(
+    tensors: Iterable[RawTensor], version: int, bucket_bytes: int
+) -> Iterator[bytes]:
+    """`encode_buckets(...)` serialized, byte for byte, copying tensor data only once."""
+    for bucket, views in _plan(list(tensors), version, bucket_bytes):
+        head = tensor_pb2.WeightBucket(version=bucket.version, index=bucket.index, last=bucket.last)
+        parts: list[bytes | memoryview] = [head.SerializeToString()]  # fields 1-3
+        for piece, view in zip(bucket.slices, views, strict=True):  # field 4
+            body = _slice_bytes(piece, view)
+            parts += [_SLICE_TAG, _varint_bytes(sum(len(b) for b in body)), *body]
+        tail = tensor_pb2.WeightBucket(total_tensors=bucket.total_tensors)  # field 5
+        parts.append(tail.SerializeToString())
+        yield b"".join(parts)
+
+
+def _plan(
+    tensors: list[RawTensor], version: int, bucket_bytes: int
+) -> Iterator[tuple[tensor_pb2.WeightBucket, list[memoryview]]]:
+    """The bucket layout of `encode_buckets`: data-less slices + the views they stand for."""
     bucket = tensor_pb2.WeightBucket(version=version, index=0, total_tensors=len(tensors))
+    views: list[memoryview] = []
     room = bucket_bytes
     for raw in tensors:
-        enum = DTYPES[raw.dtype][0]
-        view = memoryview(raw.data).cast("B")
-        offset = 0
+        enum, view, offset = DTYPES[raw.dtype][0], memoryview(raw.data).cast("B"), 0
         while True:
             take = min(room, len(view) - offset)
-            whole = take == len(view) and isinstance(raw.data, bytes)  # no copy to slice
-            bucket.slices.add(
-                name=raw.name, dtype=enum, shape=raw.shape, offset=offset, total_bytes=len(view),
-                data=raw.data if whole else bytes(view[offset : offset + take]),
-            )  # fmt: skip
-            offset += take
-            room -= take
+            bucket.slices.add(name=raw.name, dtype=enum, shape=raw.shape, offset=offset,
+                              total_bytes=len(view))  # fmt: skip
+            views.append(view[offset : offset + take])
+            offset, room = offset + take, room - take
             if room == 0:
-                yield bucket
-                bucket = tensor_pb2.WeightBucket(
-                    version=version, index=bucket.index + 1, total_tensors=len(tensors)
-                )
+                yield bucket, views
+                bucket, views = _next_bucket(bucket), []
                 room = bucket_bytes
             if offset >= len(view):
                 break
     bucket.last = True
-    yield bucket
+    yield bucket, views
 
 
+def _next_bucket(bucket: tensor_pb2.WeightBucket) -> tensor_pb2.WeightBucket:
+    return tensor_pb2.WeightBucket(
+        version=bucket.version, index=bucket.index + 1, total_tensors=bucket.total_tensors
+    )
+
+
+# ---------------------------------------------------------------- assembly
 @dataclass
 class _Partial:
-    """The slices of one tensor so far; joined once at the end (one copy, no zero-fill)."""
+    """One tensor being received: its final buffer, filled slice by slice in place."""
 
     dtype: str
     shape: tuple[int, ...]
     total: int
-    chunks: list[bytes] = field(default_factory=list)
+    buffer: Any  # a numpy uint8 array
     filled: int = 0
+
+    def write(self, data: bytes | memoryview, end: int) -> None:
+        """Copy the next slice in (one memcpy)."""
+        memoryview(self.buffer)[self.filled : end] = data
+        self.filled = end
+
+
+def _uninitialized(nbytes: int) -> Any:
+    """A writable buffer that is not zeroed first (every byte gets written by a slice);
+    zero-filling a bytearray cost as much as the copy itself here."""
+    import numpy
+
+    return numpy.empty(nbytes, dtype=numpy.uint8)
 
 
 @dataclass
 class WeightAssembler:
-    """Collects the buckets of one update; `result()` only once every byte arrived."""
+    """Collects the buckets of one update; `result()` only once every byte arrived.
+
+    Takes generated `WeightBucket` messages or `parse_bucket`'s WireBuckets. Each slice
+    is copied once, straight into its tensor's final buffer, so a received message can
+    be freed (and its memory reused for the next one) as soon as it was added.
+    """
 
     version: int | None = None
     next_index: int = 0
     total_tensors: int | None = None
     complete: bool = False
+    max_tensor_bytes: int = MAX_TENSOR_BYTES
     _tensors: dict[str, _Partial] = field(default_factory=dict)
 
-    def add(self, bucket: tensor_pb2.WeightBucket) -> None:
+    def add(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
         """Take the next bucket; raise TensorWireError on anything inconsistent."""
         if self.complete:
             raise TensorWireError("bucket after the last one")
@@ -134,7 +303,7 @@ class WeightAssembler:
             self._add_slice(piece)
         self.complete = bucket.last
 
-    def _add_slice(self, piece: tensor_pb2.TensorSlice) -> None:
+    def _add_slice(self, piece: tensor_pb2.TensorSlice | WireSlice) -> None:
         dtype = DTYPE_NAMES.get(piece.dtype)
         if dtype is None:
             raise TensorWireError(f"{piece.name}: unknown dtype enum {piece.dtype}")
@@ -142,15 +311,21 @@ class WeightAssembler:
         total = expected_nbytes(dtype, shape)
         if piece.total_bytes != total:
             raise TensorWireError(f"{piece.name}: total_bytes {piece.total_bytes} != {total}")
-        part = self._tensors.setdefault(piece.name, _Partial(dtype, shape, total))
+        part = self._tensors.get(piece.name) or self._start(piece.name, dtype, shape, total)
         if (part.dtype, part.shape) != (dtype, shape):
             raise TensorWireError(f"{piece.name}: dtype/shape changed between slices")
-        data = piece.data  # each access copies: read it once
+        data = piece.data  # a protobuf message copies on each access: read it once
         end = piece.offset + len(data)
         if piece.offset != part.filled or end > total:
             raise TensorWireError(f"{piece.name}: slice at {piece.offset} does not follow")
-        part.chunks.append(data)
-        part.filled = end
+        part.write(data, end)
+
+    def _start(self, name: str, dtype: str, shape: tuple[int, ...], total: int) -> _Partial:
+        """The tensor's final buffer, sized from its announced shape (bounded first)."""
+        if total > self.max_tensor_bytes:
+            raise TensorWireError(f"{name}: {total} bytes exceeds {self.max_tensor_bytes}")
+        part = self._tensors[name] = _Partial(dtype, shape, total, _uninitialized(total))
+        return part
 
     def result(self) -> list[RawTensor]:
         """The complete tensors, in arrival order."""
@@ -164,8 +339,7 @@ class WeightAssembler:
         if short:
             raise TensorWireError(f"incomplete tensors: {', '.join(short[:5])}")
         return [
-            RawTensor(n, p.dtype, p.shape, bytearray().join(p.chunks))
-            for n, p in self._tensors.items()
+            RawTensor(n, p.dtype, p.shape, memoryview(p.buffer)) for n, p in self._tensors.items()
         ]
 
 
@@ -179,18 +353,33 @@ def from_torch(name: str, tensor: Any) -> RawTensor:
     return RawTensor(name, dtype, tuple(t.shape), data)
 
 
+def torch_view(name: str, tensor: Any) -> RawTensor:
+    """A torch tensor → RawTensor viewing its CPU memory (copies only off-CPU or
+    non-contiguous tensors): valid while the tensor is unchanged."""
+    import torch
+
+    t = tensor.detach().to("cpu").contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    data = memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else b""
+    return RawTensor(name, dtype, tuple(t.shape), data)
+
+
 def to_torch(raw: RawTensor) -> Any:
     """RawTensor → a CPU torch tensor.
 
-    A bytearray (what `WeightAssembler` returns) is used in place, not copied: the tensor
-    shares its memory. Other buffers are copied so the tensor owns writable memory.
+    A writable buffer (a bytearray, or the memoryview `WeightAssembler` returns) is used
+    in place, not copied: the tensor shares its memory. Read-only buffers are copied so
+    the tensor owns writable memory.
     """
     import torch
 
     dtype = getattr(torch, raw.dtype)
     if not len(raw.data):
         return torch.empty(raw.shape, dtype=dtype)
-    buf = raw.data if isinstance(raw.data, bytearray) else bytearray(raw.data)
+    writable = isinstance(raw.data, bytearray) or (
+        isinstance(raw.data, memoryview) and not raw.data.readonly
+    )
+    buf = raw.data if writable else bytearray(raw.data)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return flat.view(dtype).reshape(raw.shape)
 
