@@ -121,7 +121,7 @@ def test_fuzz_generate(served: tuple[RolloutServer, Any]) -> None:
             assert all(math.isfinite(lp) and lp <= 1e-6 for lp in completion.logprobs)
 
     run()
-    assert seen.n >= 300 and accepted.n > 100  # many requests must get through, too
+    assert seen.n >= 300 and accepted.n > 100, (seen.n, accepted.n)  # many must get through
     assert server.servicer.in_flight == 0
 
 
