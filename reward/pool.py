@@ -147,6 +147,7 @@ class VerifierPool:
         self._startup_failures = 0  # consecutive workers that died before becoming ready
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
         self.restarts = 0
+        self.chunks_sent = 0  # messages carrying work to workers (status, tests)
 
     # -- public API ---------------------------------------------------------------
 
@@ -280,6 +281,7 @@ class VerifierPool:
         worker.jobs.extend(chunk)
         worker.answered = 0
         worker.sent_at = worker.heard_at = time.monotonic()
+        self.chunks_sent += 1
         try:  # the worker is idle, so it is reading: this cannot block on a full pipe
             worker.conn.send_bytes(encode_chunk([job.payload for job in chunk]))
         except OSError:  # it died: let _worker_died requeue (or fail) what it held
