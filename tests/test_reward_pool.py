@@ -189,3 +189,18 @@ def test_worker_dying_twice_on_one_item_in_a_chunk_blames_only_that_item() -> No
         assert pool.restarts == 2
     finally:
         pool.close()
+
+
+@pytest.mark.slow
+def test_spawned_workers_share_the_progress_word() -> None:
+    """start_method=spawn passes the shared progress word differently (no forkserver);
+    a timeout mid-chunk must still name the stuck item."""
+    pool = VerifierPool(1, timeout_s=HARD_TIMEOUT_S, soft_timeout_s=0, start_method="spawn")
+    try:
+        assert pool.start().wait_ready(120)
+        tasks = [*normal_tasks(2), Task("math_verify", TOWER, "5"), *normal_tasks(8, 2)]
+        outcomes = pool.run_all(tasks)
+        assert [o.timed_out for o in outcomes] == [k == 2 for k in range(len(tasks))]
+        assert all(o.verdict.correct for o in outcomes[:2] + outcomes[3:])
+    finally:
+        pool.close()
