@@ -106,33 +106,47 @@ def pids_cpu_s(pids: list[int]) -> float:
     return total
 
 
-def measure_rep(server: Any, stub: Any, items: list[tuple[str, str]]) -> dict[str, Any]:
-    """One repetition: the in-process loop, then the same items through the service."""
+def inprocess_side(items: list[tuple[str, str]], soft: int) -> dict[str, Any]:
+    cpu0 = time.process_time()
+    seconds, verdicts = run_inprocess(items, soft)
+    return {"inprocess_s": seconds, "inprocess_cpu_s": time.process_time() - cpu0, "v": verdicts}
+
+
+def service_side(server: Any, stub: Any, items: list[tuple[str, str]]) -> dict[str, Any]:
     from reward.metrics import sample_value
 
-    soft = server.scorer.pool.soft_timeout_s
-    load_before = os.getloadavg()[0]
-    cpu0 = time.process_time()
-    local_s, local = run_inprocess(items, soft)
-    local_cpu = time.process_time() - cpu0
     pids = server.scorer.pool.worker_pids()
     busy0, cpu0, workers0 = (
         sample_value("dapo_reward_verify_seconds_sum"),
         time.process_time(),
         pids_cpu_s(pids),
     )
-    remote_s, remote = run_service(stub, items)
+    seconds, verdicts = run_service(stub, items)
     return {
-        "inprocess_s": local_s,
-        "inprocess_cpu_s": local_cpu,
-        "grpc_s": remote_s,
+        "grpc_s": seconds,
         "service_process_cpu_s": time.process_time() - cpu0,
         "worker_busy_s": sample_value("dapo_reward_verify_seconds_sum") - busy0,
         "worker_cpu_s": pids_cpu_s(pids) - workers0,
-        "agree": sum(a == b for a, b in zip(local, remote, strict=True)),
-        "items": len(items),
-        "load_1min": [load_before, os.getloadavg()[0]],
+        "w": verdicts,
     }
+
+
+def measure_rep(server: Any, stub: Any, items: list[tuple[str, str]], rep: int) -> dict[str, Any]:
+    """One repetition: both sides on the same items; which goes first alternates, so a
+    drift in machine load does not always hit the same side."""
+    load_before = os.getloadavg()[0]
+    sides = [
+        lambda: inprocess_side(items, server.scorer.pool.soft_timeout_s),
+        lambda: service_side(server, stub, items),
+    ]
+    record: dict[str, Any] = {}
+    for side in sides if rep % 2 == 0 else sides[::-1]:
+        record.update(side())
+    local, remote = record.pop("v"), record.pop("w")
+    record["agree"] = sum(a == b for a, b in zip(local, remote, strict=True))
+    record["items"] = len(items)
+    record["load_1min"] = [load_before, os.getloadavg()[0]]
+    return record
 
 
 def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
@@ -151,7 +165,7 @@ def measure(items_per_rep: int, reps: int, workers: int) -> dict[str, Any]:
             stub = reward_pb2_grpc.RewardServiceStub(channel)
             run_service(stub, make_items(golds, 2 * workers, 100_000))  # connect
             records = [
-                measure_rep(server, stub, make_items(golds, items_per_rep, rep * 1000))
+                measure_rep(server, stub, make_items(golds, items_per_rep, rep * 1000), rep)
                 for rep in range(reps + 1)
             ]
     finally:
@@ -174,6 +188,11 @@ def costs(records: list[dict[str, Any]], workers: int) -> dict[str, Any]:
         "worker_cpu_s_per_item": per_item(records, "worker_cpu_s"),
         "service_process_cpu_s_per_item": per_item(records, "service_process_cpu_s"),
         "worker_busy_vs_inprocess": busy / inprocess,
+        # A model, not a measurement: the ratio a quiet machine with `workers` free cores
+        # would allow given the measured CPU per item (ignores idle gaps and the tail).
+        "cpu_cost_bound_speedup": workers
+        * per_item(records, "inprocess_cpu_s")
+        / (per_item(records, "worker_cpu_s") + per_item(records, "service_process_cpu_s")),
         "worker_utilisation": sum(r["worker_busy_s"] for r in records)
         / (workers * sum(r["grpc_s"] for r in records)),
         "note": "busy = wall time inside the verifier, as the workers report it; cpu from "
