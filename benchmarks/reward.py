@@ -6,8 +6,11 @@ rule rejects, so math-verify does the work, as it does for real equivalent answe
 Every repetition uses a fresh item set, so neither side profits from math-verify's
 parse caches, and both start warm (math-verify imported and used once).
 
-Writes benchmarks/results/reward.json with the measured rates, their ratio, and the
-agreement of the two sides' verdicts. Target on a 2-core machine: >= 1.8x.
+Writes benchmarks/results/reward.json with the measured rates, the median of the
+per-repetition ratios (one warm-up repetition excluded), the agreement of the two sides'
+verdicts, per-item costs, worker utilisation and the load average of each repetition.
+No verdict cache is involved. Target on a quiet 2-core machine: >= 1.8x; on a machine
+shared with other busy processes the ratio mostly measures the scheduler's fair share.
 """
 
 from __future__ import annotations
