@@ -5,48 +5,51 @@ in a process's main thread, and inputs such as `9^{9^{9^{9^9}}}` keep the GIL in
 C code, so no thread can interrupt them. Each worker therefore runs one item at a time
 in its main thread; a dispatcher thread in the server watches the deadlines and, when an
 item runs past `timeout_s`, kills that one worker, answers the item with a timeout error
-and starts a replacement. Other items, also of the same batch, carry on in the other
-workers. A worker that dies on its own (crash, OOM killer) is replaced too; its item is
-retried once elsewhere, since it may have died before reading it, and a second death
-answers it with an error.
+and starts a replacement. A worker that dies on its own (crash, OOM killer) is replaced
+too; the item it was on is retried once elsewhere, and a second death answers it with an
+error. Nothing is lost either way: every other item the worker held goes back to the
+front of the queue, in order, and is verified by the next free worker.
 
-Each worker gets up to PIPELINE_DEPTH jobs ahead, so it starts the next item the moment
-it finishes one instead of idling for a round trip through the dispatcher; the deadline
-applies to the oldest job only, timed from when the one before it came back. Jobs queued
-behind a killed job have not started and go back to the front of the queue.
+Work goes out in chunks (see reward.worker): a free worker gets about 1/(CHUNK_SPREAD x
+workers) of the queue, at most MAX_CHUNK_ITEMS items or MAX_CHUNK_BYTES (one item
+always), so a big batch costs a handful of messages while the last chunks stay small
+enough for both workers to finish together. A chunk goes only to an idle worker, which
+is blocked reading its pipe: a large one can never fill a pipe in front of a stuck
+worker and block the dispatcher (and with it every deadline). The deadline of the item
+a worker is on comes from the shared `Progress` word, so the dispatcher wakes for
+deadlines, new work and chunk results only, never per item.
 
 Workers start from a forkserver that has already imported math-verify, so a replacement
-is ready in milliseconds instead of a second of imports. Messages on the pipes are JSON
-(no pickle on any queue); JSON also carries lone surrogates intact.
+is ready in milliseconds instead of a second of imports.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import multiprocessing as mp
 import os
-import signal
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from reward.verifiers import Verdict, run_verifier
+from reward.verifiers import Verdict
+from reward.worker import MAX_CHUNK_ITEMS as _INDEX_LIMIT
+from reward.worker import Progress, decode_reply, encode_chunk, encode_task, worker_main
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["reward.verifiers", "reward.preload"]
+PRELOAD = ["reward.verifiers", "reward.preload", "reward.worker"]
 MAX_DEATHS = 2  # a job that kills this many workers is answered with an error
-PIPELINE_DEPTH = 2  # jobs sent ahead to a worker, so it never waits for the dispatcher
-# A job sent ahead sits in the pipe until the worker is free; above this size it could
-# fill the pipe and block the dispatcher (and with it every deadline), so it waits.
-PIPELINE_MAX_BYTES = 32 * 1024
+CHUNK_SPREAD = 2  # a chunk is at most 1/(CHUNK_SPREAD x workers) of the queue
+MAX_CHUNK_ITEMS = min(64, _INDEX_LIMIT)
+MAX_CHUNK_BYTES = 256 * 1024  # a bigger single item still goes, alone
 STARTUP_FAILURES_BEFORE_GIVING_UP = 5
 
 
@@ -71,51 +74,37 @@ class Task:
 @dataclass
 class _Job:
     task: Task
+    payload: bytes  # the task as a chunk element, encoded once
     future: Future[Outcome] = field(default_factory=Future)
-    deaths: int = 0  # workers that died holding this job
-    _payload: bytes | None = None
+    deaths: int = 0  # workers that died while verifying this job
 
-    @property
-    def payload(self) -> bytes:
-        """The JSON message for the worker, encoded once."""
-        if self._payload is None:
-            task = self.task
-            message = {"verifier": task.verifier, "response": task.response}
-            message["ground_truth"] = task.ground_truth
-            self._payload = json.dumps(message).encode()
-        return self._payload
+
+def _job(task: Task) -> _Job:
+    return _Job(task, encode_task(task.verifier, task.response, task.ground_truth))
 
 
 @dataclass
 class _Worker:
-    """One process and the jobs sent to it, oldest (the one it is running) first."""
+    """One process and the chunk it holds: `jobs` are its items not yet answered."""
 
     process: Any  # a multiprocessing Process of the pool's context
     conn: Connection
+    progress: Progress
     ready: bool = False
     jobs: deque[_Job] = field(default_factory=deque)
-    started: float = 0.0  # when the oldest job started (≈ when the one before it returned)
+    answered: int = 0  # items of the current chunk already answered
+    sent_at: float = 0.0  # when the current chunk was sent
+    heard_at: float = 0.0  # when its last results (or the chunk itself) arrived
 
+    def current(self) -> tuple[int, float]:
+        """(position in `jobs`, start time) of the item the worker is verifying now.
 
-def worker_main(conn: Connection, soft_timeout_s: int) -> None:
-    """A worker's loop: read a task, verify it in this main thread, answer, repeat."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
-    from reward.preload import warm_up  # a no-op after the forkserver preload; else pay now
-
-    warm_up()
-
-    conn.send_bytes(json.dumps({"ready": os.getpid()}).encode())
-    while True:
-        try:
-            msg = json.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        start = time.perf_counter()
-        verdict = run_verifier(
-            msg["verifier"], msg["response"], msg["ground_truth"], soft_timeout_s
-        )
-        reply = {**verdict.__dict__, "seconds": time.perf_counter() - start}
-        conn.send_bytes(json.dumps(reply).encode())
+        A mark older than the chunk is the previous chunk's; a mark of an answered item
+        means the next one is about to start: both count from when we last heard."""
+        index, started = self.progress.read()
+        if started < self.sent_at or index < self.answered:
+            return 0, self.heard_at
+        return index - self.answered, started
 
 
 def default_num_workers() -> int:
@@ -124,6 +113,11 @@ def default_num_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+def chunk_size(queued: int, num_workers: int) -> int:
+    """Guided self-scheduling: big chunks while the queue is long, single items at its end."""
+    return max(1, min(MAX_CHUNK_ITEMS, math.ceil(queued / (CHUNK_SPREAD * num_workers))))
 
 
 class VerifierPool:
@@ -153,6 +147,7 @@ class VerifierPool:
         self._startup_failures = 0  # consecutive workers that died before becoming ready
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
         self.restarts = 0
+        self.chunks_sent = 0  # messages carrying work to workers (status, tests)
 
     # -- public API ---------------------------------------------------------------
 
@@ -182,23 +177,22 @@ class VerifierPool:
 
     def submit(self, task: Task) -> Future[Outcome]:
         """Queue one task; the future always gets an Outcome, never an exception."""
-        return self.submit_many([task])[0]
+        return self.submit_all([task])[0]
 
-    def submit_many(self, tasks: Sequence[Task]) -> list[Future[Outcome]]:
-        """Queue a batch under one lock and one wake-up of the dispatcher (not one each)."""
-        jobs = [_Job(task) for task in tasks]
+    def submit_all(self, tasks: Sequence[Task]) -> list[Future[Outcome]]:
+        """Queue tasks in one go (one lock, one wake-up); futures in input order."""
+        jobs = [_job(task) for task in tasks]
         if self._closed.is_set():
-            for job in jobs:
-                job.future.set_result(_failed(job.task, "reward pool is shut down"))
-            return [job.future for job in jobs]
-        with self._lock:
-            self._queue.extend(jobs)
-        self._wake()
+            _fail_all(jobs, "reward pool is shut down")
+        else:
+            with self._lock:
+                self._queue.extend(jobs)
+            self._wake()
         return [job.future for job in jobs]
 
     def run_all(self, tasks: Sequence[Task]) -> list[Outcome]:
         """Submit every task, wait for all; results in input order."""
-        return [f.result() for f in self.submit_many(tasks)]
+        return [f.result() for f in self.submit_all(tasks)]
 
     def close(self) -> None:
         """Stop the dispatcher and the workers; pending tasks get an error outcome."""
@@ -208,11 +202,11 @@ class VerifierPool:
             self._thread.join(timeout=10)
         for worker in list(self._workers):
             self._stop_worker(worker)
+            _fail_all(worker.jobs, "reward pool is shut down")
         self._workers.clear()
         with self._lock:
             pending, self._queue = list(self._queue), deque()
-        for job in pending:
-            job.future.set_result(_failed(job.task, "reward pool is shut down"))
+        _fail_all(pending, "reward pool is shut down")
         self._wake_r.close()
         self._wake_w.close()
 
@@ -235,7 +229,7 @@ class VerifierPool:
                 time.sleep(0.1)
 
     def _step(self) -> None:
-        """Assign work, wait for a result / new task / deadline, then handle each."""
+        """Assign work, wait for results / new tasks / a deadline, then handle each."""
         self._assign()
         conns = [w.conn for w in self._workers]
         for conn in wait([*conns, self._wake_r], timeout=self._wait_timeout()):
@@ -246,7 +240,8 @@ class VerifierPool:
         self._enforce_deadlines()
 
     def _wait_timeout(self) -> float:
-        busy = [w.started for w in self._workers if w.jobs]
+        """Until the earliest deadline of an item now running (re-read on waking)."""
+        busy = [w.current()[1] for w in self._workers if w.jobs]
         if not busy:
             return 1.0
         return max(0.0, min(busy) + self.timeout_s - time.monotonic())
@@ -261,32 +256,34 @@ class VerifierPool:
     def _by_conn(self, conn: object) -> _Worker | None:
         return next((w for w in self._workers if w.conn is conn), None)
 
-    def _next_job(self, ahead: bool) -> _Job | None:
-        """The next queued job; when sending `ahead` of a busy worker, only a small one."""
+    def _take_chunk(self) -> list[_Job]:
+        """The next chunk from the front of the queue (empty when the queue is)."""
         with self._lock:
-            if not self._queue:
-                return None
-            if ahead and len(self._queue[0].payload) > PIPELINE_MAX_BYTES:
-                return None
-            return self._queue.popleft()
+            size, chunk, nbytes = chunk_size(len(self._queue), self.num_workers), [], 0
+            while self._queue and len(chunk) < size:
+                nbytes += len(self._queue[0].payload)
+                if chunk and nbytes > MAX_CHUNK_BYTES:
+                    break
+                chunk.append(self._queue.popleft())
+            return chunk
 
     def _assign(self) -> None:
-        """Top every ready worker up to PIPELINE_DEPTH jobs, idle workers first."""
-        for depth in range(PIPELINE_DEPTH):
-            for worker in list(self._workers):
-                if not worker.ready or len(worker.jobs) > depth:
-                    continue
-                job = self._next_job(ahead=depth > 0)
-                if job is None:
-                    return
-                self._send(worker, job)
+        """Give every idle ready worker a chunk."""
+        for worker in list(self._workers):
+            if not worker.ready or worker.jobs:
+                continue
+            chunk = self._take_chunk()
+            if not chunk:
+                return
+            self._send(worker, chunk)
 
-    def _send(self, worker: _Worker, job: _Job) -> None:
-        if not worker.jobs:
-            worker.started = time.monotonic()
-        worker.jobs.append(job)
-        try:
-            worker.conn.send_bytes(job.payload)
+    def _send(self, worker: _Worker, chunk: list[_Job]) -> None:
+        worker.jobs.extend(chunk)
+        worker.answered = 0
+        worker.sent_at = worker.heard_at = time.monotonic()
+        self.chunks_sent += 1
+        try:  # the worker is idle, so it is reading: this cannot block on a full pipe
+            worker.conn.send_bytes(encode_chunk([job.payload for job in chunk]))
         except OSError:  # it died: let _worker_died requeue (or fail) what it held
             self._worker_died(worker)
 
@@ -294,33 +291,37 @@ class VerifierPool:
         if worker is None:
             return
         try:
-            msg = json.loads(worker.conn.recv_bytes())
-        except (EOFError, OSError, ValueError):
+            reply = decode_reply(worker.conn.recv_bytes())
+        except (EOFError, OSError, ValueError, TypeError, KeyError):
             self._worker_died(worker)
             return
-        if "ready" in msg:
+        if isinstance(reply, int):
             worker.ready = True
             self._startup_failures = 0
             return
-        if worker.jobs:
-            job = worker.jobs.popleft()
-            worker.started = time.monotonic()  # the worker moves on to the next job now
-            seconds = msg.pop("seconds")
-            job.future.set_result(Outcome(Verdict(**msg), seconds))
+        worker.heard_at = time.monotonic()
+        for verdict, seconds in reply:
+            if not worker.jobs:  # more verdicts than items: a confused worker
+                break
+            worker.answered += 1
+            worker.jobs.popleft().future.set_result(Outcome(verdict, seconds))
 
-    def _requeue_unstarted(self, worker: _Worker) -> _Job | None:
-        """Put the jobs behind the oldest back in front of the queue; return the oldest."""
+    def _take_back(self, worker: _Worker) -> _Job | None:
+        """Empty the worker: its current item is returned, every other unanswered item
+        goes back to the front of the queue in order (nothing is lost)."""
         if not worker.jobs:
             return None
-        head, *waiting = worker.jobs
+        position, _ = worker.current()
+        jobs = list(worker.jobs)
         worker.jobs.clear()
+        culprit = jobs.pop(min(position, len(jobs) - 1))
         with self._lock:
-            self._queue.extendleft(reversed(waiting))
-        return head
+            self._queue.extendleft(reversed(jobs))
+        return culprit
 
     def _worker_died(self, worker: _Worker) -> None:
-        code, elapsed = worker.process.exitcode, time.monotonic() - worker.started
-        job = self._requeue_unstarted(worker)
+        code, elapsed = worker.process.exitcode, time.monotonic() - worker.current()[1]
+        job = self._take_back(worker)
         self._replace(worker, "died")
         if job is None:
             return
@@ -335,12 +336,15 @@ class VerifierPool:
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
         for worker in list(self._workers):
-            if not worker.jobs or now - worker.started < self.timeout_s:
+            if not worker.jobs:
                 continue
-            job = self._requeue_unstarted(worker)
+            started = worker.current()[1]
+            if now - started < self.timeout_s:
+                continue
+            job = self._take_back(worker)
             assert job is not None
             message = f"timeout: verification exceeded timeout_s={self.timeout_s:g}; worker killed"
-            outcome = _failed(job.task, message, now - worker.started, timed_out=True)
+            outcome = _failed(job.task, message, now - started, timed_out=True)
             self._replace(worker, "timeout")
             job.future.set_result(outcome)
 
@@ -348,13 +352,16 @@ class VerifierPool:
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
+        progress = self._ctx.RawArray("q", 1)
         process = self._ctx.Process(
-            target=worker_main, args=(child, self.soft_timeout_s), name="reward-verifier"
+            target=worker_main,
+            args=(child, progress, self.soft_timeout_s),
+            name="reward-verifier",
         )
         process.daemon = True
         process.start()
         child.close()
-        return _Worker(process, parent)
+        return _Worker(process, parent, Progress(progress))
 
     def _replace(self, worker: _Worker, reason: str) -> None:
         """Kill one worker and put a fresh one in its slot (once, however often called)."""
@@ -378,9 +385,7 @@ class VerifierPool:
         if self._startup_failures >= STARTUP_FAILURES_BEFORE_GIVING_UP:
             with self._lock:
                 waiting, self._queue = list(self._queue), deque()
-            for job in waiting:
-                reason = f"verifier workers cannot start (exit code {exitcode})"
-                job.future.set_result(_failed(job.task, reason))
+            _fail_all(waiting, f"verifier workers cannot start (exit code {exitcode})")
         self._closed.wait(min(0.05 * 2**self._startup_failures, 5.0))
 
     @staticmethod
@@ -395,3 +400,9 @@ class VerifierPool:
 def _failed(task: Task, error: str, seconds: float = 0.0, timed_out: bool = False) -> Outcome:
     """The wrong-answer outcome that stands in for a failed verification."""
     return Outcome(Verdict(False, "", task.verifier, error), seconds, timed_out)
+
+
+def _fail_all(jobs: Iterable[_Job], error: str) -> None:
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_result(_failed(job.task, error))

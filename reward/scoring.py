@@ -8,6 +8,7 @@ messages to `ScoreInput`s and back from `ScoreOutput`s and call `Scorer.score`; 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -113,15 +114,19 @@ class Scorer:
             Task(item.verifier or self.default_verifier, item.response, item.ground_truth)
             for item in items
         ]
-        outputs = [self._shape(i, o) for i, o in zip(items, self.pool.run_all(tasks), strict=True)]
-        self._record(outputs, transport, time.perf_counter() - start)
+        outcomes: list[Outcome] = []
+        outputs: list[ScoreOutput] = []
+        # Shape each item as its verdict arrives, while the workers verify the rest.
+        for item, future in zip(items, self.pool.submit_all(tasks), strict=True):
+            outcomes.append(future.result())
+            outputs.append(self._shape(item, outcomes[-1]))
+        self._record(outputs, outcomes, transport, time.perf_counter() - start)
         return outputs
 
     def _shape(self, item: ScoreInput, outcome: Outcome) -> ScoreOutput:
         verdict = outcome.verdict
         penalty = self.shaping.penalty(item.response_length)
         metrics.VERIFY_SECONDS.observe(outcome.seconds)
-        _count(verdict.verifier, verdict.correct, verdict.error, outcome.timed_out)
         return ScoreOutput(
             id=item.id,
             reward=(CORRECT_REWARD if verdict.correct else WRONG_REWARD) + penalty,
@@ -133,7 +138,16 @@ class Scorer:
             truncated=is_overlong(item.response_length, self.shaping.max_len, item.truncated),
         )
 
-    def _record(self, outputs: list[ScoreOutput], transport: str, seconds: float) -> None:
+    def _record(
+        self, outputs: list[ScoreOutput], outcomes: list[Outcome], transport: str, seconds: float
+    ) -> None:
+        """Metrics for one request; counters once per (verifier, outcome), not per item."""
+        for (verifier, kind), n in Counter(map(_outcome_kind, outcomes)).items():
+            metrics.ITEMS.labels(verifier, kind).inc(n)
+            if kind == "timeout":
+                metrics.TIMEOUTS.inc(n)
+            elif kind == "error":
+                metrics.ERRORS.inc(n)
         self.items_scored += len(outputs)
         metrics.REQUEST_SECONDS.labels(transport).observe(seconds)
         if outputs:
@@ -152,14 +166,11 @@ class Scorer:
         }
 
 
-def _count(verifier: str, correct: bool, error: str, timed_out: bool) -> None:
-    """One item into the outcome counters."""
-    if timed_out:
-        outcome = "timeout"
-        metrics.TIMEOUTS.inc()
-    elif error:
-        outcome = "error"
-        metrics.ERRORS.inc()
-    else:
-        outcome = "correct" if correct else "wrong"
-    metrics.ITEMS.labels(verifier, outcome).inc()
+def _outcome_kind(outcome: Outcome) -> tuple[str, str]:
+    """(verifier, correct/wrong/error/timeout) of one item, for the outcome counters."""
+    verdict = outcome.verdict
+    if outcome.timed_out:
+        return verdict.verifier, "timeout"
+    if verdict.error:
+        return verdict.verifier, "error"
+    return verdict.verifier, "correct" if verdict.correct else "wrong"

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from reward.pool import Task, VerifierPool
+from reward.pool import MAX_CHUNK_ITEMS, Task, VerifierPool, chunk_size
+from reward.worker import Progress
 
 HARD_TIMEOUT_S = 1.5
 TOWER = "$9^{9^{9^{9^9}}}$"
@@ -116,5 +117,90 @@ def test_big_item_behind_a_stuck_one_does_not_block_the_deadline() -> None:
         assert stuck.result(timeout=HARD_TIMEOUT_S + 10).timed_out
         assert big.result(timeout=10).verdict.correct
         assert time.monotonic() - start < HARD_TIMEOUT_S + 3.0
+    finally:
+        pool.close()
+
+
+# -- chunked dispatch ---------------------------------------------------------------------
+
+
+def normal_tasks(n: int, offset: int = 0) -> list[Task]:
+    """Items that need math-verify (the rule says wrong), all correct."""
+    return [Task("cascade", f"Answer: \\frac{{{2 * k}}}{{2}}", str(k)) for k in range(offset, n)]
+
+
+def test_chunk_sizes_shrink_towards_the_end_of_the_queue() -> None:
+    assert chunk_size(1000, 2) == MAX_CHUNK_ITEMS
+    assert chunk_size(40, 2) == 10
+    assert [chunk_size(n, 2) for n in (5, 4, 1, 0)] == [2, 1, 1, 1]
+
+
+def test_progress_word_round_trips_index_and_time() -> None:
+    import multiprocessing as mp
+
+    progress = Progress(mp.get_context("forkserver").RawArray("q", 1))
+    assert progress.read() == (0, 0.0)
+    started = progress.mark(17)
+    index, read_back = progress.read()
+    assert index == 17 and abs(read_back - started) < 2e-6
+
+
+def test_a_batch_goes_out_in_chunks(pool: VerifierPool) -> None:
+    before = pool.chunks_sent
+    outcomes = pool.run_all(normal_tasks(40))
+    assert all(o.verdict.correct for o in outcomes)
+    assert 2 <= pool.chunks_sent - before < 20  # per-item dispatch would take 40
+
+
+def test_timeout_in_the_middle_of_a_chunk_loses_nothing() -> None:
+    """One worker, so the tower sits inside a chunk: it alone times out; the items before
+    it (done, maybe not yet sent) and after it (not started) are all answered."""
+    pool = VerifierPool(1, timeout_s=HARD_TIMEOUT_S, soft_timeout_s=0).start()
+    try:
+        assert pool.wait_ready(60)
+        tasks = [*normal_tasks(4), Task("math_verify", TOWER, "5"), *normal_tasks(12, 4)]
+        assert chunk_size(len(tasks), 1) > 5  # the first chunk holds the tower and more
+        outcomes = pool.run_all(tasks)
+        assert [o.timed_out for o in outcomes] == [k == 4 for k in range(len(tasks))]
+        assert "timeout_s=1.5" in outcomes[4].verdict.error
+        assert all(o.verdict.correct and not o.verdict.error for o in outcomes[:4] + outcomes[5:])
+        assert pool.restarts == 1
+    finally:
+        pool.close()
+
+
+def test_worker_dying_twice_on_one_item_in_a_chunk_blames_only_that_item() -> None:
+    """The tower never ends (no timeouts that matter here); we kill its worker twice. The
+    progress word names the tower as the culprit: it gets the error, the rest of its
+    chunk is verified by the replacements."""
+    pool = VerifierPool(1, timeout_s=60.0, soft_timeout_s=0).start()
+    try:
+        assert pool.wait_ready(60)
+        tasks = [*normal_tasks(3), Task("math_verify", TOWER, "5"), *normal_tasks(10, 3)]
+        assert chunk_size(len(tasks), 1) > 4  # the first chunk holds the tower and more
+        futures = pool.submit_all(tasks)
+        for _ in range(2):
+            time.sleep(0.5)  # the worker is past the quick items, inside the tower
+            assert pool.wait_ready(30)
+            os.kill(pool.worker_pids()[0], signal.SIGKILL)
+        outcomes = [f.result(timeout=30) for f in futures]
+        assert "died" in outcomes[3].verdict.error and not outcomes[3].timed_out
+        assert all(o.verdict.correct and not o.verdict.error for o in outcomes[:3] + outcomes[4:])
+        assert pool.restarts == 2
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_spawned_workers_share_the_progress_word() -> None:
+    """start_method=spawn passes the shared progress word differently (no forkserver);
+    a timeout mid-chunk must still name the stuck item."""
+    pool = VerifierPool(1, timeout_s=HARD_TIMEOUT_S, soft_timeout_s=0, start_method="spawn")
+    try:
+        assert pool.start().wait_ready(120)
+        tasks = [*normal_tasks(2), Task("math_verify", TOWER, "5"), *normal_tasks(8, 2)]
+        outcomes = pool.run_all(tasks)
+        assert [o.timed_out for o in outcomes] == [k == 2 for k in range(len(tasks))]
+        assert all(o.verdict.correct for o in outcomes[:2] + outcomes[3:])
     finally:
         pool.close()
