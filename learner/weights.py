@@ -31,6 +31,9 @@ def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
     return [torch_view(name, tensor) for name, tensor in named]
 
 
+MIN_BUCKET_BYTES = 1024  # smaller: one message per few bytes (found by fuzzing)
+
+
 class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     """Serves the latest published version."""
 
@@ -63,10 +66,15 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"version {request.version} not available (latest is {self._version})",
                 )
+            floor = min(MIN_BUCKET_BYTES, self.bucket_bytes)
+            if 0 < request.bucket_bytes < floor:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bucket_bytes={request.bucket_bytes} < {floor} (the smallest served)",
+                )
             size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
-            if size not in self._encoded:  # a smaller bucket size: re-cut, once per version
-                self._encoded[size] = self._recut(size)
-            return self._encoded[size]
+            # A smaller size is re-cut per call, not cached: a copy per size asked would pile up.
+            return self._encoded.get(size) or self._recut(size)
 
     def _recut(self, size: int) -> list[bytes]:
         assembler = WeightAssembler()

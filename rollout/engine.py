@@ -8,6 +8,7 @@ reward see exactly the same tokens.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -16,6 +17,9 @@ from services.common.types import FinishReason
 
 if TYPE_CHECKING:
     import torch
+
+
+MIN_TEMPERATURE = 1e-5  # below it logits / T overflow float32 and log-probs come back NaN
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (self.n >= 1, "n must be >= 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (
+                self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf,
+                f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE}",
+            ),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),

@@ -112,3 +112,46 @@ def test_undecodable_grpc_request_is_invalid_argument_not_internal() -> None:
             assert ok.version == 0  # decodable requests still work
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("temperature", [1.4e-45, 1e-6, math.inf, math.nan, -1.0])
+def test_unusable_temperatures_are_refused(temperature: float) -> None:
+    """A subnormal temperature overflowed logits / T and returned NaN log-probs."""
+    from rollout.engine import SamplingParams
+
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=temperature)
+    assert SamplingParams(temperature=0.0).temperature == 0.0  # greedy
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_buckets_announcing_different_tensor_counts_are_refused() -> None:
+    from services.common.tensor_codec import TensorWireError, WeightAssembler
+
+    tensors = [from_torch(f"w{i}", torch.arange(8, dtype=torch.float32)) for i in range(2)]
+    first, second, *_ = encode_buckets(tensors, 3, 32)
+    assembler = WeightAssembler()
+    assembler.add(first)
+    second.total_tensors += 1
+    with pytest.raises(TensorWireError, match="announces"):
+        assembler.add(second)
+
+
+def test_tiny_buckets_are_refused_and_other_sizes_are_not_cached() -> None:
+    """bucket_bytes=1 streamed one message per byte; each size asked kept a copy."""
+    servicer = WeightServicer(bucket_bytes=64 * 1024)
+    servicer.publish(1, [from_torch("w", torch.arange(4096, dtype=torch.float32))])
+    server, port = start_grpc_server(
+        ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
+    )
+    try:
+        with insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = learner_pb2_grpc.WeightServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.FetchWeights(learner_pb2.FetchWeightsRequest(bucket_bytes=1)))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            small = learner_pb2.FetchWeightsRequest(bucket_bytes=4096)
+            assert len(list(stub.FetchWeights(small))) >= 4  # 16 KiB in 4 KiB buckets
+            assert list(servicer._encoded) == [64 * 1024]  # only the default size is kept
+    finally:
+        server.stop(0)

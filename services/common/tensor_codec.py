@@ -296,6 +296,11 @@ class WeightAssembler:
             self.version, self.total_tensors = bucket.version, bucket.total_tensors
         if bucket.version != self.version:
             raise TensorWireError(f"bucket for version {bucket.version} inside {self.version}")
+        if bucket.total_tensors != self.total_tensors:
+            raise TensorWireError(
+                f"bucket {bucket.index} announces {bucket.total_tensors} tensors, "
+                f"the first announced {self.total_tensors}"
+            )
         if bucket.index != self.next_index:
             raise TensorWireError(f"bucket {bucket.index} out of order (want {self.next_index})")
         self.next_index += 1
