@@ -4,6 +4,8 @@ resume, stop, the final export, and weights reaching a rollout engine bit for bi
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -187,3 +189,74 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
     assert any(not torch.equal(initial[n], t) for n, t in published.items())  # it trained
     for name, tensor in published.items():
         assert served[name].dtype == tensor.dtype and torch.equal(served[name], tensor), name
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
+    tiny_model: Path, redis_server, redis_client: redis.Redis
+) -> None:
+    """`dapo learner` as 2 data-parallel ranks (gloo, ZeRO-3) for 3 steps, end to end."""
+    from rollout.torch_engine import TorchEngine
+    from rollout.weights import WeightStub
+    from services.common.grpc_server import insecure_channel
+    from services.common.net import free_port
+    from services.common.registry import discover
+
+    run, keys, port = "dp2", RunKeys("dp2"), str(free_port())
+    _fill(redis_client, run, 3)
+    sets = {"shared.run_name": run, "shared.model_path": str(tiny_model),
+            "shared.max_staleness": 100, "shared.max_response_length": 16,
+            "learner.engine": "deepspeed", "learner.zero_stage": 3, "learner.dtype": "float32",
+            "learner.lr": 1e-2, "learner.train_batch_groups": BATCH,
+            "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
+            "learner.total_steps": 3, "learner.linger_s": 120}  # fmt: skip
+    cmd = [sys.executable, "-m", "services.cli", "learner", "--redis-url", redis_server.url,
+           "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
+    cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                DS_ACCELERATOR="cpu",
+            ),
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 240
+        while redis_client.get(keys.done) is None:
+            assert all(p.poll() is None for p in procs), _output(procs)
+            assert time.monotonic() < deadline, _output(procs)
+            time.sleep(0.2)
+        assert _counts(redis_client, run) == (3 * BATCH, 0, 3)
+        (entry,) = discover(redis_client, keys, "learner")
+        with insecure_channel(entry["address"], 64 << 20) as channel:
+            assembler = WeightAssembler()
+            stub = WeightStub(channel)
+            for bucket in stub.FetchWeights(learner_pb2.FetchWeightsRequest(), timeout=60):
+                assembler.add(bucket)
+        served = {t.name: to_torch(t) for t in assembler.result()}
+        assert assembler.version == 3
+        initial = TorchEngine(tiny_model, device="cpu").model.state_dict()
+        assert served.keys() == initial.keys()  # every ZeRO-3 partition was gathered
+        assert all(served[n].shape == t.shape for n, t in initial.items())
+        assert any(not torch.equal(served[n], t) for n, t in initial.items())  # it trained
+    finally:
+        procs[0].terminate()  # ends the linger; rank 1 already got the stop
+        outputs = [p.communicate(timeout=60)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+
+
+def _output(procs: list) -> str:
+    """The tail of every rank's output, for an assertion message (stops them first)."""
+    for p in procs:
+        p.kill()
+    return "\n".join(p.communicate()[0].decode()[-2000:] for p in procs)
