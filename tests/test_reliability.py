@@ -174,3 +174,59 @@ def test_sigterm_stops_the_controller_and_hands_back_its_groups(
     ledger = read_ledger(redis_client, "graceful")
     assert (ledger.admitted, ledger.in_flight, ledger.scored) == (4, 4, 0)
     assert not ledger.problems()
+
+
+def _serve_then_sigterm(role: str, args: list[str]) -> tuple[int, str]:
+    """Start `dapo ROLE`, wait for its ready line, SIGTERM it; its exit code and output."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", role, "--http-port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith(f"dapo {role} ready")):
+            line = proc.stdout.readline().decode()  # type: ignore[union-attr]
+            assert line, "".join(lines)  # it exited before it was ready
+            lines.append(line)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        return code, "".join(lines) + proc.stdout.read().decode()  # type: ignore[union-attr]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_buffer_after_its_moves(redis_server, redis_client: redis.Redis) -> None:
+    """SIGTERM between reads: the buffer exits 0 and every group it read is accounted for."""
+    from learner_fixtures import make_groups
+
+    from services.common.adapters import encode_group
+
+    keys = RunKeys("graceful-buffer")
+    for group in make_groups(n_groups=3):
+        redis_client.hincrby(keys.ledger, "admitted", 1)
+        redis_client.hincrby(keys.ledger, "scored", 1)
+        add(redis_client, keys.scored, {"group": encode_group(group)})
+    run = ["--redis-url", redis_server.url, "--set", "shared.run_name=graceful-buffer",
+           "--set", "shared.group_size=4"]  # fmt: skip
+    code, output = _serve_then_sigterm("buffer", run)
+    assert code == 0, output
+    ledger = read_ledger(redis_client, "graceful-buffer")
+    assert not ledger.problems(), ledger.as_dict()
+    assert ledger.kept + ledger.filtered_total + ledger.pending_scored == 3
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_rollout_server(tiny_model, redis_server) -> None:
+    """A rollout server with no learner yet (so never ready) still stops cleanly."""
+    run = ["--grpc-port", "0", "--redis-url", redis_server.url,
+           "--set", f"shared.model_path={tiny_model}",
+           "--set", "shared.run_name=graceful-rollout"]  # fmt: skip
+    code, output = _serve_then_sigterm("rollout", run)
+    assert code == 0, output
