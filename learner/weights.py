@@ -41,13 +41,13 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         self.bucket_bytes = bucket_bytes
         self._lock = threading.Lock()
         self._version = 0
-        self._encoded: dict[int, list[bytes]] = {}  # bucket size → serialized buckets
+        self._encoded: list[bytes] = []  # the latest version, in buckets of bucket_bytes
 
     def publish(self, version: int, tensors: list[RawTensor]) -> None:
         """Serialize `tensors` now (they may view live weights) and serve them."""
         encoded = list(encode_bucket_bytes(tensors, version, self.bucket_bytes))
         with self._lock:
-            self._version, self._encoded = version, {self.bucket_bytes: encoded}
+            self._version, self._encoded = version, encoded
 
     @property
     def version(self) -> int:
@@ -74,11 +74,11 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                 )
             size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
             # A smaller size is re-cut per call, not cached: a copy per size asked would pile up.
-            return self._encoded.get(size) or self._recut(size)
+            return self._encoded if size == self.bucket_bytes else self._recut(size)
 
     def _recut(self, size: int) -> list[bytes]:
         assembler = WeightAssembler()
-        for message in self._encoded[self.bucket_bytes]:
+        for message in self._encoded:
             assembler.add(parse_bucket(message))
         return list(encode_bucket_bytes(assembler.result(), self._version, size))
 

@@ -11,7 +11,7 @@ import redis
 from services.common.atomic import ack_then, admit_inflight, commit_step, publish_inflight
 from services.common.keys import RunKeys
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry, retryable_rpc
-from services.common.streams import StreamConsumer, add, forward_and_ack, forward_and_ack_many
+from services.common.streams import StreamConsumer, add, forward_and_ack
 from services.ledger import read_ledger
 
 
@@ -100,8 +100,9 @@ def test_a_replayed_forward_and_ack_writes_nothing(redis_client: redis.Redis) ->
     add(redis_client, "in", {"x": b"1"})
     consumer = StreamConsumer(redis_client, "in", "g", "c")
     (entry,) = consumer.read(1)
-    assert forward_and_ack(consumer, entry.id, "out", {"x": b"1"}, ["kept"], "ledger")
-    assert not forward_and_ack(consumer, entry.id, "out", {"x": b"1"}, ["kept"], "ledger")
+    move = [(entry.id, "kept", {"x": b"1"})]
+    assert forward_and_ack(consumer, move, "out", "ledger") == 1
+    assert forward_and_ack(consumer, move, "out", "ledger") == 0
     assert redis_client.xlen("out") == 1
     assert redis_client.hgetall("ledger") == {b"kept": b"1"}
 
@@ -117,9 +118,9 @@ def test_a_replayed_batch_of_moves_writes_nothing(redis_client: redis.Redis) -> 
         (entries[1].id, "filtered:all_wrong", None),
         (entries[2].id, "kept", {"x": b"2"}),
     ]
-    assert forward_and_ack_many(consumer, moves[:1], "out", "ledger") == 1  # died after one
-    assert forward_and_ack_many(consumer, moves, "out", "ledger") == 2  # the replay
-    assert forward_and_ack_many(consumer, moves, "out", "ledger") == 0
+    assert forward_and_ack(consumer, moves[:1], "out", "ledger") == 1  # died after one
+    assert forward_and_ack(consumer, moves, "out", "ledger") == 2  # the replay
+    assert forward_and_ack(consumer, moves, "out", "ledger") == 0
     assert [e[1][b"x"] for e in redis_client.xrange("out")] == [b"0", b"2"]
     assert redis_client.hgetall("ledger") == {b"kept": b"2", b"filtered:all_wrong": b"1"}
     assert consumer.pending() == 0

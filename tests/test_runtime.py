@@ -70,8 +70,8 @@ def test_forward_and_ack_moves_one_entry_with_its_counter(redis_client: redis.Re
     add(redis_client, "in", {"x": b"2"})
     consumer = StreamConsumer(redis_client, "in", "g", "c")
     first, second = consumer.read(2)
-    forward_and_ack(consumer, first.id, "out", {"x": b"1"}, {"kept": 1}, "ledger")
-    forward_and_ack(consumer, second.id, None, None, {"filtered:all_wrong": 1}, "ledger")
+    forward_and_ack(consumer, [(first.id, "kept", {"x": b"1"})], "out", "ledger")
+    forward_and_ack(consumer, [(second.id, "filtered:all_wrong", None)], "out", "ledger")
     assert redis_client.xlen("out") == 1 and consumer.pending() == 0
     assert redis_client.hgetall("ledger") == {b"kept": b"1", b"filtered:all_wrong": b"1"}
 

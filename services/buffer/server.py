@@ -24,7 +24,7 @@ from services.common.adapters import decode_group
 from services.common.config import DapoConfig
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
-from services.common.streams import Entry, StreamConsumer, forward_and_ack_many, trim_acked
+from services.common.streams import Entry, StreamConsumer, forward_and_ack, trim_acked
 from services.ledger import LEARNER_GROUP
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Buffer:
             DECISIONS.labels(decision.reason).inc()
             self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
             self.recent.append(decision.keep)
-        forward_and_ack_many(self.consumer, moves, self.keys.train, self.keys.ledger)
+        forward_and_ack(self.consumer, moves, self.keys.train, self.keys.ledger)
         self.record_pass_rates(rates)
         self.watch_rate()
         self.trim()

@@ -1,18 +1,18 @@
 """Redis Streams with consumer groups: the queues between controller, buffer and learner.
 
 A consumer acknowledges an entry only once its output is durable. `forward_and_ack`
-writes the output and acks the input in one atomic script, so a crash between the two can
+writes each entry's output and acks it in one atomic script, so a crash between the two can
 neither lose nor duplicate a group, and a replayed forward writes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
 
-from services.common.atomic import ack_then, queue_ack_then
+from services.common.atomic import queue_ack_then
 
 Fields = Mapping[str, bytes | str | int | float]
 
@@ -92,30 +92,14 @@ class StreamConsumer:
 
 def forward_and_ack(
     consumer: StreamConsumer,
-    entry_id: str,
-    out_stream: str | None,
-    fields: Fields | None,
-    counters: Iterable[str] = (),
-    ledger_key: str | None = None,
-) -> bool:
-    """Atomically: ack entry_id and, only if it was still pending, append to out_stream and
-    bump the ledger counters (by one each). False: already done (a replay), nothing written.
-    """
-    c, ledger = consumer, ledger_key or ""
-    return bool(
-        ack_then(c.client, c.stream, c.group, [entry_id], ledger, counters, out_stream, fields)
-    )
-
-
-def forward_and_ack_many(
-    consumer: StreamConsumer,
     moves: Sequence[tuple[str, str, Fields | None]],
     out_stream: str,
     ledger_key: str,
 ) -> int:
-    """`forward_and_ack` for a whole read in one round trip: per (entry id, counter,
-    fields or None) one idempotent script, pipelined. Each move stays atomic on its own;
-    a replayed move writes nothing. Returns how many entries were acked."""
+    """Per (entry id, counter, fields or None): ack the entry and, only if it was still
+    pending, append `fields` to out_stream and bump the counter. One idempotent script per
+    entry, all pipelined in one round trip; a replayed move writes nothing. Returns how
+    many entries were acked."""
     pipe = consumer.client.pipeline(transaction=False)
     for entry_id, counter, fields in moves:
         target = out_stream if fields is not None else None
