@@ -8,7 +8,11 @@ Readiness. `ready` (GET /readyz, GetStatus, the registry's `ready` flag) means "
 and serving the version the learner published". A server that starts late or restarts
 refuses Generate with UNAVAILABLE until it has caught up once; after that it keeps
 serving while it fetches a newer version (each sample says which version made it, and
-the buffer and learner enforce staleness).
+the buffer and learner enforce staleness). The registry's `accepting` flag says exactly
+that ("not paused and caught up once") and is what the controller routes on: `ready`
+drops after every learner step until the pull lands, and routing on it stalled
+admission for a backoff each step, while a request's `min_version` already makes the
+server wait for the weights it needs.
 """
 
 from __future__ import annotations
@@ -76,6 +80,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def ready(self) -> bool:
         return not self.paused and (self.sync is None or self.sync.ready())
+
+    def accepting(self) -> bool:
+        """Takes Generate calls: not paused, and caught up with the learner at least once."""
+        return not self.paused and (self.sync is None or self.sync.caught_up.is_set())
 
     def _changed(self) -> None:
         for callback in self.on_change:
@@ -327,7 +335,7 @@ class RolloutServer:
             f"rollout-{uuid.uuid4().hex[:8]}",
             {"address": advertised_address(host, self.grpc_port),
              "http": advertised_address(host, self.http.port),
-             "ready": False, "version": self.engine.version},
+             "ready": False, "accepting": False, "version": self.engine.version},
             ttl_s=self.config.rollout.registry_ttl_s,
         ).start()  # fmt: skip
         threading.Thread(
@@ -340,7 +348,9 @@ class RolloutServer:
         """Tell the registry about readiness and version, when they changed."""
         if self.registration is None:
             return
-        state = {"ready": self.ready(), "version": self.engine.version}
+        servicer = self.servicer
+        state = {"ready": servicer.ready(), "accepting": servicer.accepting(),
+                 "version": self.engine.version}  # fmt: skip
         with self._announce_lock:
             if state == self._announced:
                 return

@@ -320,7 +320,7 @@ def test_late_joiner_catches_up_and_readyz_flips(
     ):
         # No learner to fetch from yet: not ready anywhere, and no work is taken.
         entry = rollout_entry(redis_client, keys)
-        assert s.readyz() == 503 and not entry["ready"]
+        assert s.readyz() == 503 and not entry["ready"] and not entry["accepting"]
         ttl_ms = redis_client.pttl(f"{keys.registry('rollout')}:{entry['instance']}")
         assert 0 < ttl_ms <= 2000  # heartbeat TTL from rollout.registry_ttl_s
         with pytest.raises(grpc.RpcError) as err:
@@ -333,6 +333,7 @@ def test_late_joiner_catches_up_and_readyz_flips(
         register()
         wait_for(lambda: s.readyz() == 200)
         wait_for(lambda: rollout_entry(redis_client, keys)["ready"])
+        assert rollout_entry(redis_client, keys)["accepting"]
         assert s.engine.version == 1 and rollout_entry(redis_client, keys)["version"] == 1
         loaded = dict(s.engine.model.named_parameters())
         for raw in v1:  # the pulled weights are exactly the learner's
@@ -345,6 +346,7 @@ def test_late_joiner_catches_up_and_readyz_flips(
         redis_client.set(keys.version, 2)
         wait_for(lambda: s.readyz() == 503)
         wait_for(lambda: not rollout_entry(redis_client, keys)["ready"])
+        assert rollout_entry(redis_client, keys)["accepting"]  # the controller still routes here
         assert [c.policy_version for c in s.generate(n=2)] == [1, 1]
         learner.publish(2, perturbed(s.engine, seed=2))
         wait_for(lambda: s.readyz() == 200)

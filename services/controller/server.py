@@ -185,8 +185,12 @@ class Controller:
         return self._stubs[key]
 
     def pick_rollout(self) -> str | None:
-        """The ready rollout server with the fewest of our requests in flight."""
-        ready = [i["address"] for i in self.instances("rollout") if i["ready"]]
+        """The accepting rollout server with the fewest of our requests in flight.
+
+        `accepting`, not `ready`: a server a version behind still takes the call and
+        waits for the weights the request's min_version names (rollout/server.py).
+        """
+        ready = [i["address"] for i in self.instances("rollout") if i.get("accepting")]
         if not ready:
             return None
         with self._lock:
