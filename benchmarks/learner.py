@@ -10,7 +10,10 @@
 3. Weight publication: the learner's WeightService streaming a ≥ 100 MB random Qwen2
    over gRPC on loopback into a `WeightAssembler` (the rollout side, up to torch tensors)
    against raw loopback TCP of the same bytes measured in the same run, paired per
-   published version, steady state (docs/weight_publication.md). Target: ≥ 0.5×.
+   published version, steady state (docs/weight_publication.md). Target: ≥ 0.5×. The
+   publisher (WeightService and raw TCP sender alike) runs in its own process, as the
+   learner does: in one process the gRPC server's and client's Python threads would
+   share one GIL, which no deployment does.
    Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
    (`--no-malloc-tuning` to compare).
 
@@ -180,25 +183,19 @@ def big_model_tensors() -> tuple[list[Any], int]:
     return tensors, sum(len(t.data) for t in tensors)
 
 
-def raw_tcp_bytes_per_s(tensors: list[Any]) -> float:
-    """Loopback TCP in this process: a sender thread writes the weights' own bytes (at
-    most 4 MiB per call, no framing, no copy) into one socket; the receiver reads them
-    into one buffer allocated (and zeroed, so its pages are mapped) before the clock
-    starts. The floor of what any transfer of these bytes through the kernel costs."""
-    nbytes = sum(len(t.data) for t in tensors)
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
+def send_all(conn: socket.socket, tensors: list[Any]) -> None:
+    """The weights' own bytes into one socket, at most 4 MiB per call, no framing."""
+    for t in tensors:
+        view = memoryview(t.data).cast("B")
+        for at in range(0, len(view), 4 << 20):
+            conn.sendall(view[at : at + (4 << 20)])
 
-    def send() -> None:
-        conn, _ = server.accept()
-        for t in tensors:
-            view = memoryview(t.data).cast("B")
-            for at in range(0, len(view), 4 << 20):
-                conn.sendall(view[at : at + (4 << 20)])
-        conn.close()
 
-    thread = threading.Thread(target=send)
-    thread.start()
+def raw_tcp_bytes_per_s(port: int, nbytes: int) -> float:
+    """Loopback TCP from the publisher process: it writes the weights' bytes into one
+    socket; we read them into one buffer allocated (and zeroed, so its pages are mapped)
+    before the clock starts. The floor of what any transfer of these bytes through the
+    kernel between two processes costs."""
     buf = bytearray(nbytes)
     view, got = memoryview(buf), 0
     started = time.perf_counter()
@@ -209,10 +206,40 @@ def raw_tcp_bytes_per_s(tensors: list[Any]) -> float:
                 break
             got += n
     seconds = time.perf_counter() - started
-    thread.join()
-    server.close()
-    assert got == nbytes
+    assert got == nbytes, f"raw TCP got {got} of {nbytes} bytes"
     return nbytes / seconds
+
+
+def serve_publication(bucket_bytes: int) -> None:
+    """The publisher process (`--serve-publication`), a learner stand-in: the WeightService
+    and a raw TCP sender of the same bytes; `publish V` on stdin publishes a version."""
+    import sys
+
+    from learner.weights import WeightServicer, add_weight_service
+    from services.common.grpc_server import start_grpc_server
+    from services.common.server_config import ServerConfig
+
+    tensors, nbytes = big_model_tensors()
+    servicer = WeightServicer(bucket_bytes)
+    server, grpc_port = start_grpc_server(
+        ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
+    )
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def raw_sender() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                send_all(conn, tensors)
+
+    threading.Thread(target=raw_sender, daemon=True).start()
+    print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
+    for line in sys.stdin:
+        version = int(line.split()[1])
+        started = time.perf_counter()
+        servicer.publish(version, tensors)
+        print("published", version, time.perf_counter() - started, flush=True)
+    server.stop(0)
 
 
 def fetch_seconds(channel: Any, nbytes: int) -> float:
@@ -231,34 +258,48 @@ def fetch_seconds(channel: Any, nbytes: int) -> float:
     return seconds
 
 
-def publish_and_fetch(tensors: list[Any], bucket_bytes: int, versions: int) -> dict[str, list]:
-    """Per version: `publish` (serialize from the live weights), then two fetches over
-    loopback gRPC (the first rollout server, and every further one)."""
-    from learner.weights import WeightServicer, add_weight_service
-    from services.common.grpc_server import insecure_channel, start_grpc_server
+def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str, Any]:
+    """Per version, against a publisher in its own process (as the learner is): raw TCP,
+    then `publish` (serialize from the live weights), then two fetches over loopback gRPC
+    (the first rollout server, and every further one)."""
+    import subprocess
+    import sys
+
+    from services.common.grpc_server import insecure_channel
     from services.common.server_config import ServerConfig
 
-    nbytes = sum(len(t.data) for t in tensors)
-    servicer, cfg = WeightServicer(bucket_bytes), ServerConfig()
-    server, port = start_grpc_server(
-        cfg, lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
+    # Loaded by path like `dapo bench` does: run as a script, `import learner` would find
+    # this file instead of the package.
+    load = (
+        "import importlib.util as u, sys; s = u.spec_from_file_location('bench_learner', "
+        f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
+        "sys.exit(m.main(sys.argv[1:]))"
     )
-    runs: dict[str, list] = {"publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "tcp": []}
+    argv = [sys.executable, "-c", load, "--serve-publication", "--bucket-bytes", str(bucket_bytes)]
+    publisher = subprocess.Popen(
+        argv + ([] if tuned else ["--no-malloc-tuning"]),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=RESULTS.parents[2],
+    )  # fmt: skip
+    assert publisher.stdin and publisher.stdout
+    _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
+    nbytes = int(nbytes)
+    runs: dict[str, Any] = {"publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "tcp": []}
     try:
-        with insecure_channel(f"127.0.0.1:{port}", cfg.max_message_bytes) as channel:
+        with insecure_channel(f"127.0.0.1:{grpc_port}", ServerConfig().max_message_bytes) as ch:
             for version in range(1, versions + 1):
-                runs["tcp"].append(raw_tcp_bytes_per_s(tensors))
-                started = time.perf_counter()
-                servicer.publish(version, tensors)
-                runs["publish_s"].append(time.perf_counter() - started)
-                runs["fetch_s"].append(fetch_seconds(channel, nbytes))
-                runs["repeat_fetch_s"].append(fetch_seconds(channel, nbytes))
+                runs["tcp"].append(raw_tcp_bytes_per_s(int(tcp_port), nbytes))
+                publisher.stdin.write(f"publish {version}\n")
+                publisher.stdin.flush()
+                runs["publish_s"].append(float(publisher.stdout.readline().split()[2]))
+                runs["fetch_s"].append(fetch_seconds(ch, nbytes))
+                runs["repeat_fetch_s"].append(fetch_seconds(ch, nbytes))
     finally:
-        server.stop(0)
-    return runs
+        publisher.stdin.close()
+        publisher.wait(timeout=30)
+    return runs | {"model_bytes": nbytes}
 
 
-def bench_publication(versions: int, bucket: int | None = None) -> dict[str, Any]:
+def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[str, Any]:
     """Version 1 runs on a cold process (every page fresh); versions 2..N are the steady
     state of a learner publishing every step, and the check. Each fetch is paired with the
     raw TCP run just before it (same load); the ratio is the median of those pairs."""
@@ -266,9 +307,8 @@ def bench_publication(versions: int, bucket: int | None = None) -> dict[str, Any
 
     bucket = bucket or LearnerConfig().weight_bucket_bytes
     started = time.perf_counter()
-    tensors, nbytes = big_model_tensors()
-    build_s = time.perf_counter() - started
-    runs = publish_and_fetch(tensors, bucket, versions)
+    runs = publish_and_fetch(bucket, versions, tuned)
+    nbytes, total_s = runs.pop("model_bytes"), time.perf_counter() - started
     steady = {k: v[1:] for k, v in runs.items()}
     pairs = [nbytes / f / t for f, t in zip(steady["fetch_s"], steady["tcp"], strict=True)]
     tcp = statistics.median(steady["tcp"])
@@ -277,8 +317,8 @@ def bench_publication(versions: int, bucket: int | None = None) -> dict[str, Any
         statistics.median(steady["publish_s"]),
     )
     repeat = nbytes / statistics.median(steady["repeat_fetch_s"])
-    return {"model_bytes": nbytes, "tensors": len(tensors), "bucket_bytes": bucket,
-            "versions": versions, "build_model_s": build_s, "publish_s": publish_s,
+    return {"model_bytes": nbytes, "publisher": "own process", "bucket_bytes": bucket,
+            "versions": versions, "total_s": total_s, "publish_s": publish_s,
             "raw_tcp_bytes_per_s": tcp, "fetch_bytes_per_s": nbytes / fetch_s,
             "repeat_fetch_bytes_per_s": repeat,
             "publish_plus_fetch_bytes_per_s": nbytes / (publish_s + fetch_s),
@@ -315,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--versions", type=int, default=8, help="weight versions published (1st: cold)"
     )
+    parser.add_argument("--serve-publication", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--publication-only",
         action="store_true",
@@ -329,8 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv if argv is not None else [])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     tuned = not args.no_malloc_tuning and keep_freed_memory()
+    if args.serve_publication:
+        serve_publication(args.bucket_bytes)
+        return 0
     if args.publication_only:
-        pub = bench_publication(args.versions, args.bucket_bytes) | {"malloc_tuned": tuned}
+        pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
         print(json.dumps(pub, indent=2), f"\nload average {os.getloadavg()}")
         return 0 if pub["ratio"] >= TARGET_WIRE else 1
     pad = bench_padding()
@@ -338,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         thr = bench_throughput(Path(tmp), args.reps)
     print(f"throughput ratio: {thr['ratio']:.3f}", flush=True)
-    pub = bench_publication(args.versions, args.bucket_bytes) | {"malloc_tuned": tuned}
+    pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "load_avg_1m": os.getloadavg()[0]},
