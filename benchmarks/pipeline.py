@@ -5,7 +5,9 @@
    T_train = learner seconds per step and T_gen = the rest of a step; the ideal async
    speedup is (T_gen + T_train) / max(T_gen, T_train). Target: measured speedup >= 0.9 x
    ideal. T_gen moved between single runs (0.11-0.19 s), so the times are pooled over
-   the repeats and each pair's own ratio is reported too.
+   the repeats and each pair's own ratio is reported too. Also reported: the CPU seconds
+   per async step of the whole run (all processes, from /proc) and the speedup that the
+   machine's cores allow at best (docs/pipeline_performance.md).
 2. Service overhead: responses/s of `dapo up` (max_staleness 1) vs a plain
    single-process generate-score-train loop (benchmarks/_plain_dapo.py) with the same
    model, task and hyperparameters. Target: >= 0.5x. The plain loop runs right before
@@ -52,12 +54,52 @@ def tiny_config(run: str, model: Path, steps: int, *overrides: str) -> Any:
     )
 
 
+def cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and every live descendant (Linux /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    family, frontier = {root}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - family
+        family |= frontier
+    return sum(times.get(pid, 0.0) for pid in family)
+
+
+class CpuMeter:
+    """`dapo up`'s on_step hook: CPU seconds of the whole run (launcher, services, their
+    workers, Redis) each time the step count moves, for CPU seconds per training step."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, float]] = []
+
+    def __call__(self, launch: Any, step: int, done: bool) -> None:
+        if step and (not self.samples or step != self.samples[-1][0]):
+            self.samples.append((step, cpu_seconds(os.getpid())))
+
+    def per_step(self) -> float | None:
+        """Between the first step seen and the last but one (the last includes the export)."""
+        window = self.samples[:-1]
+        if len(window) < 2 or window[-1][0] == window[0][0]:
+            return None
+        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+
+
 def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
     """One `dapo up` (its own Redis, all five processes); returns its report + rates."""
     from services.launcher import launch
 
+    meter = CpuMeter()
     started = time.perf_counter()
-    code = launch(config, run_dir=str(run_dir))
+    code = launch(config, run_dir=str(run_dir), on_step=meter)
     wall = time.perf_counter() - started
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]
@@ -82,6 +124,7 @@ def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
         "p_informative": ledger["kept"] / max(decided, 1),
         "ledger_ok": ledger["ok"],
         "final_accuracy": steps[-1]["accuracy"] if steps else None,
+        "cpu_seconds_per_step": meter.per_step(),
     }
 
 
@@ -97,8 +140,10 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     phase = sum(r["train_phase_seconds"] for r in runs)
     learner = sum(r["learner_seconds_per_step"] * r["steps"] for r in runs)
     responses = sum(r["responses_generated"] for r in runs)
+    cpu = [r["cpu_seconds_per_step"] for r in runs if r["cpu_seconds_per_step"] is not None]
     return {"steps": steps, "train_phase_seconds": phase, "responses_per_s": responses / phase,
-            "learner_seconds_per_step": learner / steps, "step_seconds": phase / steps}  # fmt: skip
+            "learner_seconds_per_step": learner / steps, "step_seconds": phase / steps,
+            "cpu_seconds_per_step": sum(cpu) / len(cpu) if cpu else None}  # fmt: skip
 
 
 def overlap_of(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, float]:
@@ -108,7 +153,21 @@ def overlap_of(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, float]:
     ideal = (t_gen + t_train) / max(t_gen, t_train)
     speedup = asyn["responses_per_s"] / sync["responses_per_s"]
     return {"t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal,
-            "measured_speedup": speedup, "fraction_of_ideal": speedup / ideal}  # fmt: skip
+            "measured_speedup": speedup, "fraction_of_ideal": speedup / ideal,
+            **cpu_floor(sync, asyn, ideal)}  # fmt: skip
+
+
+def cpu_floor(sync: dict[str, Any], asyn: dict[str, Any], ideal: float) -> dict[str, float]:
+    """What the machine's cores allow: no schedule runs an async step in less than its
+    CPU seconds / cores, so the speedup cannot pass sync step / that floor."""
+    cpu = asyn["cpu_seconds_per_step"]
+    if not cpu:
+        return {}
+    floor = cpu / (os.cpu_count() or 1)
+    best = sync["step_seconds"] / floor
+    return {"async_cpu_seconds_per_step": cpu, "cpu_floor_step_s": floor,
+            "best_speedup_the_cores_allow": best,
+            "best_fraction_of_ideal_the_cores_allow": min(best, ideal) / ideal}  # fmt: skip
 
 
 def half_trivial_dataset(path: Path, n: int = 200) -> Path:
