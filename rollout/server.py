@@ -319,6 +319,7 @@ class RolloutServer:
             "version": self.engine.version,
             "published_version": published,
             "ready": self.ready(),
+            "accepting": self.servicer.accepting(),
             "paused": self.servicer.paused,
             "in_flight": self.servicer.in_flight,
             "queue": self.servicer.batcher.pending(),

@@ -347,6 +347,8 @@ def test_late_joiner_catches_up_and_readyz_flips(
         wait_for(lambda: s.readyz() == 503)
         wait_for(lambda: not rollout_entry(redis_client, keys)["ready"])
         assert rollout_entry(redis_client, keys)["accepting"]  # the controller still routes here
+        status = HTTP.get(f"{s.url}/status").json()
+        assert status["accepting"] and not status["ready"] and status["published_version"] == 2
         assert [c.policy_version for c in s.generate(n=2)] == [1, 1]
         learner.publish(2, perturbed(s.engine, seed=2))
         wait_for(lambda: s.readyz() == 200)
