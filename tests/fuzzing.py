@@ -8,7 +8,7 @@ started once per module, counts the cases it really ran and asserts the count, s
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,14 +125,14 @@ def decodes(message: Any, data: bytes) -> bool:
     return True
 
 
-def start_rollout(model: Path) -> Any:
-    """A real rollout server (torch engine) with tiny limits, on free ports; `.stop()` it.
-
-    No weight sync: `min_version` past the served version is refused at once (UNAVAILABLE),
-    not after a wait."""
+def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
+    """(server, channel): a real rollout server (torch engine) with tiny limits on free
+    ports, for a module fixture to `yield from`. No weight sync: `min_version` past the
+    served version is refused at once (UNAVAILABLE), not after a wait."""
     from rollout.server import RolloutServer
     from rollout.torch_engine import TorchEngine
     from services.common.config import DapoConfig
+    from services.common.grpc_server import insecure_channel
 
     config = DapoConfig.model_validate(
         {
@@ -148,4 +148,8 @@ def start_rollout(model: Path) -> Any:
         }
     )
     engine = TorchEngine(model, device="cpu", max_batch_size=8)
-    return RolloutServer(config, None, engine).start()
+    server = RolloutServer(config, None, engine).start()
+    channel = insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    yield server, channel
+    channel.close()
+    server.stop()

@@ -24,7 +24,7 @@ from fuzzing import (
     assert_clear_refusal,
     cases,
     decodes,
-    start_rollout,
+    serve_rollout,
     wire_bytes,
 )
 from hypothesis import given
@@ -33,7 +33,6 @@ from hypothesis import strategies as st
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
-from services.common.grpc_server import insecure_channel
 from services.common.tensor_codec import RawTensor, encode_buckets, from_torch
 
 BUCKET_BYTES = [8192, 16384, 65536]  # the tiny model's ~500 KB: 62, 31 or 8 buckets
@@ -42,11 +41,7 @@ Buckets = list[tensor_pb2.WeightBucket]
 
 @pytest.fixture(scope="module")
 def served(tiny_model: Path) -> Iterator[tuple[RolloutServer, Any]]:
-    server = start_rollout(tiny_model)
-    channel = insecure_channel(f"127.0.0.1:{server.grpc_port}")
-    yield server, channel
-    channel.close()
-    server.stop()
+    yield from serve_rollout(tiny_model)
 
 
 # -- spoiling one tensor -----------------------------------------------------------------------
