@@ -8,13 +8,18 @@ started once per module, counts the cases it really ran and asserts the count, s
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+
+EXAMPLES = 1000  # generated inputs per endpoint (issue #8)
+# The rollout fuzz server's limits: tiny, so that a generated request costs milliseconds.
+ROLLOUT_MAX_N, ROLLOUT_MAX_PROMPT, ROLLOUT_MAX_RESPONSE = 3, 10, 4
 
 # Cheap texts that have broken verifiers elsewhere: empty, nested boxes, odd LaTeX.
 ODD_TEXTS = [
@@ -90,3 +95,61 @@ def assert_clear_refusal(exc: grpc.RpcError, *allowed: grpc.StatusCode) -> None:
     codes = allowed or (grpc.StatusCode.INVALID_ARGUMENT,)
     assert exc.code() in codes, f"{exc.code()}: {exc.details()}"
     assert exc.details() and exc.details().strip(), f"{exc.code()} without a message"
+
+
+@st.composite
+def _mutate(draw: st.DrawFn, data: bytes) -> bytes:
+    at = draw(st.integers(0, len(data)))
+    how = draw(st.sampled_from(["cut", "flip", "junk"]))
+    if how == "cut":
+        return data[:at]
+    if how == "flip" and data:
+        at %= len(data)
+        return data[:at] + bytes([data[at] ^ draw(st.integers(1, 255))]) + data[at + 1 :]
+    return data[:at] + draw(st.binary(min_size=1, max_size=6)) + data[at:]
+
+
+def wire_bytes(messages: st.SearchStrategy[Any]) -> st.SearchStrategy[bytes]:
+    """Raw bytes: random, or a generated message serialized and then cut, with one byte
+    changed or with junk inserted (near-valid input reaches deeper than noise)."""
+    serialized = messages.map(lambda m: m.SerializeToString())
+    return st.one_of(st.binary(max_size=48), serialized.flatmap(_mutate))
+
+
+def decodes(message: Any, data: bytes) -> bool:
+    """Whether protobuf can parse `data` as `message` (what the server must do first)."""
+    try:
+        message.FromString(data)
+    except Exception:  # DecodeError, or the C runtime's own error types
+        return False
+    return True
+
+
+def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
+    """(server, channel): a real rollout server (torch engine) with tiny limits on free
+    ports, for a module fixture to `yield from`. No weight sync: `min_version` past the
+    served version is refused at once (UNAVAILABLE), not after a wait."""
+    from rollout.server import RolloutServer
+    from rollout.torch_engine import TorchEngine
+    from services.common.config import DapoConfig
+    from services.common.grpc_server import insecure_channel
+
+    config = DapoConfig.model_validate(
+        {
+            "shared": {
+                "max_prompt_length": ROLLOUT_MAX_PROMPT,
+                "max_response_length": ROLLOUT_MAX_RESPONSE,
+            },
+            "rollout": {
+                "server": {"grpc_port": 0, "http_port": 0},
+                "max_n": ROLLOUT_MAX_N,
+                "min_version_wait_s": 0,
+            },
+        }
+    )
+    engine = TorchEngine(model, device="cpu", max_batch_size=8)
+    server = RolloutServer(config, None, engine).start()
+    channel = insecure_channel(f"127.0.0.1:{server.grpc_port}")
+    yield server, channel
+    channel.close()
+    server.stop()

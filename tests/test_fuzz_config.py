@@ -12,14 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fuzzing import Counter, cases
+from fuzzing import EXAMPLES, Counter, cases
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from services.common.config import ConfigError, DapoConfig, dump_config, load_config
-
-EXAMPLES = 300
 
 
 def field_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 from fuzzing import raw_call
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.weights import WeightServicer, add_weight_service
@@ -154,5 +155,34 @@ def test_tiny_buckets_are_refused_and_other_sizes_are_not_cached() -> None:
             assert len(list(stub.FetchWeights(small))) >= 4  # 16 KiB in 4 KiB buckets
             # only the default size is kept: one bucket of 16 KiB, not the 4 KiB re-cut too
             assert len(servicer._encoded) == 1
+    finally:
+        server.stop(0)
+
+
+def test_health_service_decodes_strictly_lists_and_names_unknown_services() -> None:
+    """Found by the health fuzzer: grpc's health servicer answered undecodable bytes with
+    INTERNAL, List with UNKNOWN ("Method not implemented!") and an unknown service with
+    NOT_FOUND and no message. Watch must still answer by callback: 8 open watches on a
+    server with 2 threads leave room for Check."""
+    server, port = start_grpc_server(ServerConfig(), lambda s: None, ["dapo.v1.X"], max_workers=2)
+    health = "/grpc.health.v1.Health"
+    try:
+        with insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                raw_call(channel, f"{health}/Check", b"\x01")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cannot decode" in err.value.details()
+            stub = health_pb2_grpc.HealthStub(channel)
+            listed = stub.List(health_pb2.HealthListRequest(), timeout=10)
+            assert sorted(listed.statuses) == ["", "dapo.v1.X"]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "unknown service 'nope'" in err.value.details()
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=10) for _ in range(8)]
+            assert all(next(w).status == health_pb2.HealthCheckResponse.SERVING for w in watches)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status == 1
+            for watch in watches:
+                watch.cancel()
     finally:
         server.stop(0)

@@ -15,6 +15,7 @@ import grpc
 import httpx
 import pytest
 from fuzzing import (
+    EXAMPLES,
     PROTO_TEXTS,
     TEXT_LIMIT,
     TEXTS,
@@ -31,7 +32,6 @@ from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
 from services.common.config import DapoConfig
 
-EXAMPLES = 1000
 MAX_ITEMS = 4
 VERIFIERS = ["dapo", "math_verify", "cascade", "first_integer"]
 SCORE = "/dapo.v1.RewardService/Score"

@@ -7,7 +7,8 @@ credentials itself.
 Servicers are added through `StrictServer`, which decodes requests inside the method
 instead of in grpc: bytes protobuf cannot parse (truncated, invalid UTF-8 in a string)
 get INVALID_ARGUMENT naming the method, not grpc's opaque INTERNAL "Exception
-deserializing request!" (found by tests/test_fuzz_rollout.py).
+deserializing request!" (found by tests/test_fuzz_rollout.py; the health service too,
+found by tests/test_fuzz_health.py, which also found List unimplemented).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def _decode(decode: Callable[[bytes], Any], data: bytes, context: Any, method: s
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode {method} request: {exc}")
 
 
+# grpc's (experimental) attributes of a behavior that answers through a callback.
+NON_BLOCKING = ("experimental_non_blocking", "experimental_thread_pool")
+
+
 def strict_handler(handler: Any, method: str) -> Any:
     """The same method handler, decoding its requests itself (INVALID_ARGUMENT if it can't)."""
     decode = None if handler is None else handler.request_deserializer
@@ -65,12 +70,15 @@ def strict_handler(handler: Any, method: str) -> Any:
     field = BEHAVIORS[(handler.request_streaming, handler.response_streaming)]
     behavior = getattr(handler, field)
 
-    def run(request: Any, context: Any) -> Any:
+    def run(request: Any, context: Any, *callback: Any) -> Any:
         if handler.request_streaming:
             decoded: Iterator[Any] = (_decode(decode, r, context, method) for r in request)
-            return behavior(decoded, context)
-        return behavior(_decode(decode, request, context, method), context)
+            return behavior(decoded, context, *callback)
+        return behavior(_decode(decode, request, context, method), context, *callback)
 
+    for flag in NON_BLOCKING:  # health Watch answers by callback instead of holding a thread
+        if hasattr(behavior, flag):
+            setattr(run, flag, getattr(behavior, flag))
     return handler._replace(request_deserializer=None, **{field: run})
 
 
@@ -187,6 +195,30 @@ class BearerToken(
 
 
 # ------------------------------------------------------------------------ servers, channels
+class HealthServicer(health.HealthServicer):
+    """grpc's health servicer, plus List (grpc's raises NotImplementedError: UNKNOWN) and a
+    NOT_FOUND that names the unknown service (grpc's has an empty message)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._names = {""}  # every service given a status; "" is the server as a whole
+
+    def set(self, service: str, status: Any) -> None:
+        self._names.add(service)
+        super().set(service, status)
+
+    def Check(self, request: Any, context: Any) -> Any:
+        reply = super().Check(request, context)
+        if context.code() == grpc.StatusCode.NOT_FOUND:
+            context.set_details(f"unknown service {request.service!r}")
+        return reply
+
+    def List(self, request: Any, context: Any) -> Any:
+        check, ask = super().Check, health_pb2.HealthCheckRequest
+        statuses = {name: check(ask(service=name), context) for name in self._names}
+        return health_pb2.HealthListResponse(statuses=statuses)
+
+
 def _bind(server: grpc.Server, address: str, security: SecurityConfig) -> int:
     try:
         if security.tls.enabled:
@@ -212,8 +244,8 @@ def start_grpc_server(
         interceptors=[TokenInterceptor(security.auth, token)] if token else None,
     )
     add_servicers(StrictServer(server))  # type: ignore[arg-type]
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, StrictServer(server))  # type: ignore[arg-type]
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{cfg.grpc_port}"
