@@ -362,6 +362,7 @@ class TorchEngine:
         targets = self.model.state_dict(keep_vars=True)
         for name, tensor in updates:
             _check_tensor(name, tensor, targets)
+        _check_complete({name for name, _ in updates}, targets)
         with self._cond, torch.no_grad():
             for name, tensor in updates:
                 targets[name].copy_(tensor.to(self.device))
@@ -377,6 +378,19 @@ class TorchEngine:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+
+
+def _check_complete(names: set[str], targets: dict[str, torch.Tensor]) -> None:
+    """Refuse an update that leaves some weight out: samples tagged with its version would
+    come from a mix of versions. Tied weights (one tensor under two names) need one name.
+    (Found by tests/test_fuzz_rollout_weights.py: an empty update was applied.)"""
+    covered = {targets[name].data_ptr() for name in names}
+    missing = [name for name, t in targets.items() if t.data_ptr() not in covered]
+    if missing:
+        raise ValueError(
+            f"weight {missing[0]!r} is missing ({len(missing)} in all): the torch engine "
+            "takes complete weight sets only; weights left unchanged"
+        )
 
 
 def _check_tensor(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:

@@ -187,6 +187,19 @@ class EngineContract:
         assert engine.version == version
         assert tokens_of(engine.generate(PROMPTS, GREEDY)) == before
 
+    @pytest.mark.parametrize("keep", [0, 1])
+    def test_incomplete_weight_sets_are_rejected(
+        self, harness: EngineHarness, reference: torch.nn.Module, keep: int
+    ) -> None:
+        """Samples tagged with a version must come from all of that version's weights."""
+        engine = harness.engine
+        before, version = tokens_of(engine.generate(PROMPTS, GREEDY)), engine.version
+        good = perturbed(reference, harness.weight_dtype, 0.5)
+        with pytest.raises(ValueError, match="missing"):
+            engine.load_weights(good[:keep], version + 1)
+        assert engine.version == version
+        assert tokens_of(engine.generate(PROMPTS, GREEDY)) == before
+
     def test_pause_holds_new_work_until_resume(self, harness: EngineHarness) -> None:
         engine, results = harness.engine, []
         engine.pause()

@@ -94,6 +94,22 @@ def test_weight_update_with_non_finite_values_is_refused(tiny_model: Path, value
     assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.parametrize("keep", [0, 3])
+def test_incomplete_weight_update_is_refused(tiny_model: Path, keep: int) -> None:
+    """Found by the UpdateWeights fuzzer: an update of no tensors (or only some) was
+    applied and moved the version, so samples named a version whose weights were mixed."""
+    engine = TorchEngine(tiny_model, device="cpu")
+    updater = WeightUpdater(engine, RolloutMetrics())
+    before = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    tensors = [from_torch(n, p.detach() + 1.0) for n, p in engine.model.named_parameters()]
+    with pytest.raises(ValueError, match="is missing"):
+        updater.apply(encode_buckets(tensors[:keep], version=1, bucket_bytes=1 << 20))
+    after = engine.model.state_dict()
+    assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
+    updater.apply(encode_buckets(tensors, version=1, bucket_bytes=1 << 20))  # every tensor
+    assert engine.version == 1 and not torch.equal(before[tensors[0].name], after[tensors[0].name])
+
+
 def test_undecodable_grpc_request_is_invalid_argument_not_internal() -> None:
     """Found by the rollout fuzzer: bytes protobuf cannot parse gave INTERNAL
     ("Exception deserializing request!") from every generated servicer."""
