@@ -7,13 +7,15 @@
    Target: ≥ 0.8×.
 2. Padding fraction of a length-skewed batch: fixed-size micro-batches in arrival order
    against `token_budget_micro_batches`. Target: ≤ 10 % with the budget.
-3. Weight publication: the learner's WeightService streaming a ≥ 100 MB random Qwen2
-   over gRPC on loopback into a `WeightAssembler` (the rollout side, up to torch tensors)
-   against raw loopback TCP of the same bytes measured in the same run, paired per
-   published version, steady state (docs/weight_publication.md). Target: ≥ 0.5×. The
-   publisher (WeightService and raw TCP sender alike) runs in its own process, as the
-   learner does: in one process the gRPC server's and client's Python threads would
-   share one GIL, which no deployment does.
+3. Weight publication: a rollout server's fetch of a ≥ 100 MB random Qwen2 from the
+   learner's WeightService on loopback, as `rollout.weights.fetch_buckets` runs it (the
+   default transport: a ticket over gRPC, the bytes over the weight socket) into a
+   `WeightAssembler` up to torch tensors, against raw loopback TCP of the same bytes
+   measured in the same run, paired per published version, steady state
+   (docs/weight_publication.md). Target: ≥ 0.5×. The FetchWeights gRPC stream (the
+   fallback transport) is measured alongside. The publisher (WeightService, weight
+   socket and raw TCP sender alike) runs in its own process, as the learner does: in one
+   process server and client threads would share one GIL, which no deployment does.
    Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
    (`--no-malloc-tuning` to compare).
 
@@ -217,10 +219,13 @@ def serve_publication(bucket_bytes: int) -> None:
 
     from learner.weights import WeightServicer, add_weight_service
     from services.common.grpc_server import start_grpc_server
+    from services.common.security import TlsConfig
     from services.common.server_config import ServerConfig
+    from services.common.weight_socket import WeightSocketServer
 
     tensors, nbytes = big_model_tensors()
-    servicer = WeightServicer(bucket_bytes)
+    weight_socket = WeightSocketServer("127.0.0.1", 0, TlsConfig()).start()
+    servicer = WeightServicer(bucket_bytes, weight_socket)
     server, grpc_port = start_grpc_server(
         ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
     )
@@ -242,15 +247,22 @@ def serve_publication(bucket_bytes: int) -> None:
     server.stop(0)
 
 
-def fetch_seconds(channel: Any, nbytes: int) -> float:
-    """One FetchWeights as a rollout server runs it: parsed in place, assembled, to torch."""
+def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
+    """One fetch as a rollout server runs it, over the weight socket (`socket_buckets`)
+    or the FetchWeights stream: parsed in place, assembled, to torch."""
     from dapo.v1 import learner_pb2
-    from rollout.weights import WeightStub
+    from rollout.weights import WeightStub, socket_buckets
+    from services.common.config import DapoConfig
     from services.common.tensor_codec import WeightAssembler, to_torch
 
     started = time.perf_counter()
-    assembler = WeightAssembler()
-    for bucket in WeightStub(channel).FetchWeights(learner_pb2.FetchWeightsRequest()):
+    stub, assembler = WeightStub(channel), WeightAssembler()
+    if transport == "socket":
+        buckets = socket_buckets(stub, "127.0.0.1:0", DapoConfig())
+        assert buckets is not None, "the publisher offered no weight socket"
+    else:
+        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest())
+    for bucket in buckets:
         assembler.add(bucket)
     out = [to_torch(t) for t in assembler.result()]
     seconds = time.perf_counter() - started
@@ -283,7 +295,9 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
     assert publisher.stdin and publisher.stdout
     _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
     nbytes = int(nbytes)
-    runs: dict[str, Any] = {"publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "tcp": []}
+    runs: dict[str, Any] = {
+        "publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "grpc_fetch_s": [], "tcp": []
+    }  # fmt: skip
     try:
         with insecure_channel(f"127.0.0.1:{grpc_port}", ServerConfig().max_message_bytes) as ch:
             for version in range(1, versions + 1):
@@ -291,12 +305,18 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
                 publisher.stdin.write(f"publish {version}\n")
                 publisher.stdin.flush()
                 runs["publish_s"].append(float(publisher.stdout.readline().split()[2]))
-                runs["fetch_s"].append(fetch_seconds(ch, nbytes))
-                runs["repeat_fetch_s"].append(fetch_seconds(ch, nbytes))
+                runs["fetch_s"].append(fetch_seconds(ch, nbytes, "socket"))
+                runs["repeat_fetch_s"].append(fetch_seconds(ch, nbytes, "socket"))
+                runs["grpc_fetch_s"].append(fetch_seconds(ch, nbytes, "grpc"))
     finally:
         publisher.stdin.close()
         publisher.wait(timeout=30)
     return runs | {"model_bytes": nbytes}
+
+
+def paired(nbytes: int, fetch_s: list[float], tcp: list[float]) -> list[float]:
+    """Per version: fetch bytes/s over the raw TCP bytes/s measured just before it."""
+    return [nbytes / f / t for f, t in zip(fetch_s, tcp, strict=True)]
 
 
 def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[str, Any]:
@@ -310,14 +330,16 @@ def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[st
     runs = publish_and_fetch(bucket, versions, tuned)
     nbytes, total_s = runs.pop("model_bytes"), time.perf_counter() - started
     steady = {k: v[1:] for k, v in runs.items()}
-    pairs = [nbytes / f / t for f, t in zip(steady["fetch_s"], steady["tcp"], strict=True)]
+    pairs = paired(nbytes, steady["fetch_s"], steady["tcp"])
     tcp = statistics.median(steady["tcp"])
     fetch_s, publish_s = (
         statistics.median(steady["fetch_s"]),
         statistics.median(steady["publish_s"]),
     )
     repeat = nbytes / statistics.median(steady["repeat_fetch_s"])
+    grpc_pairs = paired(nbytes, steady["grpc_fetch_s"], steady["tcp"])
     return {"model_bytes": nbytes, "publisher": "own process", "bucket_bytes": bucket,
+            "transport": "weight socket (ticket over gRPC)",
             "versions": versions, "total_s": total_s, "publish_s": publish_s,
             "raw_tcp_bytes_per_s": tcp, "fetch_bytes_per_s": nbytes / fetch_s,
             "repeat_fetch_bytes_per_s": repeat,
@@ -325,6 +347,8 @@ def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[st
             "ratio": statistics.median(pairs), "paired_ratios": pairs,
             "ratio_of_medians": nbytes / fetch_s / tcp, "repeat_ratio": repeat / tcp,
             "publish_plus_fetch_ratio": nbytes / (publish_s + fetch_s) / tcp,
+            "grpc_stream_ratio": statistics.median(grpc_pairs),
+            "grpc_stream_paired_ratios": grpc_pairs,
             "cold_version_1": {"tcp_bytes_per_s": runs["tcp"][0],
                                "publish_s": runs["publish_s"][0],
                                "fetch_bytes_per_s": nbytes / runs["fetch_s"][0]},

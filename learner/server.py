@@ -37,7 +37,7 @@ from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
-from learner.weights import WeightServicer, add_weight_service, live_views
+from learner.weights import WeightServicer, add_weight_service, live_views, open_weight_socket
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
 from services.common.config import DapoConfig
@@ -49,6 +49,7 @@ from services.common.lifecycle import advertised_address
 from services.common.registry import Registration
 from services.common.streams import Entry, StreamConsumer
 from services.common.types import Group
+from services.common.weight_socket import WeightSocketServer
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +161,18 @@ class Follower:
 class Learner:
     """Rank 0: the consumer on `train`, the commit protocol, the weight service."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
+    def __init__(
+        self,
+        config: DapoConfig,
+        client: redis.Redis,
+        weight_socket: WeightSocketServer | None = None,
+    ) -> None:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
         self.trainer = Trainer(config)
         self.policy = self.trainer.policy
         self.consumer = StreamConsumer(client, self.keys.train, CONSUMER_GROUP, "learner-0")
-        self.weights = WeightServicer(config.learner.weight_bucket_bytes)
+        self.weights = WeightServicer(config.learner.weight_bucket_bytes, weight_socket)
         self.step, self.version, self.cursor = 0, 0, "0-0"
         self.unacked: list[str] = []
         self.last_checkpoint_step = 0
@@ -336,7 +342,7 @@ class LearnerServer:
     """Learner + gRPC WeightService + HTTP + registry entry."""
 
     def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
-        self.learner = Learner(config, client)
+        self.learner = Learner(config, client, open_weight_socket(config))
         server_cfg = config.learner.server
         self.grpc_server, self.grpc_port = start_grpc_server(
             server_cfg,
@@ -354,4 +360,5 @@ class LearnerServer:
     def stop(self) -> None:
         self.registration.stop()
         self.grpc_server.stop(grace=2).wait()
+        self.learner.weights.close()
         self.http.stop()

@@ -5,12 +5,15 @@
 next step trains) and also the encoding, so every fetch (R rollout servers) streams the
 same bytes. `add_weight_service` registers FetchWeights with a pass-through serializer;
 the bytes are exactly the generated `WeightBucket` messages (`encode_bucket_bytes`).
+With a `WeightSocketServer`, `OpenWeightSocket` hands out tickets for the same bytes
+over the faster data-plane socket (services/common/weight_socket.py).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 import torch
@@ -23,6 +26,7 @@ from services.common.tensor_codec import (
     parse_bucket,
     torch_view,
 )
+from services.common.weight_socket import WeightSocketServer
 
 
 def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
@@ -37,8 +41,9 @@ MIN_BUCKET_BYTES = 1024  # smaller: one message per few bytes (found by fuzzing)
 class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     """Serves the latest published version."""
 
-    def __init__(self, bucket_bytes: int) -> None:
+    def __init__(self, bucket_bytes: int, weight_socket: WeightSocketServer | None = None) -> None:
         self.bucket_bytes = bucket_bytes
+        self.weight_socket = weight_socket
         self._lock = threading.Lock()
         self._version = 0
         self._encoded: list[bytes] = []  # the latest version, in buckets of bucket_bytes
@@ -53,11 +58,19 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def version(self) -> int:
         return self._version
 
+    def close(self) -> None:
+        if self.weight_socket is not None:
+            self.weight_socket.stop()
+
     def GetVersion(self, request, context):
         return learner_pb2.GetVersionResponse(version=self._version)
 
     def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> list[bytes]:
         """The serialized buckets to stream, or abort the call."""
+        return self._snapshot(request, context)[1]
+
+    def _snapshot(self, request, context) -> tuple[int, list[bytes]]:
+        """(version, its serialized buckets) as `request` asks, or abort the call."""
         with self._lock:
             if not self._encoded:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
@@ -74,13 +87,27 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                 )
             size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
             # A smaller size is re-cut per call, not cached: a copy per size asked would pile up.
-            return self._encoded if size == self.bucket_bytes else self._recut(size)
+            cut = self._encoded if size == self.bucket_bytes else self._recut(size)
+            return self._version, cut
 
     def _recut(self, size: int) -> list[bytes]:
         assembler = WeightAssembler()
         for message in self._encoded:
             assembler.add(parse_bucket(message))
         return list(encode_bucket_bytes(assembler.result(), self._version, size))
+
+    def OpenWeightSocket(self, request: learner_pb2.FetchWeightsRequest, context):
+        """A one-time ticket for the buckets `request` names, on the weight socket."""
+        if self.weight_socket is None:
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                "no weight socket (learner.weight_transport=grpc): use FetchWeights",
+            )
+        version, buckets = self._snapshot(request, context)
+        ticket = self.weight_socket.issue(buckets)
+        return learner_pb2.WeightSocketTicket(
+            version=version, port=self.weight_socket.port, ticket=ticket
+        )
 
     def FetchWeights(self, request: learner_pb2.FetchWeightsRequest, context):
         """Buckets as messages (for servers registered with the generated helper)."""
@@ -90,6 +117,19 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def fetch_serialized(self, request: learner_pb2.FetchWeightsRequest, context):
         """Buckets as the serialized bytes cached by `publish`."""
         yield from self._buckets(request, context)
+
+
+def open_weight_socket(config: Any) -> WeightSocketServer | None:
+    """The learner's weight socket when `learner.weight_transport` is 'socket' (started)."""
+    learner = config.learner
+    if learner.weight_transport != "socket":
+        return None
+    return WeightSocketServer(
+        learner.server.host,
+        learner.weight_socket_port,
+        config.security.tls,
+        io_timeout_s=config.shared.rpc.weights_timeout_s,
+    ).start()
 
 
 def add_weight_service(servicer: WeightServicer, server: grpc.Server) -> None:
@@ -104,6 +144,11 @@ def add_weight_service(servicer: WeightServicer, server: grpc.Server) -> None:
             servicer.fetch_serialized,
             request_deserializer=learner_pb2.FetchWeightsRequest.FromString,
             response_serializer=None,  # already bytes
+        ),
+        "OpenWeightSocket": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenWeightSocket,
+            request_deserializer=learner_pb2.FetchWeightsRequest.FromString,
+            response_serializer=learner_pb2.WeightSocketTicket.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

@@ -7,8 +7,9 @@ push and a pull race). The engine checks names, dtypes and shapes before touchin
 weight, so a bad bucket leaves the previous weights and version in place.
 
 `WeightSync` watches the learner's published version in Redis and pulls the full
-weights from the learner's WeightService whenever it moves ahead; `caught_up` is set the
-first time the served version reaches the published one.
+weights from the learner (over its weight socket, else its FetchWeights stream) whenever
+it moves ahead; `caught_up` is set the first time the served version reaches the
+published one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -25,11 +26,13 @@ import redis
 from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
+from services.common import weight_socket
 from services.common.config import DapoConfig
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
 from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket, to_torch
+from services.common.weight_socket import WeightSocketError
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +110,42 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
         self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
 
 
+def fetch_buckets(stub: WeightStub, address: str, config: DapoConfig) -> tuple[str, Iterator[Any]]:
+    """(transport, the latest version's buckets): over the learner's weight socket when it
+    offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
+    buckets = socket_buckets(stub, address, config)
+    if buckets is not None:
+        return "weight socket", buckets
+    request = learner_pb2.FetchWeightsRequest(version=0)
+    stream = stub.FetchWeights(request, timeout=config.shared.rpc.weights_timeout_s)
+    return "FetchWeights stream", stream
+
+
+def socket_buckets(stub: WeightStub, address: str, config: DapoConfig) -> Iterator[Any] | None:
+    """The latest version's buckets over the weight socket; None when the learner offers
+    none (learner.weight_transport=grpc) or it cannot be reached (a warning says why)."""
+    rpc, request = config.shared.rpc, learner_pb2.FetchWeightsRequest(version=0)
+    try:
+        ticket = stub.OpenWeightSocket(request, timeout=rpc.control_timeout_s)
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        return None
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        sock = weight_socket.connect(
+            host, ticket.port, ticket.ticket, config.security.tls, rpc.weights_timeout_s
+        )
+    except OSError as exc:  # ssl.SSLError included
+        log.warning(
+            "weight socket %s:%d unreachable (%s); using the FetchWeights stream",
+            host, ticket.port, exc,
+        )  # fmt: skip
+        return None
+    frames = weight_socket.read_frames(sock, config.learner.server.max_message_bytes)
+    return map(parse_bucket, frames)
+
+
 class WeightSync:
     """Pulls new weights from the learner whenever the published version moves ahead."""
 
@@ -160,10 +199,9 @@ class WeightSync:
         offered = stub.GetVersion(request, timeout=rpc.control_timeout_s).version
         if offered <= self.served:
             return False  # the learner's snapshot is not there yet
-        fetch = learner_pb2.FetchWeightsRequest(version=0)
-        buckets = stub.FetchWeights(fetch, timeout=rpc.weights_timeout_s)
+        transport, buckets = fetch_buckets(stub, learners[0]["address"], self.config)
         version = self.updater.apply(buckets)
-        log.info("loaded weights version=%d (published %d)", version, target)
+        log.info("loaded weights version=%d (published %d) over the %s", version, target, transport)
         if version >= target:
             self.caught_up.set()
         return True
@@ -175,7 +213,8 @@ class WeightSync:
                 self.sync_once()
             except StaleUpdate as exc:
                 log.debug("weight sync raced another update: %s", exc)
-            except (grpc.RpcError, TensorWireError, ValueError, redis.RedisError) as exc:
+            except (grpc.RpcError, TensorWireError, WeightSocketError, ValueError,
+                    redis.RedisError) as exc:  # fmt: skip
                 log.warning("weight sync failed, will retry: %s", exc)
             except Exception:  # the loop must outlive any surprise, or readiness freezes
                 log.exception("weight sync failed unexpectedly, will retry")

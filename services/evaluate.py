@@ -192,7 +192,7 @@ def eval_plan(config: Any) -> EvalPlan | None:
 
 def fetch_latest_weights(config: Any, engine: Any) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
-    from dapo.v1 import learner_pb2, learner_pb2_grpc
+    from rollout.weights import WeightStub, fetch_buckets
     from services.common.grpc_server import channel as grpc_channel
     from services.common.keys import RunKeys
     from services.common.redis_server import connect_run
@@ -206,10 +206,7 @@ def fetch_latest_weights(config: Any, engine: Any) -> None:
         learners[0]["address"], config.security, config.learner.server.max_message_bytes
     )
     try:
-        stub = learner_pb2_grpc.WeightServiceStub(channel)
-        buckets = stub.FetchWeights(
-            learner_pb2.FetchWeightsRequest(), timeout=config.shared.rpc.weights_timeout_s
-        )
+        _, buckets = fetch_buckets(WeightStub(channel), learners[0]["address"], config)
         version, tensors = assemble_update(buckets)
         engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
     finally:

@@ -98,6 +98,8 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     written = (run_dir / "config.yaml").read_text()
     assert yaml.safe_load(written)["security"]["tls"]["mtls"] is True
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    # Weights moved over the weight socket, under the same mTLS, with no fallback.
+    assert "over the weight socket" in logs and "unreachable" not in logs
     for secret in (TOKEN, REDIS_PASSWORD):  # never written to the run's files or logs
         assert secret not in written and secret not in logs
         assert secret not in stdout + stderr

@@ -27,6 +27,7 @@ ADMIN_RPCS = frozenset(
         "/dapo.v1.RolloutService/UpdateWeights",
         "/dapo.v1.RolloutService/GetStatus",
         "/dapo.v1.WeightService/FetchWeights",
+        "/dapo.v1.WeightService/OpenWeightSocket",  # its ticket reads the weights
     }
 )
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -103,8 +104,9 @@ class AuthConfig(_Secret):
     )
     token_file: str | None = Field(None, description="File holding the token (a mounted secret).")
     scope: Literal["admin", "all"] = Field(
-        "admin", description="admin: Pause/Resume/UpdateWeights/GetStatus/FetchWeights and "
-        "HTTP /status; all: every RPC but health, and POST /v1/score too.",
+        "admin", description="admin: Pause/Resume/UpdateWeights/GetStatus, the weight RPCs "
+        "(FetchWeights, OpenWeightSocket) and HTTP /status; all: every RPC but health, and "
+        "POST /v1/score too.",
     )  # fmt: skip
     protect_metrics: bool = Field(False, description="Also require the token on /metrics.")
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dapo.v1 import tensor_pb2 as dapo_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x61po/v1/learner.proto\x12\x07\x64\x61po.v1\x1a\x14\x64\x61po/v1/tensor.proto\"\x13\n\x11GetVersionRequest\"%\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"<\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\x32\x9d\x01\n\rWeightService\x12\x45\n\nGetVersion\x12\x1a.dapo.v1.GetVersionRequest\x1a\x1b.dapo.v1.GetVersionResponse\x12\x45\n\x0c\x46\x65tchWeights\x12\x1c.dapo.v1.FetchWeightsRequest\x1a\x15.dapo.v1.WeightBucket0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x61po/v1/learner.proto\x12\x07\x64\x61po.v1\x1a\x14\x64\x61po/v1/tensor.proto\"\x13\n\x11GetVersionRequest\"%\n\x12GetVersionResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\"<\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x62ucket_bytes\x18\x02 \x01(\x04\"C\n\x12WeightSocketTicket\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x0e\n\x06ticket\x18\x03 \x01(\x0c\x32\xec\x01\n\rWeightService\x12\x45\n\nGetVersion\x12\x1a.dapo.v1.GetVersionRequest\x1a\x1b.dapo.v1.GetVersionResponse\x12\x45\n\x0c\x46\x65tchWeights\x12\x1c.dapo.v1.FetchWeightsRequest\x1a\x15.dapo.v1.WeightBucket0\x01\x12M\n\x10OpenWeightSocket\x12\x1c.dapo.v1.FetchWeightsRequest\x1a\x1b.dapo.v1.WeightSocketTicketb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETVERSIONRESPONSE']._serialized_end=114
   _globals['_FETCHWEIGHTSREQUEST']._serialized_start=116
   _globals['_FETCHWEIGHTSREQUEST']._serialized_end=176
-  _globals['_WEIGHTSERVICE']._serialized_start=179
-  _globals['_WEIGHTSERVICE']._serialized_end=336
+  _globals['_WEIGHTSOCKETTICKET']._serialized_start=178
+  _globals['_WEIGHTSOCKETTICKET']._serialized_end=245
+  _globals['_WEIGHTSERVICE']._serialized_start=248
+  _globals['_WEIGHTSERVICE']._serialized_end=484
 # @@protoc_insertion_point(module_scope)

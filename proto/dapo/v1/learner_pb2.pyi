@@ -22,3 +22,13 @@ class FetchWeightsRequest(_message.Message):
     version: int
     bucket_bytes: int
     def __init__(self, version: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightSocketTicket(_message.Message):
+    __slots__ = ("version", "port", "ticket")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    port: int
+    ticket: bytes
+    def __init__(self, version: _Optional[int] = ..., port: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...

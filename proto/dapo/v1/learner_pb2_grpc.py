@@ -46,6 +46,11 @@ class WeightServiceStub:
                 request_serializer=dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.SerializeToString,
                 response_deserializer=dapo_dot_v1_dot_tensor__pb2.WeightBucket.FromString,
                 _registered_method=True)
+        self.OpenWeightSocket = channel.unary_unary(
+                '/dapo.v1.WeightService/OpenWeightSocket',
+                request_serializer=dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.SerializeToString,
+                response_deserializer=dapo_dot_v1_dot_learner__pb2.WeightSocketTicket.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -66,6 +71,15 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWeightSocket(self, request, context):
+        """The same buckets over a plain (or TLS) TCP socket, which a client reads at close
+        to raw TCP speed: returns a ticket for them. UNIMPLEMENTED when the learner runs
+        with learner.weight_transport=grpc; clients then use FetchWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.FetchWeights,
                     request_deserializer=dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.FromString,
                     response_serializer=dapo_dot_v1_dot_tensor__pb2.WeightBucket.SerializeToString,
+            ),
+            'OpenWeightSocket': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWeightSocket,
+                    request_deserializer=dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.FromString,
+                    response_serializer=dapo_dot_v1_dot_learner__pb2.WeightSocketTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class WeightService:
             '/dapo.v1.WeightService/FetchWeights',
             dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.SerializeToString,
             dapo_dot_v1_dot_tensor__pb2.WeightBucket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWeightSocket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dapo.v1.WeightService/OpenWeightSocket',
+            dapo_dot_v1_dot_learner__pb2.FetchWeightsRequest.SerializeToString,
+            dapo_dot_v1_dot_learner__pb2.WeightSocketTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,219 @@
+"""The weights' data plane: serialized weight buckets over a plain (or TLS) TCP socket.
+
+Why: gRPC Python hands every received message to Python as a fresh `bytes` object, with
+the GIL held, which caps a FetchWeights stream at about 0.5-0.6x of raw loopback TCP
+(docs/weight_publication.md). Here the client reads each bucket with `recv_into` into one
+reused buffer, so a fetch runs close to raw TCP speed.
+
+The control plane stays gRPC: `OpenWeightSocket` (token and mTLS checked there) returns a
+one-time ticket bound to one published version. The client connects to the learner's
+weight socket, sends the ticket, and reads frames: an 8-byte little-endian length, then
+that many bytes of one serialized `WeightBucket` (the very bytes FetchWeights streams);
+length 0 ends the stream. A wrong, reused or expired ticket gets the connection closed
+before any byte is sent. Under `security.tls` the socket uses the same certificates as
+gRPC (mTLS included).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+from services.common.errors import DapoError
+from services.common.security import TlsConfig, read_pem
+
+log = logging.getLogger(__name__)
+
+TICKET_BYTES = 32
+FRAME = struct.Struct("<Q")
+RECV_CHUNK = 4 << 20  # bytes per recv_into call
+
+
+class WeightSocketError(DapoError):
+    """The weight socket refused us, broke off, or sent a frame we will not take."""
+
+
+# ------------------------------------------------------------------------------ TLS
+def server_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """The server side of TLS (client certs required under mTLS); None when TLS is off."""
+    if not tls.enabled:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(_existing(tls.cert, "cert"), _existing(tls.key, "key"))
+    if tls.mtls:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=read_pem(tls.ca, "ca").decode())
+    return context
+
+
+def client_context(tls: TlsConfig) -> ssl.SSLContext | None:
+    """The client side of TLS: the server checked against `tls.ca` (system roots if
+    unset), our cert presented under mTLS; None when TLS is off."""
+    if not tls.enabled:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    if tls.ca is not None:
+        context.load_verify_locations(cadata=read_pem(tls.ca, "ca").decode())
+    if tls.mtls:
+        context.load_cert_chain(_existing(tls.cert, "cert"), _existing(tls.key, "key"))
+    return context
+
+
+def _existing(path: str | None, what: str) -> str:
+    read_pem(path, what)  # the same clear error as gRPC's credentials when missing
+    return str(path)
+
+
+# ------------------------------------------------------------------------------ server
+class WeightSocketServer:
+    """Serves ticketed frame lists; one thread per connection, at most `max_connections`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tls: TlsConfig,
+        ticket_ttl_s: float = 60.0,
+        io_timeout_s: float = 600.0,
+        max_connections: int = 16,
+    ) -> None:
+        self.ticket_ttl_s, self.io_timeout_s = ticket_ttl_s, io_timeout_s
+        self._context = server_context(tls)
+        self._listener = socket.create_server((host, port))
+        self.port: int = self._listener.getsockname()[1]
+        self._tickets: dict[bytes, tuple[float, Sequence[bytes]]] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="weight-socket", daemon=True)
+
+    def start(self) -> WeightSocketServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def issue(self, frames: Sequence[bytes]) -> bytes:
+        """A ticket for one stream of `frames` (kept alive by the ticket until used)."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            self._tickets = {t: v for t, v in self._tickets.items() if v[0] > now}
+            self._tickets[ticket] = (now + self.ticket_ttl_s, frames)
+        return ticket
+
+    def _redeem(self, ticket: bytes) -> Sequence[bytes] | None:
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, peer = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            if not self._slots.acquire(blocking=False):
+                log.warning("weight socket: too many connections, refusing %s", peer)
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: object) -> None:
+        try:
+            conn.settimeout(10.0)  # handshake and ticket: a silent peer holds no slot long
+            if self._context is not None:
+                conn = self._context.wrap_socket(conn, server_side=True)
+            frames = self._redeem(_recv_exact(conn, TICKET_BYTES))
+            if frames is None:
+                log.warning("weight socket: bad, used or expired ticket from %s", peer)
+                return
+            conn.settimeout(self.io_timeout_s)
+            for frame in frames:
+                conn.sendall(FRAME.pack(len(frame)))
+                conn.sendall(frame)
+            conn.sendall(FRAME.pack(0))
+        except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
+            log.info("weight socket: connection from %s ended: %s", peer, exc)
+        finally:
+            conn.close()
+            self._slots.release()
+
+
+# ------------------------------------------------------------------------------ client
+def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes:
+    """Exactly `n` bytes (into `into` when given, returning b"")."""
+    view = into if into is not None else memoryview(bytearray(n))
+    got = 0
+    while got < n:
+        read = sock.recv_into(view[got:n], min(n - got, RECV_CHUNK))
+        if not read:
+            raise WeightSocketError(
+                f"weight socket closed after {got} of {n} bytes (ticket refused or expired, "
+                "or the learner went away)"
+            )
+        got += read
+    return b"" if into is not None else bytes(view)
+
+
+def connect(host: str, port: int, ticket: bytes, tls: TlsConfig, timeout_s: float) -> socket.socket:
+    """A connected socket that has sent its ticket (TLS as configured)."""
+    sock = socket.create_connection((host, port), timeout=min(timeout_s, 10.0))
+    try:
+        context = client_context(tls)
+        if context is not None:
+            sock = context.wrap_socket(sock, server_hostname=tls.server_name or host)
+        sock.settimeout(timeout_s)
+        sock.sendall(ticket)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_frames(sock: socket.socket, max_frame_bytes: int) -> Iterator[memoryview]:
+    """The frames of one stream, each a view into one reused buffer: a view is valid
+    only until the next one is taken (consume it first). Closes `sock` at the end."""
+    header, buf = bytearray(FRAME.size), bytearray()
+    try:
+        yield from _frames(sock, max_frame_bytes, header, buf)
+    except OSError as exc:  # a reset, a timeout, a TLS alert (e.g. our cert refused)
+        raise WeightSocketError(f"weight socket failed: {exc}") from exc
+    finally:
+        sock.close()
+
+
+def _frames(
+    sock: socket.socket, max_frame_bytes: int, header: bytearray, buf: bytearray
+) -> Iterator[memoryview]:
+    while True:
+        _recv_exact(sock, FRAME.size, memoryview(header))
+        (size,) = FRAME.unpack(header)
+        if size == 0:
+            return
+        if size > max_frame_bytes:
+            raise WeightSocketError(
+                f"weight socket frame of {size} bytes exceeds the limit of "
+                f"{max_frame_bytes} (learner.server.max_message_bytes)"
+            )
+        if size > len(buf):
+            buf = bytearray(size)
+        view = memoryview(buf)[:size]
+        _recv_exact(sock, size, view)
+        yield view

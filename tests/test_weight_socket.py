@@ -1,0 +1,203 @@
+"""The weights' data plane: tickets over gRPC, bytes over a plain or TLS TCP socket.
+
+A real WeightService and WeightSocketServer on free loopback ports; the client is the
+rollout server's own (`rollout.weights.fetch_buckets` / `socket_buckets`).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from dapo.v1 import learner_pb2
+from learner.weights import WeightServicer, add_weight_service
+from rollout.weights import WeightStub, fetch_buckets
+from services.common import weight_socket
+from services.common.config import DapoConfig
+from services.common.grpc_server import channel, start_grpc_server
+from services.common.security import AuthConfig, SecurityConfig, TlsConfig
+from services.common.server_config import ServerConfig
+from services.common.tensor_codec import RawTensor, assemble_update, parse_bucket
+from services.common.weight_socket import WeightSocketError, WeightSocketServer
+from tests.pki import Pki, make_pki
+
+VERSION = 5
+BUCKET = 4096
+# Spans several buckets, with a tensor cut across two of them and an empty one.
+PUBLISHED = [
+    RawTensor("a", "float32", (1000, 3), bytes(range(250)) * 48),
+    RawTensor("b", "int8", (5,), b"\x01\x02\x03\x04\x05"),
+    RawTensor("empty", "bfloat16", (0, 4), b""),
+]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+class Learnerish:
+    """The learner's weight side: WeightService + weight socket, one version published."""
+
+    def __init__(self, security: SecurityConfig, socket_tls: TlsConfig | None = None) -> None:
+        tls = socket_tls if socket_tls is not None else security.tls
+        self.socket = WeightSocketServer("127.0.0.1", 0, tls, ticket_ttl_s=2.0).start()
+        self.servicer = WeightServicer(BUCKET, self.socket)
+        self.servicer.publish(VERSION, PUBLISHED)
+        self.server, port = start_grpc_server(
+            ServerConfig(),
+            lambda s: add_weight_service(self.servicer, s),
+            ["dapo.v1.WeightService"],
+            security=security,
+        )
+        self.address = f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.stop(0)
+        self.socket.stop()
+
+
+@pytest.fixture
+def plain() -> Iterator[Learnerish]:
+    learner = Learnerish(SecurityConfig())
+    yield learner
+    learner.close()
+
+
+def as_tuples(tensors: list[RawTensor]) -> list[tuple[Any, ...]]:
+    return [(t.name, t.dtype, tuple(t.shape), bytes(t.data)) for t in tensors]
+
+
+def pull(learner: Learnerish, security: SecurityConfig | None = None) -> tuple[str, list[Any]]:
+    config = DapoConfig().model_copy(update={"security": security or SecurityConfig()})
+    with channel(learner.address, config.security) as chan:
+        transport, buckets = fetch_buckets(WeightStub(chan), learner.address, config)
+        version, tensors = assemble_update(buckets)
+    assert version == VERSION
+    return transport, as_tuples(tensors)
+
+
+def ticket(learner: Learnerish) -> learner_pb2.WeightSocketTicket:
+    with channel(learner.address) as chan:
+        return WeightStub(chan).OpenWeightSocket(learner_pb2.FetchWeightsRequest(), timeout=10)
+
+
+def read_all(sock: socket.socket, max_frame: int = 1 << 20) -> list[bytes]:
+    return [bytes(f) for f in weight_socket.read_frames(sock, max_frame)]
+
+
+def redeem(granted: learner_pb2.WeightSocketTicket, tls: TlsConfig | None = None) -> list[bytes]:
+    """Connect with `granted`'s ticket (TLS as given) and read every frame."""
+    ticket = granted.ticket
+    return read_all(
+        weight_socket.connect("127.0.0.1", granted.port, ticket, tls or TlsConfig(), 10)
+    )
+
+
+def test_a_fetch_over_the_socket_is_bitwise_the_published_weights(plain: Learnerish) -> None:
+    transport, tensors = pull(plain)
+    assert transport == "weight socket" and tensors == as_tuples(PUBLISHED)
+    granted = ticket(plain)
+    assert granted.version == VERSION and granted.port == plain.socket.port
+    sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
+    assert read_all(sock) == plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None)
+
+
+def test_a_ticket_serves_the_version_it_was_issued_for(plain: Learnerish) -> None:
+    granted = ticket(plain)
+    plain.servicer.publish(VERSION + 1, PUBLISHED)  # the next step lands in between
+    sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
+    version, _ = assemble_update(map(parse_bucket, read_all(sock)))
+    assert version == VERSION
+
+
+@pytest.mark.parametrize("bad", ["reused", "forged", "expired", "short"])
+def test_bad_tickets_get_nothing_and_the_socket_keeps_serving(plain: Learnerish, bad: str) -> None:
+    granted = ticket(plain)
+    if bad == "reused":
+        redeem(granted)
+    elif bad == "expired":
+        time.sleep(2.2)  # ticket_ttl_s = 2
+    value = {"forged": bytes(32), "short": granted.ticket[:5]}.get(bad, granted.ticket)
+    sock = weight_socket.connect("127.0.0.1", granted.port, value, TlsConfig(), 30)
+    if bad == "short":
+        sock.shutdown(socket.SHUT_WR)  # the server must not wait for the rest forever
+    with pytest.raises(WeightSocketError, match="closed after 0 of 8 bytes"):
+        read_all(sock)
+    assert pull(plain)[0] == "weight socket"
+
+
+def test_a_frame_over_the_limit_is_refused(plain: Learnerish) -> None:
+    granted = ticket(plain)
+    sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
+    with pytest.raises(WeightSocketError, match="exceeds the limit of 100"):
+        read_all(sock, max_frame=100)
+
+
+def test_without_a_socket_or_when_unreachable_the_grpc_stream_is_used(
+    plain: Learnerish, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain.servicer.weight_socket = None  # learner.weight_transport=grpc
+    transport, tensors = pull(plain)
+    assert transport == "FetchWeights stream" and tensors == as_tuples(PUBLISHED)
+    plain.servicer.weight_socket = plain.socket
+    plain.socket.stop()  # the ticket names a port nobody listens on any more
+    with caplog.at_level(logging.WARNING):
+        transport, tensors = pull(plain)
+    assert transport == "FetchWeights stream" and tensors == as_tuples(PUBLISHED)
+    assert "unreachable" in caplog.text
+
+
+def test_open_weight_socket_needs_the_token() -> None:
+    auth = AuthConfig(token="t0ken")
+    learner = Learnerish(SecurityConfig(auth=auth))
+    try:
+        with channel(learner.address) as chan:
+            with pytest.raises(grpc.RpcError) as err:
+                WeightStub(chan).OpenWeightSocket(learner_pb2.FetchWeightsRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert pull(learner, SecurityConfig(auth=auth))[0] == "weight socket"
+    finally:
+        learner.close()
+
+
+def tls(pki: Pki, mtls: bool, issued: Any = None, ca: Path | None = None) -> TlsConfig:
+    files = {"cert": str(issued.cert), "key": str(issued.key)} if issued else {}
+    return TlsConfig(enabled=True, ca=str(ca or pki.ca), mtls=mtls, **files)
+
+
+@pytest.mark.parametrize("mtls", [False, True])
+def test_tls_and_mtls_guard_the_socket(pki: Pki, mtls: bool) -> None:
+    server_side = tls(pki, mtls, pki.server)
+    learner = Learnerish(SecurityConfig(tls=server_side))
+    try:
+        client = tls(pki, mtls, pki.client if mtls else None)
+        assert pull(learner, SecurityConfig(tls=client)) == ("weight socket", as_tuples(PUBLISHED))
+        granted_for = SecurityConfig(tls=client)
+        with channel(learner.address, granted_for) as chan:
+            request = learner_pb2.FetchWeightsRequest()
+            granted = WeightStub(chan).OpenWeightSocket(request, timeout=10)
+        with pytest.raises((WeightSocketError, OSError)):  # plaintext to the TLS socket
+            read_all(
+                weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
+            )
+        untrusted = tls(pki, mtls, pki.client if mtls else None, ca=pki.other_ca)
+        with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+            weight_socket.connect("127.0.0.1", granted.port, granted.ticket, untrusted, 10)
+        if mtls:  # a client cert from another CA, and none at all
+            for bad in (tls(pki, True, pki.foreign_client), tls(pki, False)):
+                with pytest.raises((WeightSocketError, OSError)):
+                    read_all(
+                        weight_socket.connect("127.0.0.1", granted.port, granted.ticket, bad, 10)
+                    )
+        # The ticket was never redeemed by any of them: the rightful client still gets it.
+        assert len(redeem(granted, client)) >= 3
+    finally:
+        learner.close()
