@@ -86,7 +86,8 @@ class WeightSocketServer:
     ) -> None:
         self.ticket_ttl_s, self.io_timeout_s = ticket_ttl_s, io_timeout_s
         self._context = server_context(tls)
-        self._listener = socket.create_server((host, port))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
         self.port: int = self._listener.getsockname()[1]
         self._tickets: dict[bytes, tuple[float, Sequence[bytes]]] = {}
         self._lock = threading.Lock()
