@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -22,7 +24,20 @@ from redis.retry import Retry
 
 from services.common.errors import DapoError
 from services.common.net import free_port
-from services.common.security import RedisAuthConfig, redact_url
+from services.common.security import RedisAuthConfig, read_pem, redact_url
+
+T = TypeVar("T")
+# TLS errors of a link that broke (the server, or a TLS proxy in front of it, went away):
+# an outage, retried. Any other ssl.SSLError is a refusal (untrusted server certificate,
+# client certificate rejected, TLS to a plain port) that no retry changes.
+TLS_TRANSPORT_ERRORS = (
+    ssl.SSLEOFError, ssl.SSLSyscallError, ssl.SSLZeroReturnError,
+    ssl.SSLWantReadError, ssl.SSLWantWriteError,
+)  # fmt: skip
+TLS_HINT = (
+    "check security.redis.ca (the CA that signed the server's certificate) and "
+    "security.redis.cert/key (the client certificate, if the server requires one)"
+)
 
 
 def die_with_parent() -> None:
@@ -171,6 +186,58 @@ def client_kwargs(url: str, auth: RedisAuthConfig | None) -> dict[str, object]:
     return kwargs
 
 
+def tls_refusal(error: BaseException | None) -> ssl.SSLError | None:
+    """The certificate or handshake error behind `error` (redis-py wraps it twice), if any."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, ssl.SSLError) and not isinstance(error, TLS_TRANSPORT_ERRORS):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def refused(error: Exception) -> bool:
+    """Credentials or certificates refused: no retry helps (redis-py counts both as
+    connection errors, so they would be retried like an outage)."""
+    return isinstance(error, redis.AuthenticationError) or tls_refusal(error) is not None
+
+
+class OutageRetry(Retry):
+    """redis-py's Retry, except that a refusal (see `refused`) fails at once."""
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        def retryable(error: Exception) -> bool:
+            return not refused(error) and (is_retryable is None or is_retryable(error))
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def check_tls_files(url: str, auth: RedisAuthConfig | None) -> None:
+    """Unreadable TLS files fail now, naming the field (redis-py would retry them as an outage)."""
+    if auth is None or not url.startswith("rediss://"):
+        return
+    for field in ("ca", "cert", "key"):
+        path = getattr(auth, field)
+        if path is not None:
+            read_pem(path, field, section="redis")
+
+
+def unreachable(url: str, exc: Exception) -> DapoError:
+    """The error for a failed first PING: a TLS refusal says so and names the fields to fix."""
+    refusal = tls_refusal(exc)
+    if refusal is not None:
+        return DapoError(f"TLS with Redis at {redact_url(url)} failed ({refusal}); {TLS_HINT}")
+    hint = f" (over TLS: {TLS_HINT})" if url.startswith("rediss://") else ""
+    return DapoError(f"cannot reach Redis at {redact_url(url)}: {exc}{hint}")
+
+
 def connect(
     url: str, auth: RedisAuthConfig | None = None, timeout_s: float = 5.0, outage_s: float = 20.0
 ) -> redis.Redis:
@@ -178,10 +245,12 @@ def connect(
 
     It rides out a Redis restart of up to about `outage_s` (retrying with backoff and
     jitter) instead of failing the service; every write a retry may repeat is idempotent
-    (services/common/atomic.py).
+    (services/common/atomic.py). Refused credentials or certificates fail at once.
     """
+    check_tls_files(url, auth)
     # Waits average just under cap (1 s) once the backoff has grown: one retry ≈ 1 s.
-    retry = Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.05), max(int(outage_s), 1))
+    backoff = ExponentialWithJitterBackoff(cap=1.0, base=0.05)
+    retry = OutageRetry(backoff, max(int(outage_s), 1))
     client = redis.Redis.from_url(
         url, socket_connect_timeout=timeout_s, retry=retry, **client_kwargs(url, auth)
     )
@@ -195,7 +264,7 @@ def connect(
     except redis.ResponseError as exc:  # NOAUTH on servers that need a password
         raise DapoError(f"Redis at {redact_url(url)} refused us: {exc}") from None
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise DapoError(f"cannot reach Redis at {redact_url(url)}: {exc}") from None
+        raise unreachable(url, exc) from None
     return client
 
 

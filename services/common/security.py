@@ -50,14 +50,16 @@ def read_secret_file(path: str, what: str) -> str:
         raise SecurityError(f"cannot read {what} from {path}: {exc.strerror}") from None
 
 
-def read_pem(path: str | None, what: str) -> bytes:
+def read_pem(path: str | None, what: str, section: str = "tls") -> bytes:
     """PEM bytes of a certificate/key file, or an error naming the config field."""
     if path is None:
-        raise SecurityError(f"security.tls.{what} must be set when TLS is on")
+        raise SecurityError(f"security.{section}.{what} must be set when TLS is on")
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise SecurityError(f"cannot read security.tls.{what} {path}: {exc.strerror}") from None
+        raise SecurityError(
+            f"cannot read security.{section}.{what} {path}: {exc.strerror}"
+        ) from None
 
 
 class _Secret(StrictModel):
