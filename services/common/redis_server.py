@@ -261,7 +261,7 @@ def connect(
             f"Redis at {redact_url(url)} refused our credentials ({exc}); set "
             "security.redis.username/password or put them in the URL"
         ) from None
-    except redis.ResponseError as exc:  # NOAUTH on servers that need a password
+    except redis.ResponseError as exc:  # e.g. NOPERM, or a server refusing the command
         raise DapoError(f"Redis at {redact_url(url)} refused us: {exc}") from None
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise unreachable(url, exc) from None
