@@ -162,6 +162,7 @@ def test_the_run_config_of_each_profile_loads(resolved) -> None:
     run = load_config(source, env=env)
     assert run.shared.redis_url and run.shared.redis_url.startswith("redis://:")
     assert run.learner.server.host == "0.0.0.0"
+    assert run.learner.weight_socket_port == 50054  # fixed, as on Kubernetes (docs/deploy.md)
     if profile == "cpu":
         assert run.model_path == "/models/tiny" and run.rollout.engine.kind == "torch"
         init = config["services"]["init-model"]

@@ -26,6 +26,7 @@ TARGETS = {
 }
 DAPO_ROLES = {"controller": 8004, "buffer": 8005, "reward": 8001, "rollout": 8002, "learner": 8003}
 GPU_ROLES = {"learner", "rollout"}
+WEIGHT_SOCKET_PORT = 50054  # learner.weight_socket_port: NetworkPolicies name the port
 SECRET = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
 
 
@@ -243,11 +244,14 @@ def test_network_policies_allow_exactly_the_pipeline_flows() -> None:
     assert allowed("controller", "reward", 50051)
     assert allowed("controller", "rollout", 50052)
     assert allowed("rollout", "learner", 50053)
+    assert allowed("rollout", "learner", WEIGHT_SOCKET_PORT)
+    assert allowed("controller", "learner", WEIGHT_SOCKET_PORT)  # dapo eval fetches weights
     assert allowed("learner", "learner", 29500)
     assert all(allowed(role, "redis", 6379) for role in DAPO_ROLES)
     assert not allowed("buffer", "rollout", 50052)
     assert not allowed("rollout", "reward", 50051)
     assert not allowed("reward", "learner", 29500)
+    assert not allowed("buffer", "learner", WEIGHT_SOCKET_PORT)
 
 
 def test_the_run_config_in_the_configmap_loads(rendered, tmp_path: Path) -> None:
@@ -261,3 +265,23 @@ def test_the_run_config_in_the_configmap_loads(rendered, tmp_path: Path) -> None
         assert config.rollout.engine.kind == "vllm"
         assert config.model_path == "/models/policy"
         assert getattr(config, role).server.host == "0.0.0.0"
+
+
+def test_the_learner_weight_socket_listens_on_the_port_that_is_exposed(
+    rendered, tmp_path: Path
+) -> None:
+    """Port 0 (any free port) would be dropped by the NetworkPolicies: the learner pod's
+    config must name the fixed port its container, Service and policies expose."""
+    _, objects = rendered
+    path = tmp_path / "run.yaml"
+    path.write_text(by_key(objects)[("ConfigMap", "dapo-run-config")]["data"]["run.yaml"])
+    container = by_key(objects)[("Job", "learner")]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"].replace("$(REDIS_PASSWORD)", "pw")
+           for e in container["env"] if e["name"].startswith("DAPO_")}  # fmt: skip
+    learner = load_config(path, env=env).learner
+    assert learner.weight_transport == "socket"
+    assert learner.weight_socket_port == WEIGHT_SOCKET_PORT
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["weights"] == WEIGHT_SOCKET_PORT
+    service = by_key(objects)[("Service", "learner")]["spec"]["ports"]
+    assert {p["name"]: p["port"] for p in service}["weights"] == WEIGHT_SOCKET_PORT

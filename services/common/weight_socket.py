@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 TICKET_BYTES = 32
 FRAME = struct.Struct("<Q")
 RECV_CHUNK = 4 << 20  # bytes per recv_into call
+CONNECTION_THREAD = "weight-socket-connection"  # each connection's thread (tests count them)
+LINGER_S = 10.0  # after the last frame, how long we wait for the client to close
 
 
 class WeightSocketError(DapoError):
@@ -134,7 +136,9 @@ class WeightSocketServer:
                 log.warning("weight socket: too many connections, refusing %s", peer)
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name=CONNECTION_THREAD, daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
@@ -150,11 +154,24 @@ class WeightSocketServer:
                 conn.sendall(FRAME.pack(len(frame)))
                 conn.sendall(frame)
             conn.sendall(FRAME.pack(0))
+            _linger(conn)
         except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
             log.info("weight socket: connection from %s ended: %s", peer, exc)
         finally:
             conn.close()
             self._slots.release()
+
+
+def _linger(conn: socket.socket) -> None:
+    """Half-close, then read until the client closes (or LINGER_S): closing a socket that
+    holds unread input (bytes sent after the ticket) makes the kernel send RST and drop
+    the frames still queued for sending, which cut the stream short (found by fuzzing)."""
+    conn.shutdown(socket.SHUT_WR)  # under TLS: a plain FIN after the last frame
+    deadline = time.monotonic() + LINGER_S
+    while (left := deadline - time.monotonic()) > 0:
+        conn.settimeout(left)
+        if not conn.recv(1 << 16):
+            return
 
 
 # ------------------------------------------------------------------------------ client
