@@ -84,11 +84,11 @@ class SuccessorWatch(threading.Thread):
                 self.ready_version = new[0]["version"]
 
 
-def effective_steps(client: redis.Redis) -> dict[int, list[str]]:
+def effective_steps(client: redis.Redis, keys: RunKeys = KEYS) -> dict[int, list[str]]:
     """Group ids per step as in the final model: a step redone after a restart replaces
     the record of the lost one."""
     steps: dict[int, list[str]] = {}
-    for _, fields in client.xrange(KEYS.steps):
+    for _, fields in client.xrange(keys.steps):
         record = json.loads(fields[b"json"])
         steps[record["step"]] = record["groups"]
     return steps

@@ -1,0 +1,292 @@
+"""A dead or stalled rollout server never blocks the learner (docs/reliability.md).
+
+The learner never calls a rollout server; rollout servers pull its weights
+(GetVersion/FetchWeights). Two tests of what that buys:
+
+- stalled readers: FetchWeights streams that read one bucket and then stop reading hold
+  a learner gRPC thread each (flow control), yet the learner commits steps meanwhile and
+  another reader fetches the newest version at once, bit for bit; the stalled readers'
+  threads come back when they disconnect;
+- a rollout server SIGKILLed and kept dead during a `dapo up` run: the learner keeps
+  committing steps, the run finishes, the ledger holds, no group is trained twice, and
+  the controller re-routes the dead server's groups to the live one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import signal
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import redis
+import torch
+from learner_fixtures import make_groups
+from test_faults import effective_steps
+from test_pipeline import children_of
+
+from dapo.v1 import learner_pb2
+from learner.server import LearnerServer
+from rollout.weights import WeightStub
+from services.common.adapters import encode_group
+from services.common.config import load_config
+from services.common.grpc_server import start_grpc_server
+from services.common.keys import RunKeys
+from services.common.redis_server import RedisServer
+from services.common.registry import discover
+from services.common.tensor_codec import WeightAssembler, to_torch
+from services.launcher import Launch, launch
+from services.ledger import read_ledger
+
+BATCH = 2  # groups per learner step in the stalled-reader test
+# The learner's gRPC threads (LearnerServer keeps start_grpc_server's default).
+POOL = inspect.signature(start_grpc_server).parameters["max_workers"].default
+STALLED = POOL - 1  # the most stalled readers beside which others are still served
+
+
+class StalledReader:
+    """A FetchWeights stream that read its first bucket and reads no more.
+
+    Without BDP probing its receive window stays at 64 KiB, so the learner's sending
+    thread blocks on flow control after ~90 KiB of the tiny model's 0.5 MB (with probing
+    the window grows to megabytes and a small model is buffered whole).
+    """
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.http2.bdp_probe", 0)])
+        request = learner_pb2.FetchWeightsRequest(bucket_bytes=1024)
+        self.stream = WeightStub(self.channel).FetchWeights(request, timeout=30)
+        self.assembler = WeightAssembler()
+        self.assembler.add(next(self.stream))
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Read the rest: the version whose first bucket was read, whatever came since."""
+        for bucket in self.stream:
+            self.assembler.add(bucket)
+        return weights(self.assembler)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def weights(assembler: WeightAssembler) -> dict[str, torch.Tensor]:
+    return {t.name: to_torch(t) for t in assembler.result()}
+
+
+def fetch(address: str, timeout: float) -> tuple[int, int, dict[str, torch.Tensor]]:
+    """(GetVersion, the fetched version, its weights) as a rollout server pulls them."""
+    with grpc.insecure_channel(address) as channel:
+        stub = WeightStub(channel)
+        offered = stub.GetVersion(learner_pb2.GetVersionRequest(), timeout=timeout).version
+        assembler = WeightAssembler()
+        for bucket in stub.FetchWeights(learner_pb2.FetchWeightsRequest(), timeout=timeout):
+            assembler.add(bucket)
+        return offered, assembler.version, weights(assembler)
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def snapshot(server: LearnerServer) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in server.learner.policy.named_weights()}
+
+
+def test_stalled_weight_readers_never_block_the_learner(
+    tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    run, steps = "stalled", 3
+    overrides = {
+        "shared.run_name": run, "shared.model_path": str(tiny_model),
+        "shared.max_staleness": 100, "shared.max_response_length": 16,
+        "learner.engine": "torch", "learner.dtype": "float32", "learner.lr": 1e-2,
+        "learner.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64, "learner.total_steps": steps,
+    }  # fmt: skip
+    config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
+    for group in make_groups(n_groups=BATCH * steps, seed=5):
+        redis_client.xadd(RunKeys(run).train, {"group": encode_group(group)})
+    server = LearnerServer(config, redis_client)
+    address = f"127.0.0.1:{server.grpc_port}"
+    stalled: list[StalledReader] = []
+    try:
+        before = snapshot(server)  # version 0, the initial model
+        stalled = [StalledReader(address) for _ in range(STALLED)]
+        assert {r.assembler.version for r in stalled} == {0}
+
+        # The learner trains, commits and publishes while they hold their threads.
+        stop, step_s = threading.Event(), []
+        for _ in range(steps):
+            started = time.monotonic()
+            assert server.learner.fill_batch(stop)
+            server.learner.train_once()
+            step_s.append(time.monotonic() - started)
+        assert server.learner.version == int(redis_client.get(RunKeys(run).version)) == steps
+        assert max(step_s) < 10, step_s
+
+        # Another reader gets the newest version at once, bit for bit.
+        started = time.monotonic()
+        offered, version, got = fetch(address, timeout=5)
+        fetch_s = time.monotonic() - started
+        assert offered == version == steps
+        assert_bitwise(got, snapshot(server))
+        assert any(not torch.equal(got[n], t) for n, t in before.items())  # it trained
+
+        # A stalled reader that reads on gets the version it started, whole and unmixed.
+        assert_bitwise(stalled.pop().finish(), before)
+        print(f"\n{STALLED} stalled readers: steps {[round(s, 2) for s in step_s]} s, "
+              f"fresh fetch of version {version} in {fetch_s:.2f} s")  # fmt: skip
+
+        # Disconnecting gives their threads back: as many stalled again, still served.
+        for reader in stalled:
+            reader.close()
+        stalled = [StalledReader(address) for _ in range(STALLED)]
+        assert {r.assembler.version for r in stalled} == {steps}
+        assert fetch(address, timeout=5)[1] == steps
+
+        # The bound is real: one more stalled reader takes the last thread, and the next
+        # reader waits (for the stalled calls' deadline, weights_timeout_s in a run).
+        # docs/reliability.md states the bound; if this fails, update it there.
+        stalled.append(StalledReader(address))
+        with pytest.raises(grpc.RpcError) as waited:
+            fetch(address, timeout=1)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        for reader in stalled:
+            reader.close()
+        server.stop()
+
+
+# --------------------------------------------------------------------------- a dead server
+RUN, STEPS, KILL_AFTER = "deadroll", 12, 2
+KEYS = RunKeys(RUN)
+FAILED = re.compile(r"rollout for (\S+) failed, retrying")
+
+
+def listening_ports(pid: int) -> set[int]:
+    conns = psutil.Process(pid).net_connections("tcp")
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+class KeepDead:
+    """The launcher's on_step hook: once `after` steps are committed, SIGKILL one rollout
+    server, taking it off the launcher's list first so that the supervisor never sees it
+    die and never restarts it; then note the registered rollout servers on every call."""
+
+    def __init__(self, client: redis.Redis, victim: str, after: int) -> None:
+        self.client, self.victim, self.after = client, victim, after
+        self.killed_at: float | None = None  # wall clock, as in Redis stream ids
+        self.version_at_kill = self.log_offset = 0
+        self.exit_code: int | None = None
+        self.dead: dict = {}  # the victim's registry entry
+        self.live: dict = {}  # the other one's
+        self.problems_at_kill: list[str] = []
+        self.seen: list[tuple[float, set[str]]] = []  # (seconds after the kill, instances)
+
+    def __call__(self, launch: Launch, step: int, done: bool) -> None:
+        if self.killed_at is None and step >= self.after:
+            self.kill(launch)
+        elif self.killed_at is not None:
+            alive = {i["instance"] for i in discover(self.client, KEYS, "rollout")}
+            if not self.client.exists(KEYS.done):  # at the end the live one leaves too
+                self.seen.append((time.time() - self.killed_at, alive))
+
+    def kill(self, launch: Launch) -> None:
+        child = next(c for c in launch.children if c.name == self.victim)
+        ports = listening_ports(child.proc.pid)
+        for entry in discover(self.client, KEYS, "rollout"):
+            mine = int(entry["address"].rsplit(":", 1)[1]) in ports
+            setattr(self, "dead" if mine else "live", entry)
+        self.log_offset = (launch.run_dir / "logs" / "controller.log").stat().st_size
+        launch.children.remove(child)
+        self.killed_at = time.time()
+        child.proc.send_signal(signal.SIGKILL)
+        self.exit_code = child.proc.wait()
+        child.log_file.close()
+        self.version_at_kill = int(self.client.get(KEYS.version) or 0)
+        self.problems_at_kill = read_ledger(self.client, RUN).problems()
+
+
+def failed_on(log: str, address: str) -> set[str]:
+    """Groups whose Generate failed on the server at `address`: refused there, or cut off
+    when it died (the calls it was serving end with "Socket closed")."""
+    records = re.split(r"\n(?=\d\d:\d\d:\d\d )", log)
+    return {m.group(1) for r in records
+            if (m := FAILED.search(r)) and (address in r or "Socket closed" in r)}  # fmt: skip
+
+
+def appended(client: redis.Redis, stream: str, field: bytes) -> list[tuple[str, float]]:
+    """(value of `field`, when appended) per entry; a stream id starts with Redis's clock."""
+    return [(f[field].decode(), int(eid.split(b"-")[0]) / 1000) for eid, f in client.xrange(stream)]
+
+
+@pytest.mark.slow
+def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
+    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    run_dir = tmp_path / "run"
+    config = load_config(preset="tiny", overrides=[
+        f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
+        f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
+        "learner.linger_s=0",
+    ])  # fmt: skip
+    hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    try:
+        code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # launch() makes it a Ctrl-C
+    wall = time.monotonic() - started
+    assert code == 0
+    assert hook.killed_at is not None and hook.exit_code == -signal.SIGKILL
+    assert not hook.problems_at_kill, hook.problems_at_kill
+
+    # The learner went on: every step committed, most of them after the kill.
+    commits = [t for _, t in appended(redis_client, KEYS.steps, b"json")]
+    after = [t - hook.killed_at for t in commits if t > hook.killed_at]
+    assert len(commits) == STEPS == int(redis_client.get(KEYS.version))
+    assert len(after) >= STEPS - hook.version_at_kill >= STEPS - KILL_AFTER - 2
+    gaps = [b - a for a, b in zip([0.0, *after], after, strict=False)]
+
+    # The registry dropped the dead server within its TTL; the live one stayed, alone.
+    gone = [s for s, alive in hook.seen if hook.dead["instance"] not in alive]
+    assert gone and gone[0] < config.rollout.registry_ttl_s + 2
+    assert {hook.live["instance"]} == set().union(*(a for s, a in hook.seen if s >= gone[0]))
+
+    # The controller re-routed what the dead server had or was sent: each such group was
+    # then generated by the live one and scored once, or was still being retried when
+    # the run ended (then it is in flight, and the ledger counts it so).
+    log = (run_dir / "logs" / "controller.log").read_text()[hook.log_offset :]
+    failed = failed_on(log, hook.dead["address"])
+    scored_list = appended(redis_client, KEYS.scored, b"group_id")
+    scored = dict(scored_list)
+    assert len(scored) == len(scored_list)  # no group scored twice
+    in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
+    rerouted = {g: scored[g] - hook.killed_at for g in failed if g in scored}
+    assert rerouted and failed <= rerouted.keys() | in_flight, failed - scored.keys() - in_flight
+    first = min(rerouted.values())
+    print(f"\nkilled {hook.victim} at version {hook.version_at_kill}: {len(after)} steps "
+          f"committed after it, the first {after[0]:.1f} s after, longest gap "
+          f"{max(gaps):.1f} s, last {after[-1]:.1f} s; {len(failed)} groups failed on the "
+          f"dead server, {len(rerouted)} re-routed and scored (the first {first:.1f} s "
+          f"after); registry dropped it after {gone[0]:.1f} s; run {wall:.0f} s")  # fmt: skip
+
+    # Nothing lost, nothing trained twice.
+    ledger = read_ledger(redis_client, RUN)
+    assert not ledger.problems(), ledger.problems()
+    steps = effective_steps(redis_client, KEYS)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    trained = Counter(g for groups in steps.values() for g in groups)
+    assert max(trained.values()) == 1
+    assert sum(trained.values()) == STEPS * config.learner.train_batch_groups == ledger.trained
+    assert len(scored) == ledger.scored and len(scored) + ledger.in_flight == ledger.admitted
+    assert not children_of(run_dir)
