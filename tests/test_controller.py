@@ -16,6 +16,8 @@ from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
 from services.common.config import DapoConfig, load_config
 from services.common.keys import RunKeys
+from services.common.net import free_port
+from services.common.registry import Registration
 from services.controller import adapter
 from services.controller.dataset import Cursor
 from services.controller.scoring import ScoreBatcher, split
@@ -164,3 +166,37 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     request = adapter.generate_request(group_id, record.prompt, 16, c.config.rollout.sampling,
                                        4, False, min_version=meta["v"])  # fmt: skip
     assert request.min_version == 7
+
+
+def test_a_rollout_server_that_answered_unavailable_is_routed_around(
+    redis_client: redis.Redis,
+) -> None:
+    """A dead server's calls fail at once, so by load alone it would draw every new group
+    until its registry entry expires; after UNAVAILABLE it is used only as a last resort."""
+    c = controller(redis_client)
+    dead, live = f"127.0.0.1:{free_port()}", "127.0.0.1:1"
+    entries = [
+        Registration(redis_client, c.keys, "rollout", name, {"address": a, "accepting": True})
+        for name, a in (("a-dead", dead), ("b-live", live))
+    ]
+    for entry in entries:
+        entry.refresh()  # no heartbeat thread: the entries live 5 s, enough for this test
+    c._load[live] += 3  # the live one is busy: load alone would pick the dead one
+    assert c.pick_rollout() == dead
+    c._load[dead] -= 1
+    stop = threading.Event()
+    worker = threading.Thread(target=c.generate, args=("g", c.records[0], 0, stop))
+    worker.start()  # its first call goes to the dead server and fails with UNAVAILABLE
+    deadline = time.monotonic() + 20
+    while dead not in c._shunned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    worker.join(timeout=20)
+    assert dead in c._shunned
+    c._shunned.pop(live, None)  # a retry may have reached the stand-in "live" address
+    for entry in entries:
+        entry.refresh()
+    picks = {c.pick_rollout() for _ in range(5)}
+    assert picks == {live}  # despite its load
+    c._shunned[live] = time.monotonic() + 60  # every server shunned: still route somewhere
+    assert c.pick_rollout() in (dead, live)

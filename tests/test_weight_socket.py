@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,3 +202,38 @@ def test_tls_and_mtls_guard_the_socket(pki: Pki, mtls: bool) -> None:
         assert len(redeem(granted, client)) >= 3
     finally:
         learner.close()
+
+
+def test_a_frozen_reader_is_dropped_and_frees_its_slot() -> None:
+    """A reader that takes no whole frame within frame_timeout_s (a SIGSTOPped rollout
+    server, a partition) loses its connection: it must not hold one of the 16 slots for
+    the whole transfer deadline."""
+    server = WeightSocketServer("127.0.0.1", 0, TlsConfig(), frame_timeout_s=0.5).start()
+    frames = [bytes(8 << 20)] * 8  # 64 MiB: more than the loopback socket buffers hold
+    try:
+        frozen = dial(server, frames)
+        assert wait_for(lambda: connection_threads() == 1)  # serving it
+        assert wait_for(lambda: connection_threads() == 0)  # gave up on the frozen reader
+        with pytest.raises(WeightSocketError):  # which finds its stream cut short
+            read_all(frozen, max_frame=8 << 20)
+        assert len(read_all(dial(server, frames[:1]), max_frame=8 << 20)) == 1  # slot free
+    finally:
+        server.stop()
+
+
+def dial(server: WeightSocketServer, frames: list[bytes]) -> socket.socket:
+    """A plaintext client that has sent a fresh ticket for `frames`."""
+    return weight_socket.connect("127.0.0.1", server.port, server.issue(frames), TlsConfig(), 30)
+
+
+def wait_for(condition: Any, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def connection_threads() -> int:
+    return sum(t.name == weight_socket.CONNECTION_THREAD for t in threading.enumerate())

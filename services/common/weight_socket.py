@@ -35,6 +35,10 @@ FRAME = struct.Struct("<Q")
 RECV_CHUNK = 4 << 20  # bytes per recv_into call
 CONNECTION_THREAD = "weight-socket-connection"  # each connection's thread (tests count them)
 LINGER_S = 10.0  # after the last frame, how long we wait for the client to close
+# A reader that takes no whole frame (one bucket, 4 MiB by default) in this long is
+# dropped: a frozen rollout server (SIGSTOP, a partition) must not hold a slot for the
+# whole transfer deadline.
+FRAME_TIMEOUT_S = 60.0
 
 
 class WeightSocketError(DapoError):
@@ -85,8 +89,10 @@ class WeightSocketServer:
         ticket_ttl_s: float = 60.0,
         io_timeout_s: float = 600.0,
         max_connections: int = 16,
+        frame_timeout_s: float = FRAME_TIMEOUT_S,
     ) -> None:
-        self.ticket_ttl_s, self.io_timeout_s = ticket_ttl_s, io_timeout_s
+        self.ticket_ttl_s = ticket_ttl_s
+        self.frame_timeout_s = min(io_timeout_s, frame_timeout_s)
         self._context = server_context(tls)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
@@ -149,7 +155,7 @@ class WeightSocketServer:
             if frames is None:
                 log.warning("weight socket: bad, used or expired ticket from %s", peer)
                 return
-            conn.settimeout(self.io_timeout_s)
+            conn.settimeout(self.frame_timeout_s)  # per sendall call, i.e. per frame
             for frame in frames:
                 conn.sendall(FRAME.pack(len(frame)))
                 conn.sendall(frame)

@@ -59,6 +59,10 @@ INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fra
 
 # Generate and Score write nothing: any failure of theirs is worth another try elsewhere.
 RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
+# After UNAVAILABLE from a rollout server, route elsewhere this long: a dead server's
+# registry entry lives up to its TTL (5 s), and as its calls fail at once it would
+# otherwise look least loaded and draw most new groups until then.
+UNAVAILABLE_COOLDOWN_S = 5.0
 
 
 class Controller:
@@ -72,6 +76,7 @@ class Controller:
         self._lock = threading.Lock()
         self._inflight = 0
         self._load: Tally[str] = Tally()
+        self._shunned: dict[str, float] = {}  # rollout address -> monotonic time it may return
         self._stubs: dict[str, Any] = {}
         self._rate = RateEstimator()
         self._skips: Tally[str] = Tally()
@@ -188,15 +193,23 @@ class Controller:
         """The accepting rollout server with the fewest of our requests in flight.
 
         `accepting`, not `ready`: a server a version behind still takes the call and
-        waits for the weights the request's min_version names (rollout/server.py).
+        waits for the weights the request's min_version names (rollout/server.py). A
+        server that answered UNAVAILABLE lately is used only if no other one is left.
         """
         ready = [i["address"] for i in self.instances("rollout") if i.get("accepting")]
         if not ready:
             return None
         with self._lock:
-            address = min(ready, key=lambda a: self._load[a])
+            now = time.monotonic()
+            usable = [a for a in ready if self._shunned.get(a, 0.0) <= now] or ready
+            address = min(usable, key=lambda a: self._load[a])
             self._load[address] += 1
         return address
+
+    def shun(self, address: str) -> None:
+        """Route around `address` for UNAVAILABLE_COOLDOWN_S (it refused or is gone)."""
+        with self._lock:
+            self._shunned[address] = time.monotonic() + UNAVAILABLE_COOLDOWN_S
 
     def generate(
         self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
@@ -221,6 +234,10 @@ class Controller:
                 call = stub.GenerateGroup.future(request, timeout=cfg.rpc_timeout_s)
                 with self._tracked(call):
                     return adapter.samples_from_group(call.result(), shared.group_size)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.shun(address)
+                raise
             finally:
                 with self._lock:
                     self._load[address] -= 1
