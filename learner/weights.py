@@ -26,7 +26,7 @@ from services.common.tensor_codec import (
     parse_bucket,
     torch_view,
 )
-from services.common.weight_socket import WeightSocketServer
+from services.common.weight_socket import TooManyTickets, WeightSocketServer
 
 
 def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
@@ -104,7 +104,10 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                 "no weight socket (learner.weight_transport=grpc): use FetchWeights",
             )
         version, buckets = self._snapshot(request, context)
-        ticket = self.weight_socket.issue(buckets)
+        try:
+            ticket = self.weight_socket.issue(buckets)
+        except TooManyTickets as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again shortly")
         return learner_pb2.WeightSocketTicket(
             version=version, port=self.weight_socket.port, ticket=ticket
         )

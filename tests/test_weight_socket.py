@@ -237,3 +237,18 @@ def wait_for(condition: Any, timeout: float = 20) -> bool:
 
 def connection_threads() -> int:
     return sum(t.name == weight_socket.CONNECTION_THREAD for t in threading.enumerate())
+
+
+def test_outstanding_tickets_are_bounded(
+    plain: Learnerish, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of OpenWeightSocket calls that never redeem gets RESOURCE_EXHAUSTED once
+    MAX_TICKETS are out; redeeming one makes room again."""
+    monkeypatch.setattr(weight_socket, "MAX_TICKETS", 3)
+    granted = [ticket(plain) for _ in range(3)]
+    with pytest.raises(grpc.RpcError) as err:
+        ticket(plain)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "outstanding" in err.value.details()
+    assert len(redeem(granted[0])) >= 3
+    assert ticket(plain).port == plain.socket.port

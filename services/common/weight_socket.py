@@ -39,10 +39,15 @@ LINGER_S = 10.0  # after the last frame, how long we wait for the client to clos
 # dropped: a frozen rollout server (SIGSTOP, a partition) must not hold a slot for the
 # whole transfer deadline.
 FRAME_TIMEOUT_S = 60.0
+MAX_TICKETS = 1024  # outstanding at once: a flood of OpenWeightSocket calls stays bounded
 
 
 class WeightSocketError(DapoError):
     """The weight socket refused us, broke off, or sent a frame we will not take."""
+
+
+class TooManyTickets(WeightSocketError):
+    """MAX_TICKETS are outstanding (issued, neither redeemed nor expired)."""
 
 
 # ------------------------------------------------------------------------------ TLS
@@ -122,6 +127,8 @@ class WeightSocketServer:
         now = time.monotonic()
         with self._lock:
             self._tickets = {t: v for t, v in self._tickets.items() if v[0] > now}
+            if len(self._tickets) >= MAX_TICKETS:
+                raise TooManyTickets(f"{MAX_TICKETS} weight socket tickets are outstanding")
             self._tickets[ticket] = (now + self.ticket_ttl_s, frames)
         return ticket
 
