@@ -237,7 +237,7 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     config = load_config(preset="tiny", overrides=[
         f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
-        "learner.linger_s=0",
+        "learner.linger_s=0", "buffer.stream_retain=1000000",  # the audit reads all `scored`
     ])  # fmt: skip
     hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
     sigterm = signal.getsignal(signal.SIGTERM)
