@@ -8,7 +8,7 @@
 2. Padding fraction of a length-skewed batch: fixed-size micro-batches in arrival order
    against `token_budget_micro_batches`. Target: ≤ 10 % with the budget.
 3. Weight publication: a rollout server's fetch of a ≥ 100 MB random Qwen2 from the
-   learner's WeightService on loopback, as `rollout.weights.fetch_buckets` runs it (the
+   learner's WeightService on loopback, as `rollout.weights.socket_buckets` runs it (the
    default transport: a ticket over gRPC, the bytes over the weight socket) into a
    `WeightAssembler` up to torch tensors, against raw loopback TCP of the same bytes
    measured in the same run, paired per published version, steady state

@@ -59,10 +59,6 @@ INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fra
 
 # Generate and Score write nothing: any failure of theirs is worth another try elsewhere.
 RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
-# After UNAVAILABLE from a rollout server, route elsewhere this long: a dead server's
-# registry entry lives up to its TTL (5 s), and as its calls fail at once it would
-# otherwise look least loaded and draw most new groups until then.
-UNAVAILABLE_COOLDOWN_S = 5.0
 
 
 class Controller:
@@ -207,9 +203,13 @@ class Controller:
         return address
 
     def shun(self, address: str) -> None:
-        """Route around `address` for UNAVAILABLE_COOLDOWN_S (it refused or is gone)."""
+        """Route around `address`, which answered UNAVAILABLE, for one registry TTL: a
+        dead server's entry lives that long, and as its calls fail at once it would
+        otherwise look least loaded and draw most new groups until it expires."""
+        now = time.monotonic()
         with self._lock:
-            self._shunned[address] = time.monotonic() + UNAVAILABLE_COOLDOWN_S
+            self._shunned = {a: t for a, t in self._shunned.items() if t > now}
+            self._shunned[address] = now + self.config.rollout.registry_ttl_s
 
     def generate(
         self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
