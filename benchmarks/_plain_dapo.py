@@ -19,10 +19,10 @@ from reward.verifiers import run_verifier
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine
 from services.buffer.filters import check_informative
-from services.common.config import DapoConfig
 from services.common.data import synthetic_records
 from services.common.types import Group, Sample
-from services.evaluate import prompt_ids, summarise
+from services.tools.config import DapoConfig
+from services.tools.evaluate import prompt_ids, summarise
 
 
 @dataclass
@@ -55,7 +55,7 @@ def held_out_accuracy(engine: TorchEngine, cfg: DapoConfig, n: int = 4) -> float
     params = SamplingParams(n=n, temperature=1.0, top_p=0.7,
                             max_tokens=cfg.shared.max_response_length)  # fmt: skip
     outs = engine.generate([prompt_ids(engine.tokenizer, r.prompt, False) for r in records], params)
-    correct = [[run_verifier(cfg.controller.verifier,
+    correct = [[run_verifier(cfg.shared.verifier,
                              engine.tokenizer.decode(o.token_ids, skip_special_tokens=True),
                              r.ground_truth).correct for o in row]
                for r, row in zip(records, outs, strict=True)]  # fmt: skip
@@ -69,7 +69,7 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
     records = synthetic_records(cfg.controller.dataset.synthetic_task, seed=cfg.shared.seed)
     params = SamplingParams(n=cfg.shared.group_size, temperature=1.0,
                             max_tokens=cfg.shared.max_response_length)  # fmt: skip
-    need, cursor, result = cfg.learner.train_batch_groups, 0, PlainResult()
+    need, cursor, result = cfg.shared.train_batch_groups, 0, PlainResult()
     pad = engine.pad_token_id
     started = time.perf_counter()
     carry: list[Group] = []
@@ -80,7 +80,7 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
             cursor += need
             outs = engine.generate([prompt_ids(engine.tokenizer, r.prompt, False) for r in batch],
                                    params)  # fmt: skip
-            groups = [score_group(engine, r, o, cfg.controller.verifier)
+            groups = [score_group(engine, r, o, cfg.shared.verifier)
                       for r, o in zip(batch, outs, strict=True)]  # fmt: skip
             result.groups_generated += len(groups)
             result.responses += len(groups) * cfg.shared.group_size
@@ -107,7 +107,7 @@ if __name__ == "__main__":
     import json
     import sys
 
-    from services.common.config import load_config
+    from services.tools.config import load_config
 
     torch.set_num_threads(1)
     config = load_config(preset="tiny", env={}, overrides=sys.argv[2:])

@@ -252,8 +252,8 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
     or the FetchWeights stream: parsed in place, assembled, to torch."""
     from dapo.v1 import learner_pb2
     from rollout.weights import WeightStub, socket_buckets
-    from services.common.config import DapoConfig
     from services.common.tensor_codec import WeightAssembler, to_torch
+    from services.tools.config import DapoConfig
 
     started = time.perf_counter()
     stub, assembler = WeightStub(channel), WeightAssembler()
@@ -278,7 +278,7 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
     import sys
 
     from services.common.grpc_server import insecure_channel
-    from services.common.server_config import ServerConfig
+    from services.common.server_config import RpcConfig
 
     # Loaded by path like `dapo bench` does: run as a script, `import learner` would find
     # this file instead of the package.
@@ -299,7 +299,7 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
         "publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "grpc_fetch_s": [], "tcp": []
     }  # fmt: skip
     try:
-        with insecure_channel(f"127.0.0.1:{grpc_port}", ServerConfig().max_message_bytes) as ch:
+        with insecure_channel(f"127.0.0.1:{grpc_port}", RpcConfig().max_message_bytes) as ch:
             for version in range(1, versions + 1):
                 runs["tcp"].append(raw_tcp_bytes_per_s(int(tcp_port), nbytes))
                 publisher.stdin.write(f"publish {version}\n")

@@ -38,7 +38,7 @@ REPEATS = 2
 
 
 def tiny_config(run: str, model: Path, steps: int, *overrides: str) -> Any:
-    from services.common.config import load_config
+    from services.tools.config import load_config
 
     return load_config(
         preset="tiny",
@@ -95,7 +95,7 @@ class CpuMeter:
 
 def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
     """One `dapo up` (its own Redis, all five processes); returns its report + rates."""
-    from services.launcher import launch
+    from services.tools.launcher import launch
 
     meter = CpuMeter()
     started = time.perf_counter()

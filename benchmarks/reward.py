@@ -85,7 +85,7 @@ def run_service(stub: Any, items: list[tuple[str, str]]) -> tuple[float, list[bo
 
 def start_service(workers: int) -> Any:
     from reward.server import create_server
-    from services.common.config import DapoConfig
+    from services.tools.config import DapoConfig
 
     config = DapoConfig.model_validate(
         {"reward": {"num_workers": workers, "server": {"grpc_port": 0, "http_port": 0}}}

@@ -197,7 +197,7 @@ def latency(values: list[float]) -> dict[str, float]:
 
 def start(workers: int, timeout_s: float) -> Any:
     from reward.server import create_server
-    from services.common.config import DapoConfig
+    from services.tools.config import DapoConfig
 
     config = DapoConfig.model_validate({"reward": {
         "num_workers": workers, "timeout_s": timeout_s,

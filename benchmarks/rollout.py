@@ -97,8 +97,8 @@ def time_service(
     """All prompts as concurrent Generate calls through a real gRPC server: (s, tokens)."""
     from dapo.v1 import rollout_pb2, rollout_pb2_grpc
     from rollout.server import RolloutServer
-    from services.common.config import DapoConfig
     from services.common.grpc_server import insecure_channel
+    from services.tools.config import DapoConfig
 
     config = DapoConfig.model_validate(
         {"rollout": {"server": {"grpc_port": 0, "http_port": 0}, "max_n": group}}
@@ -210,7 +210,7 @@ def time_push(server: Any, raws: list[Any], version: int, bucket_bytes: int) -> 
     from services.common.grpc_server import insecure_channel
     from services.common.tensor_codec import encode_buckets
 
-    limit = server.config.rollout.server.max_message_bytes
+    limit = server.config.shared.rpc.max_message_bytes
     with insecure_channel(f"127.0.0.1:{server.grpc_port}", limit) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         start = time.perf_counter()
@@ -259,8 +259,8 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
 
     from rollout.server import RolloutServer
     from rollout.torch_engine import TorchEngine
-    from services.common.config import DapoConfig
     from services.common.redis_server import start_redis
+    from services.tools.config import DapoConfig
 
     bucket_bytes = bucket_mb * 1024 * 1024
     config = DapoConfig.model_validate({

@@ -6,17 +6,23 @@ Under torchrun (WORLD_SIZE > 1) rank 0 runs the service and the other ranks foll
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 
-from services.common.config import DapoConfig
+from learner.config import LearnerSettings
+from services.common.entry import role_main
 from services.common.lifecycle import announce, stop_event_on_signals
 from services.common.redis_server import connect_run
 
 
-def run(config: DapoConfig) -> None:
+def run(config: LearnerSettings) -> None:
     from services.common.malloc import keep_freed_memory
 
+    if config.shared.torch_threads:  # several torch processes must not oversubscribe
+        import torch
+
+        torch.set_num_threads(config.shared.torch_threads)
     keep_freed_memory()  # weight buckets reuse warm memory (services/common/malloc.py)
-    assert config.shared.redis_url
     if int(os.environ.get("RANK", "0")) > 0:
         from learner.server import Follower
 
@@ -33,3 +39,13 @@ def run(config: DapoConfig) -> None:
         stop.wait(config.learner.linger_s)
     finally:
         server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return role_main(
+        "learner", LearnerSettings, run, argv, description=__doc__ or "", needs_redis=True
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

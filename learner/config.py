@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
+from services.common.settings import RoleSettings
 
 LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -40,7 +41,6 @@ class LearnerConfig(StrictModel):
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     # -- batching --
-    train_batch_groups: int = Field(512, ge=1, description="Informative groups per step.")
     mini_batch_responses: int = Field(
         512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
     )
@@ -87,3 +87,14 @@ class LearnerConfig(StrictModel):
         if self.clip_ratio_low >= 1:
             raise ValueError("clip_ratio_low must be < 1")
         return self
+
+
+class LearnerSettings(RoleSettings):
+    """The learner's process: shared, security and its own section."""
+
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @property
+    def model_path(self) -> str | None:
+        """The policy's starting point: the learner's model dir, else the shared one."""
+        return self.learner.model_path or self.shared.model_path

@@ -33,6 +33,7 @@ from typing import Any
 import redis
 from prometheus_client import Counter, Gauge
 
+from learner.config import LearnerSettings
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy, build_policy
 from learner.reference import Reference
@@ -40,7 +41,6 @@ from learner.step import StepMetrics, train_step
 from learner.weights import WeightServicer, add_weight_service, live_views, open_weight_socket
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
-from services.common.config import DapoConfig
 from services.common.errors import DapoError
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
@@ -71,7 +71,7 @@ def stream_id(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def model_dir(config: DapoConfig) -> str:
+def model_dir(config: LearnerSettings) -> str:
     path = config.model_path
     if path is None:
         raise DapoError("learner.model_path (or shared.model_path) is required")
@@ -87,7 +87,7 @@ def pad_token_id(path: str) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
 
-def export_dir(config: DapoConfig) -> Path | None:
+def export_dir(config: LearnerSettings) -> Path | None:
     cfg = config.learner
     if cfg.export_dir:
         return Path(cfg.export_dir)
@@ -97,7 +97,7 @@ def export_dir(config: DapoConfig) -> Path | None:
 class Trainer:
     """What every rank holds: the policy and how to run each command."""
 
-    def __init__(self, config: DapoConfig, dp: DataParallel | None = None) -> None:
+    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
         self.config, self.model_path = config, model_dir(config)
         self.pad_id = pad_token_id(self.model_path)
         self.policy: Policy = build_policy(self.model_path, config.learner)
@@ -108,7 +108,7 @@ class Trainer:
     def train(self, groups: list[Group], seed: int) -> StepMetrics:
         cfg, shared = self.config.learner, self.config.shared
         metrics = train_step(
-            self.policy, groups, cfg, self.pad_id, self.config.rollout.sampling.temperature,
+            self.policy, groups, cfg, self.pad_id, self.config.shared.sampling.temperature,
             shared.max_response_length, seed=seed, dp=self.dp, reference=self.reference,
         )  # fmt: skip
         self.policy.advance_schedule()
@@ -133,7 +133,7 @@ class Trainer:
 class Follower:
     """A rank > 0: runs whatever rank 0 sends until told to stop."""
 
-    def __init__(self, config: DapoConfig, dp: DataParallel | None = None) -> None:
+    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
         self.trainer = Trainer(config, dp)
         self.trainer.restore()
         self._gather()  # rank 0 snapshots the restored weights for its WeightService
@@ -163,7 +163,7 @@ class Learner:
 
     def __init__(
         self,
-        config: DapoConfig,
+        config: LearnerSettings,
         client: redis.Redis,
         weight_socket: WeightSocketServer | None = None,
     ) -> None:
@@ -237,7 +237,7 @@ class Learner:
 
     def fill_batch(self, stop: threading.Event) -> bool:
         """Block until train_batch_groups fresh groups are held (False if stopping)."""
-        need = self.config.learner.train_batch_groups
+        need = self.config.shared.train_batch_groups
         while self._pending_after is not None and len(self._batch) < need:
             self.take(self._read_pending(need - len(self._batch)))
         while len(self._batch) < need:
@@ -253,7 +253,7 @@ class Learner:
             self.trainer.dp.broadcast_bytes(struct.pack("<Bq", op, arg) + body)
 
     def train_once(self) -> StepMetrics:
-        need = self.config.learner.train_batch_groups
+        need = self.config.shared.train_batch_groups
         batch, self._batch = self._batch[:need], self._batch[need:]
         groups = [g for _, g in batch]
         seed = self.config.shared.seed + self.step
@@ -341,7 +341,7 @@ class Learner:
 class LearnerServer:
     """Learner + gRPC WeightService + HTTP + registry entry."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
+    def __init__(self, config: LearnerSettings, client: redis.Redis) -> None:
         self.learner = Learner(config, client, open_weight_socket(config))
         server_cfg = config.learner.server
         self.grpc_server, self.grpc_port = start_grpc_server(
@@ -349,6 +349,7 @@ class LearnerServer:
             lambda s: add_weight_service(self.learner.weights, s),
             ["dapo.v1.WeightService"],
             security=config.security,
+            max_message_bytes=config.shared.rpc.max_message_bytes,
         )
         app = create_http_app("learner", status=self.learner.status, auth=config.security.auth)
         self.http: HttpServer = serve_http(app, server_cfg.host, server_cfg.http_port)

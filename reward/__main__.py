@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from reward.server import create_server
-from services.common.config import DapoConfig
+import sys
+from collections.abc import Sequence
+
+from reward.config import RewardSettings
+from services.common.entry import role_main
 from services.common.lifecycle import (
     announce,
     register_service,
@@ -12,8 +15,10 @@ from services.common.lifecycle import (
 )
 
 
-def run(config: DapoConfig) -> None:
+def run(config: RewardSettings) -> None:
     """Serve until a signal, printing the bound ports, then stop the workers cleanly."""
+    from reward.server import create_server
+
     stop = stop_event_on_signals()
     server = create_server(config)
     announce("reward", grpc=server.grpc_port, http=server.http_port)
@@ -26,7 +31,11 @@ def run(config: DapoConfig) -> None:
         server.stop()
 
 
-if __name__ == "__main__":
-    from services.common.config import load_config
+def main(argv: Sequence[str] | None = None) -> int:
+    return role_main(
+        "reward", RewardSettings, run, argv, description=__doc__ or "", needs_redis=False
+    )
 
-    run(load_config())
+
+if __name__ == "__main__":
+    sys.exit(main())

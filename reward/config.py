@@ -7,8 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.server_config import ServerConfig, StrictModel
+from services.common.settings import RoleSettings, VerifierName
 
-VerifierName = Literal["dapo", "math_verify", "cascade", "first_integer"]
 StartMethod = Literal["forkserver", "spawn"]
 
 
@@ -30,7 +30,6 @@ class RewardConfig(StrictModel):
     overlong_punishment: bool = Field(
         True, description="Add the soft overlong punishment (DAPO.md) to the reward."
     )
-    max_items: int = Field(4096, ge=1, description="Most items in one request.")
     max_response_chars: int = Field(
         1_000_000, ge=1, description="Longest response accepted, in characters."
     )
@@ -40,7 +39,8 @@ class RewardConfig(StrictModel):
     max_request_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Largest HTTP request body (413 beyond); gRPC uses server.max_message_bytes.",
+        description="Largest HTTP request body (413 beyond); gRPC limits are "
+        "shared.rpc.max_message_bytes.",
     )
     soft_timeout_s: int = Field(
         2,
@@ -53,3 +53,9 @@ class RewardConfig(StrictModel):
         description="How workers start: forkserver (math-verify preloaded, fast replacement) "
         "or spawn (a fresh interpreter each).",
     )
+
+
+class RewardSettings(RoleSettings):
+    """The reward service's process: shared, security and its own section."""
+
+    reward: RewardConfig = Field(default_factory=RewardConfig)

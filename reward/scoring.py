@@ -75,7 +75,7 @@ def check_limits(items: Sequence[ScoreInput], limits: Limits) -> None:
     """Raise LimitExceeded for the first limit the request breaks."""
     if len(items) > limits.max_items:
         raise LimitExceeded(
-            "max_items", f"{len(items)} items > reward.max_items={limits.max_items}"
+            "max_items", f"{len(items)} items > shared.rpc.max_score_items={limits.max_items}"
         )
     for index, item in enumerate(items):
         if len(item.response) > limits.max_response_chars:

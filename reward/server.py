@@ -18,11 +18,11 @@ from fastapi import FastAPI
 
 from dapo.v1 import reward_pb2
 from reward import adapter, metrics
+from reward.config import RewardSettings
 from reward.http_api import add_score_route
 from reward.pool import VerifierPool
 from reward.scoring import Limits, RequestError, Scorer
 from reward.shaping import OverlongShaping
-from services.common.config import DapoConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http, token_guard
 from services.common.security import AuthConfig
@@ -59,7 +59,7 @@ class RewardServicer:
         server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def create_scorer(config: DapoConfig) -> Scorer:
+def create_scorer(config: RewardSettings) -> Scorer:
     """The pool (started) and the scoring core, from the reward and shared sections."""
     cfg, shared = config.reward, config.shared
     pool = VerifierPool(
@@ -75,7 +75,9 @@ def create_scorer(config: DapoConfig) -> Scorer:
         factor=shared.overlong_penalty_factor,
         enabled=cfg.overlong_punishment,
     )
-    limits = Limits(cfg.max_items, cfg.max_response_chars, cfg.max_ground_truth_chars)
+    limits = Limits(
+        config.shared.rpc.max_score_items, cfg.max_response_chars, cfg.max_ground_truth_chars
+    )
     return Scorer(pool, limits, shaping, cfg.default_verifier)
 
 
@@ -108,14 +110,18 @@ class RewardServer:
         self.scorer.pool.close()
 
 
-def create_server(config: DapoConfig) -> RewardServer:
+def create_server(config: RewardSettings) -> RewardServer:
     """Start the pool, the gRPC server and the HTTP server on the configured ports."""
     scorer = create_scorer(config)
     cfg = config.reward
     try:
         servicer = RewardServicer(scorer)
         grpc_server, grpc_port = start_grpc_server(
-            cfg.server, servicer.register, [SERVICE_NAME], security=config.security
+            cfg.server,
+            servicer.register,
+            [SERVICE_NAME],
+            security=config.security,
+            max_message_bytes=config.shared.rpc.max_message_bytes,
         )
         try:
             app = create_app(scorer, cfg.max_request_bytes, config.security.auth)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dapo.v1 import rollout_pb2
-from rollout.config import SamplingConfig
 from rollout.engine import SampleOutput, SamplingParams
 from services.common.adapters import FINISH_TO_PROTO
+from services.common.settings import SamplingConfig
 
 
 def sampling_params(

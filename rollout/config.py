@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from services.common.server_config import ServerConfig, StrictModel
+from services.common.settings import RoleSettings
 
 
 class TorchEngineConfig(StrictModel):
@@ -46,14 +47,6 @@ class VllmEngineConfig(StrictModel):
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]
 
 
-class SamplingConfig(StrictModel):
-    """Training-time sampling (paper: temperature 1.0, top-p 1.0)."""
-
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1 = no top-k truncation.")
-
-
 class RolloutConfig(StrictModel):
     """One rollout server."""
 
@@ -62,13 +55,12 @@ class RolloutConfig(StrictModel):
     )
     model_path: str | None = Field(None, description="Local Hugging Face model directory.")
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     max_n: int = Field(64, ge=1, description="Most samples per Generate request.")
     max_request_bytes: int = Field(
         1024 * 1024,
         ge=64,
         description="Largest Generate request (INVALID_ARGUMENT beyond); checked before "
-        "tokenising. Requests past server.max_message_bytes are refused by gRPC itself.",
+        "tokenising. Requests past shared.rpc.max_message_bytes are refused by gRPC itself.",
     )
     max_concurrent_requests: int = Field(
         64,
@@ -86,6 +78,9 @@ class RolloutConfig(StrictModel):
         description="How long Generate waits for weights of the request's min_version "
         "(pulled at once) before refusing with UNAVAILABLE.",
     )
-    registry_ttl_s: float = Field(
-        5.0, gt=0, description="Registry entry lifetime; a dead server vanishes after it."
-    )
+
+
+class RolloutSettings(RoleSettings):
+    """A rollout server's process: shared, security and its own section."""
+
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from dapo.v1 import rollout_pb2
-from services.common.config import DapoConfig
+from rollout.config import RolloutSettings
 
 
 class LimitExceeded(ValueError):
@@ -32,7 +32,7 @@ class Limits:
     max_response_length: int
 
     @classmethod
-    def from_config(cls, config: DapoConfig) -> Limits:
+    def from_config(cls, config: RolloutSettings) -> Limits:
         return cls(
             max_request_bytes=config.rollout.max_request_bytes,
             max_n=config.rollout.max_n,

@@ -29,11 +29,11 @@ import redis
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc, tensor_pb2
 from rollout import adapter
 from rollout.batcher import Batcher
+from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import Limits
 from rollout.metrics import RolloutMetrics
 from rollout.weights import WeightSync, WeightUpdater
-from services.common.config import DapoConfig
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
@@ -51,7 +51,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def __init__(
         self,
-        config: DapoConfig,
+        config: RolloutSettings,
         engine: RolloutEngine,
         tokenizer: Any,
         updater: WeightUpdater,
@@ -153,7 +153,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         prompt = self._prompt_ids(request)
         self.limits.check_prompt(prompt, len(self.tokenizer))
         params = adapter.sampling_params(
-            request.sampling, request.n, self.config.rollout.sampling,
+            request.sampling, request.n, self.config.shared.sampling,
             self.config.shared.max_response_length,
         )  # fmt: skip
         return prompt, params
@@ -253,7 +253,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )  # fmt: skip
 
 
-def build_engine(config: DapoConfig) -> RolloutEngine:
+def build_engine(config: RolloutSettings) -> RolloutEngine:
     """The configured engine over the configured model dir."""
     from pathlib import Path
 
@@ -280,7 +280,7 @@ def build_engine(config: DapoConfig) -> RolloutEngine:
 class RolloutServer:
     """gRPC + HTTP + registry + weight sync around one engine."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis | None, engine: RolloutEngine):
+    def __init__(self, config: RolloutSettings, client: redis.Redis | None, engine: RolloutEngine):
         self.config, self.client, self.engine = config, client, engine
         self.metrics = RolloutMetrics()
         self.updater = WeightUpdater(engine, self.metrics)
@@ -298,6 +298,7 @@ class RolloutServer:
             ["dapo.v1.RolloutService"],
             max_workers=config.rollout.max_concurrent_requests + CONTROL_THREADS,
             security=config.security,
+            max_message_bytes=config.shared.rpc.max_message_bytes,
         )
         app = create_http_app(
             "rollout",
@@ -337,7 +338,7 @@ class RolloutServer:
             {"address": advertised_address(host, self.grpc_port),
              "http": advertised_address(host, self.http.port),
              "ready": False, "accepting": False, "version": self.engine.version},
-            ttl_s=self.config.rollout.registry_ttl_s,
+            ttl_s=self.config.shared.registry_ttl_s,
         ).start()  # fmt: skip
         threading.Thread(
             target=self.sync.run, args=(self.stop_event, self._announce),

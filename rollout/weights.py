@@ -24,10 +24,10 @@ import grpc
 import redis
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
+from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
 from services.common import weight_socket
-from services.common.config import DapoConfig
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
@@ -110,7 +110,9 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
         self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
 
 
-def fetch_buckets(stub: WeightStub, address: str, config: DapoConfig) -> tuple[str, Iterator[Any]]:
+def fetch_buckets(
+    stub: WeightStub, address: str, config: RolloutSettings
+) -> tuple[str, Iterator[Any]]:
     """(transport, the latest version's buckets): over the learner's weight socket when it
     offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
     buckets = socket_buckets(stub, address, config)
@@ -121,7 +123,7 @@ def fetch_buckets(stub: WeightStub, address: str, config: DapoConfig) -> tuple[s
     return "FetchWeights stream", stream
 
 
-def socket_buckets(stub: WeightStub, address: str, config: DapoConfig) -> Iterator[Any] | None:
+def socket_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> Iterator[Any] | None:
     """The latest version's buckets over the weight socket; None when the learner offers
     none (learner.weight_transport=grpc) or it cannot be reached (a warning says why)."""
     rpc, request = config.shared.rpc, learner_pb2.FetchWeightsRequest(version=0)
@@ -142,14 +144,16 @@ def socket_buckets(stub: WeightStub, address: str, config: DapoConfig) -> Iterat
             host, ticket.port, exc,
         )  # fmt: skip
         return None
-    frames = weight_socket.read_frames(sock, config.learner.server.max_message_bytes)
+    frames = weight_socket.read_frames(sock, config.shared.rpc.max_message_bytes)
     return map(parse_bucket, frames)
 
 
 class WeightSync:
     """Pulls new weights from the learner whenever the published version moves ahead."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis, updater: WeightUpdater) -> None:
+    def __init__(
+        self, config: RolloutSettings, client: redis.Redis, updater: WeightUpdater
+    ) -> None:
         self.config, self.client, self.updater = config, client, updater
         self.keys = RunKeys(config.shared.run_name)
         self.caught_up = threading.Event()
@@ -165,7 +169,7 @@ class WeightSync:
         if self._channel is None or self._channel[0] != address:
             if self._channel is not None:
                 self._channel[1].close()
-            max_bytes = self.config.learner.server.max_message_bytes
+            max_bytes = self.config.shared.rpc.max_message_bytes
             self._channel = (address, channel(address, self.config.security, max_bytes))
         return WeightStub(self._channel[1])
 

@@ -131,8 +131,8 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
     served version is refused at once (UNAVAILABLE), not after a wait."""
     from rollout.server import RolloutServer
     from rollout.torch_engine import TorchEngine
-    from services.common.config import DapoConfig
     from services.common.grpc_server import insecure_channel
+    from services.tools.config import DapoConfig
 
     config = DapoConfig.model_validate(
         {

@@ -20,7 +20,12 @@ import torch
 from learner.batching import sequences_from_groups
 from learner.policy import TorchPolicy, load_model
 from learner.step import accumulate, recompute_old_logprobs
-from services.ablate import (
+from services.common.adapters import encode_group
+from services.common.data import SYNTHETIC_TASKS, synthetic_records
+from services.common.errors import DapoError
+from services.common.keys import RunKeys
+from services.common.types import Group, Sample
+from services.tools.ablate import (
     RUNG_NAMES,
     TECHNIQUES,
     Plan,
@@ -31,12 +36,7 @@ from services.ablate import (
     steps_to,
     summarise_rung,
 )
-from services.common.adapters import encode_group
-from services.common.config import DapoConfig
-from services.common.data import SYNTHETIC_TASKS, synthetic_records
-from services.common.errors import DapoError
-from services.common.keys import RunKeys
-from services.common.types import Group, Sample
+from services.tools.config import DapoConfig
 from tests.learner_fixtures import make_groups
 
 
@@ -236,7 +236,7 @@ def test_summary_is_mean_and_spread_over_seeds(plan: Plan) -> None:
 
 @pytest.mark.slow
 def test_dapo_ablate_two_rungs_one_seed(tmp_path: Path) -> None:
-    from services.cli import main
+    from services.tools.cli import main
 
     code = main(["ablate", "--seeds", "1", "--rungs", "naive_grpo,dynamic_sampling",
                  "--steps", "3", "--eval-every", "2", "--name", "t", "--out-root",

@@ -84,9 +84,9 @@ def test_staleness_budget_is_k_plus_one_batches() -> None:
     assert not staleness_allows(counts, 0.5, batch_groups=32, max_staleness=0)
     assert staleness_allows(counts, 0.5, batch_groups=32, max_staleness=1)
     assert staleness_allows(counts, 0.25, batch_groups=32, max_staleness=0)
-    # A rollout server one version behind eats one batch of the budget.
-    assert not staleness_allows(counts, 0.25, batch_groups=32, max_staleness=0, lag=1)
-    assert staleness_allows(counts, 0.25, batch_groups=32, max_staleness=1, lag=1)
+    # Half the batch: 32 expected is two whole batches, so k = 1 is full and k = 2 is not.
+    assert not staleness_allows(counts, 0.5, batch_groups=16, max_staleness=1)
+    assert staleness_allows(counts, 0.5, batch_groups=16, max_staleness=2)
 
 
 def test_backlog_limit() -> None:

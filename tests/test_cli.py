@@ -21,7 +21,7 @@ SUBCOMMANDS = [
 
 def dapo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
@@ -45,7 +45,7 @@ def test_help_lists_every_subcommand() -> None:
 def test_help_imports_nothing_heavy() -> None:
     code = (
         "import sys, contextlib, io\n"
-        "from services.cli import main\n"
+        "from services.tools.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "    main(['--help'])\n"
         "print(sorted(m for m in ('torch','transformers','grpc','fastapi','redis','deepspeed',"

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.config import ConfigError, DapoConfig, dump_config, load_config
+from services.common.config_loader import ConfigError
 from services.common.presets import PRESETS
+from services.tools.config import DapoConfig, dump_config, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,12 +20,12 @@ def test_defaults_are_the_papers_hyperparameters() -> None:
     assert c.learner.lr == 1e-6 and c.learner.weight_decay == 0.1 and c.learner.grad_clip == 1.0
     assert c.learner.warmup_steps == 20 and c.learner.kl_coef == 0.0
     assert c.learner.loss_agg_mode == "token_mean"
-    assert c.shared.group_size == 16 and c.learner.train_batch_groups == 512
-    batch = c.learner.train_batch_groups * c.shared.group_size
+    assert c.shared.group_size == 16 and c.shared.train_batch_groups == 512
+    batch = c.shared.train_batch_groups * c.shared.group_size
     assert batch // c.learner.mini_batch_responses == 16  # 16 gradient updates per step
     assert c.shared.max_response_length == 20480 and c.shared.overlong_buffer_length == 4096
     assert c.shared.max_prompt_length == 2048
-    assert c.rollout.sampling.temperature == 1.0 and c.rollout.sampling.top_p == 1.0
+    assert c.shared.sampling.temperature == 1.0 and c.shared.sampling.top_p == 1.0
     assert c.buffer.dynamic_sampling and c.learner.overlong_filtering
 
 

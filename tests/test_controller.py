@@ -14,7 +14,6 @@ import redis
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
-from services.common.config import DapoConfig, load_config
 from services.common.keys import RunKeys
 from services.common.net import free_port
 from services.common.registry import Registration
@@ -22,6 +21,7 @@ from services.controller import adapter
 from services.controller.dataset import Cursor
 from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import Controller
+from services.tools.config import DapoConfig, load_config
 
 
 def controller(client: redis.Redis, *overrides: str) -> Controller:
@@ -163,7 +163,7 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     group_id = c.admit(Cursor(0, 1), record, version)
     meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
     assert meta["v"] == 7  # a restarted controller asks for the same min_version
-    request = adapter.generate_request(group_id, record.prompt, 16, c.config.rollout.sampling,
+    request = adapter.generate_request(group_id, record.prompt, 16, c.config.shared.sampling,
                                        4, False, min_version=meta["v"])  # fmt: skip
     assert request.min_version == 7
 

@@ -35,14 +35,14 @@ from dapo.v1 import learner_pb2
 from learner.server import LearnerServer
 from rollout.weights import WeightStub
 from services.common.adapters import encode_group
-from services.common.config import load_config
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
 from services.common.tensor_codec import WeightAssembler, to_torch
-from services.launcher import Launch, launch
-from services.ledger import read_ledger
+from services.tools.config import load_config
+from services.tools.launcher import Launch, launch
 
 BATCH = 2  # groups per learner step in the stalled-reader test
 # The learner's gRPC threads (LearnerServer keeps start_grpc_server's default).
@@ -108,7 +108,7 @@ def test_stalled_weight_readers_never_block_the_learner(
         "shared.run_name": run, "shared.model_path": str(tiny_model),
         "shared.max_staleness": 100, "shared.max_response_length": 16,
         "learner.engine": "torch", "learner.dtype": "float32", "learner.lr": 1e-2,
-        "learner.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
+        "shared.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
         "learner.micro_batch_tokens": 64, "learner.total_steps": steps,
     }  # fmt: skip
     config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
@@ -261,7 +261,7 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     # The registry dropped the dead server within its TTL; the live one stayed, alone.
     # (The run may end before the TTL: the controller routes around a server that
     # answered UNAVAILABLE, so the remaining steps need not wait for the registry.)
-    ttl = config.rollout.registry_ttl_s
+    ttl = config.shared.registry_ttl_s
     gone = [s for s, alive in hook.seen if hook.dead["instance"] not in alive]
     if gone:
         assert gone[0] < ttl + 2
@@ -299,6 +299,6 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     assert sorted(steps) == list(range(1, STEPS + 1))
     trained = Counter(g for groups in steps.values() for g in groups)
     assert max(trained.values()) == 1
-    assert sum(trained.values()) == STEPS * config.learner.train_batch_groups == ledger.trained
+    assert sum(trained.values()) == STEPS * config.shared.train_batch_groups == ledger.trained
     assert len(scored) == ledger.scored and len(scored) + ledger.in_flight == ledger.admitted
     assert not children_of(run_dir)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 
-from services.common.config import load_config
+from services.tools.config import load_config
 
 DAPO_HTTP = {"reward": 8001, "buffer": 8005, "controller": 8004, "learner": 8003, "rollout": 8002}
 PROFILES = {

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_deploy_tools import DEPLOY, K8S_VERSION, by_key, kustomize
 
-from services.common.config import load_config
+from services.tools.config import load_config
 
 K8S = DEPLOY / "k8s"
 TARGETS = {

@@ -62,7 +62,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30)
 def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
     """A `dapo up --preset tiny` that trains for longer than the test; role → HTTP port."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--steps", "10000",
+    cmd = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--steps", "10000",
            "--run-dir", str(run_dir), "--set", f"shared.model_path={tiny_model}",
            "--set", "shared.run_name=scrape", "--set", "controller.eval.enabled=false"]  # fmt: skip
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.evaluate import pass_at_k, summarise
+from services.tools.evaluate import pass_at_k, summarise
 
 
 def test_pass_at_k_matches_the_definition() -> None:
@@ -27,7 +27,7 @@ def test_summary_averages_over_samples_and_prompts() -> None:
 def test_eval_runs_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "eval.json"
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "eval", "--model", str(tiny_model),
+        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
          "--data", "synthetic:max3", "--n", "4", "--max-tokens", "4", "--limit", "20",
          "--verifier", "first_integer", "--no-chat-template", "--out", str(out)],
         capture_output=True, text=True, timeout=120,
@@ -41,7 +41,7 @@ def test_eval_runs_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
 
 def test_eval_on_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "eval", "--model", str(tmp_path / "nope"),
+        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tmp_path / "nope"),
          "--data", "synthetic:max3"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -25,10 +25,10 @@ from test_pipeline import children_of, role_process, wait_for
 
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer, start_redis
 from services.common.registry import discover
-from services.launcher import Launch
-from services.ledger import read_ledger
+from services.tools.launcher import Launch
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
     with RedisServer(appendonly=True) as server:
         client = redis.Redis.from_url(server.url)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--run-dir",
+            [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
              str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", str(STEPS),
              "--rollouts", "2", "--redis-url", server.url, "--set", f"shared.run_name={RUN}",
              "--set", "controller.eval.enabled=false", "--set", "learner.linger_s=0",
@@ -177,7 +177,7 @@ def run_kills(run_dir: Path, client: redis.Redis, server: RedisServer):
 
 
 def test_launcher_restarts_its_redis_from_the_append_only_file(tmp_path: Path) -> None:
-    from services.common.config import load_config
+    from services.tools.config import load_config
 
     launch = Launch(load_config(preset="tiny", env={}), tmp_path)
     launch.redis_server = start_redis(appendonly=True)

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from services.common.config import ConfigError, DapoConfig, dump_config, load_config
+from services.common.config_loader import ConfigError
+from services.tools.config import DapoConfig, dump_config, load_config
 
 
 def field_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

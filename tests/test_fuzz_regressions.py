@@ -20,13 +20,14 @@ from reward.scoring import RequestError
 from rollout.metrics import RolloutMetrics
 from rollout.torch_engine import TorchEngine
 from rollout.weights import WeightUpdater
-from services.common.config import ConfigError, load_config
+from services.common.config_loader import ConfigError
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.http import create_http_app, serve_http
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
 from services.common.tensor_codec import encode_buckets, from_torch, to_torch
 from services.common.weight_socket import FRAME, WeightSocketServer
+from services.tools.config import load_config
 
 
 def test_http_connections_have_nagle_off() -> None:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
-from services.common.config import DapoConfig
+from services.tools.config import DapoConfig
 
 MAX_ITEMS = 4
 VERIFIERS = ["dapo", "math_verify", "cascade", "first_integer"]
@@ -41,11 +41,14 @@ SCORE = "/dapo.v1.RewardService/Score"
 def server() -> Iterator[RewardServer]:
     config = DapoConfig.model_validate(
         {
-            "shared": {"max_response_length": 100, "overlong_buffer_length": 20},
+            "shared": {
+                "max_response_length": 100,
+                "overlong_buffer_length": 20,
+                "rpc": {"max_score_items": MAX_ITEMS},
+            },
             "reward": {
                 "num_workers": 2,
                 "timeout_s": 5.0,
-                "max_items": MAX_ITEMS,
                 "max_response_chars": TEXT_LIMIT,
                 "max_ground_truth_chars": TEXT_LIMIT,
                 "default_verifier": "dapo",  # cheap: 1000 requests must finish fast

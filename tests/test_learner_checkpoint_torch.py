@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from learner.policy import TorchPolicy, load_model
-from services.common.config import load_config
+from services.tools.config import load_config
 
 
 def trained_policy(model_dir: Path) -> TorchPolicy:

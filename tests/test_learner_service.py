@@ -20,11 +20,11 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
 from learner.weights import add_weight_service
 from services.common.adapters import encode_group
-from services.common.config import DapoConfig, load_config
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
 from services.common.tensor_codec import WeightAssembler, to_torch
+from services.tools.config import DapoConfig, load_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 BATCH = 2  # groups per step
@@ -35,7 +35,7 @@ def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
         "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
         "shared.max_response_length": 16, "learner.engine": "deepspeed",
         "learner.zero_stage": 0, "learner.dtype": "float32", "learner.lr": 1e-2,
-        "learner.warmup_steps": 2, "learner.train_batch_groups": BATCH,
+        "learner.warmup_steps": 2, "shared.train_batch_groups": BATCH,
         "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
         "learner.checkpoint_every": 2, "learner.total_steps": 4,
         **{f"learner.{k}": v for k, v in learner.items()},
@@ -207,10 +207,10 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     sets = {"shared.run_name": run, "shared.model_path": str(tiny_model),
             "shared.max_staleness": 100, "shared.max_response_length": 16,
             "learner.engine": "deepspeed", "learner.zero_stage": 3, "learner.dtype": "float32",
-            "learner.lr": 1e-2, "learner.train_batch_groups": BATCH,
+            "learner.lr": 1e-2, "shared.train_batch_groups": BATCH,
             "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
             "learner.total_steps": 3, "learner.linger_s": 120}  # fmt: skip
-    cmd = [sys.executable, "-m", "services.cli", "learner", "--redis-url", redis_server.url,
+    cmd = [sys.executable, "-m", "services.tools.cli", "learner", "--redis-url", redis_server.url,
            "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
     cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
     procs = [

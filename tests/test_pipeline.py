@@ -22,7 +22,7 @@ RETAIN = 4  # acked entries kept at the tail of each stream
 
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny",
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny",
          "--run-dir", str(run_dir), "--set", f"shared.model_path={model}", *extra],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
@@ -110,7 +110,7 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--run-dir",
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
          str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "6",
          "--rollouts", "2", "--set", "controller.eval.enabled=false",
          "--set", "learner.linger_s=0"],
@@ -135,7 +135,7 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
 def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--run-dir",
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
          str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "50",
          "--set", "controller.eval.enabled=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

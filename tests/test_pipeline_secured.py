@@ -79,7 +79,7 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--preset", "tiny", "--config",
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--config",
          str(config_path), "--run-dir", str(run_dir), "--steps", "3",
          "--set", f"shared.model_path={tiny_model}", "--set", "controller.eval.enabled=false"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

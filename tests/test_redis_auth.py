@@ -9,10 +9,10 @@ from urllib.parse import quote
 import pytest
 import redis
 
-from services.common.config import DapoConfig
 from services.common.errors import DapoError
 from services.common.redis_server import RedisServer, client_kwargs, connect, connect_run
 from services.common.security import RedisAuthConfig
+from services.tools.config import DapoConfig
 
 PASSWORD = 'pa ss"word'  # a space and a quote: the requirepass directive must quote it
 ACL_USERS = (

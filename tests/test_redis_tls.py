@@ -19,13 +19,13 @@ import pytest
 import yaml
 from learner_fixtures import make_groups
 
-from services.cli import main as dapo
 from services.common.adapters import encode_group
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer, connect
 from services.common.security import RedisAuthConfig, SecurityError
-from services.ledger import read_ledger
+from services.tools.cli import main as dapo
 from tests.pki import Pki, make_pki
 from tests.tls_proxy import TlsProxy
 
@@ -171,7 +171,7 @@ def test_buffer_service_and_ledger_over_mtls(
         client.hincrby(keys.ledger, "scored", 1)
         client.xadd(keys.scored, {"group": encode_group(group)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "buffer", "--config", str(config)],
+        [sys.executable, "-m", "services.tools.cli", "buffer", "--config", str(config)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:

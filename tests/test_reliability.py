@@ -10,9 +10,9 @@ import redis
 
 from services.common.atomic import ack_then, admit_inflight, commit_step, publish_inflight
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry, retryable_rpc
 from services.common.streams import StreamConsumer, add, forward_and_ack
-from services.ledger import read_ledger
 
 
 class Rpc(grpc.RpcError):
@@ -159,7 +159,7 @@ def test_sigterm_stops_the_controller_and_hands_back_its_groups(
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "controller", "--preset", "tiny",
+        [sys.executable, "-m", "services.tools.cli", "controller", "--preset", "tiny",
          "--redis-url", redis_server.url, "--set", "shared.run_name=graceful",
          "--set", "controller.max_groups_in_flight=4", "--set", "controller.server.http_port=0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -184,7 +184,7 @@ def _serve_then_sigterm(role: str, args: list[str]) -> tuple[int, str]:
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", role, "--http-port", "0", *args],
+        [sys.executable, "-m", "services.tools.cli", role, "--http-port", "0", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:

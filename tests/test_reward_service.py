@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.metrics import sample_value
 from reward.server import RewardServer, create_server
-from services.common.config import DapoConfig
+from services.tools.config import DapoConfig
 
 TIMEOUT_S = 2.0
 MAX_ITEMS = 64
@@ -31,12 +31,15 @@ FIRST_INTEGER = reward_pb2.VERIFIER_FIRST_INTEGER
 def server() -> Iterator[RewardServer]:
     config = DapoConfig.model_validate(
         {
-            "shared": {"max_response_length": 100, "overlong_buffer_length": 20},
+            "shared": {
+                "max_response_length": 100,
+                "overlong_buffer_length": 20,
+                "rpc": {"max_score_items": MAX_ITEMS},
+            },
             "reward": {
                 "num_workers": 2,
                 "timeout_s": TIMEOUT_S,
                 "soft_timeout_s": 0,  # only the hard kill: deterministic timings below
-                "max_items": MAX_ITEMS,
                 "max_request_bytes": MAX_REQUEST_BYTES,
                 "server": {"grpc_port": 0, "http_port": 0},
             },
@@ -126,7 +129,8 @@ def test_grpc_limits_are_invalid_argument(channel: grpc.Channel) -> None:
         before = sample_value("dapo_reward_rejected_requests_total", {"limit": limit})
         error = grpc_error(channel, *items)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"reward.{limit}=" in error.details()
+        field = "shared.rpc.max_score_items" if limit == "max_items" else f"reward.{limit}"
+        assert f"{field}=" in error.details()
         after = sample_value("dapo_reward_rejected_requests_total", {"limit": limit})
         assert after == before + 1
 
@@ -280,7 +284,7 @@ def test_concurrent_requests_share_the_pool(channel: grpc.Channel) -> None:
 
 def test_dapo_reward_command_serves_and_stops_on_sigterm() -> None:
     command = [
-        sys.executable, "-c", "from services.cli import main; raise SystemExit(main())",
+        sys.executable, "-c", "from services.tools.cli import main; raise SystemExit(main())",
         "reward", "--grpc-port", "0", "--http-port", "0", "--set", "reward.num_workers=1",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -26,12 +26,12 @@ from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from learner.weights import WeightServicer, add_weight_service
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
-from services.common.config import DapoConfig
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
 from services.common.server_config import ServerConfig
 from services.common.tensor_codec import RawTensor, encode_buckets, from_torch
+from services.tools.config import DapoConfig
 
 MAX_N, MAX_PROMPT, MAX_RESPONSE, MAX_REQUEST_BYTES = 4, 12, 8, 2048
 PROMPT = [3, 5, 7, 9]
@@ -45,11 +45,12 @@ def make_config(run: str = "svc", **rollout: Any) -> DapoConfig:
             "shared": {
                 "run_name": run, "max_prompt_length": MAX_PROMPT,
                 "max_response_length": MAX_RESPONSE, "group_size": 2,
+                "registry_ttl_s": 2.0,
             },
             "rollout": {
                 "server": {"grpc_port": 0, "http_port": 0}, "max_n": MAX_N,
                 "max_request_bytes": MAX_REQUEST_BYTES, "weight_poll_s": 0.05,
-                "registry_ttl_s": 2.0, "drain_timeout_s": 20.0, **rollout,
+                "drain_timeout_s": 20.0, **rollout,
             },
         }
     )  # fmt: skip
@@ -322,7 +323,7 @@ def test_late_joiner_catches_up_and_readyz_flips(
         entry = rollout_entry(redis_client, keys)
         assert s.readyz() == 503 and not entry["ready"] and not entry["accepting"]
         ttl_ms = redis_client.pttl(f"{keys.registry('rollout')}:{entry['instance']}")
-        assert 0 < ttl_ms <= 2000  # heartbeat TTL from rollout.registry_ttl_s
+        assert 0 < ttl_ms <= 2000  # heartbeat TTL from shared.registry_ttl_s
         with pytest.raises(grpc.RpcError) as err:
             s.generate()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -362,7 +363,7 @@ def test_late_joiner_catches_up_and_readyz_flips(
 @pytest.fixture(scope="module")
 def limited(tiny_model: Path) -> Iterator[Served]:
     config = make_config()
-    config.rollout.server.max_message_bytes = 64 * 1024
+    config.shared.rpc.max_message_bytes = 64 * 1024
     with serve(tiny_model, config) as s:
         yield s
 

@@ -15,11 +15,11 @@ from services.common.errors import DapoError, PortInUseError
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.http import create_http_app, serve_http
 from services.common.keys import RunKeys
+from services.common.ledger import unconsumed
 from services.common.redis_server import RedisServer, connect, find_redis_server
 from services.common.registry import Registration, discover
 from services.common.server_config import ServerConfig
 from services.common.streams import StreamConsumer, add, forward_and_ack, trim_acked
-from services.ledger import unconsumed
 
 
 def test_redis_server_starts_answers_and_stops() -> None:

@@ -16,7 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.weights import WeightServicer, add_weight_service
-from services.common.config import DapoConfig, dump_config, load_config
 from services.common.errors import DapoError
 from services.common.grpc_server import channel, insecure_channel, start_grpc_server
 from services.common.http import create_http_app, serve_http
@@ -31,6 +30,7 @@ from services.common.security import (
 )
 from services.common.server_config import ServerConfig
 from services.common.tensor_codec import RawTensor
+from services.tools.config import DapoConfig, dump_config, load_config
 from tests.pki import Pki, make_pki
 
 TOKEN = "s3cret-token"
@@ -61,9 +61,12 @@ def serve_weights(security: SecurityConfig, max_bytes: int = 64 * 1024 * 1024):
     """A real WeightService (one tiny tensor published) on a free port."""
     servicer = WeightServicer(bucket_bytes=1 << 20)
     servicer.publish(3, weights())
-    cfg = ServerConfig(max_message_bytes=max_bytes)
     return start_grpc_server(
-        cfg, lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"], security=security
+        ServerConfig(),
+        lambda s: add_weight_service(servicer, s),
+        ["dapo.v1.WeightService"],
+        security=security,
+        max_message_bytes=max_bytes,
     )
 
 
@@ -308,8 +311,9 @@ def secured_reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
         {
             "reward": {
                 "num_workers": 1, "max_request_bytes": 8 * 1024,
-                "server": {"grpc_port": 0, "http_port": 0, "max_message_bytes": 64 * 1024},
+                "server": {"grpc_port": 0, "http_port": 0},
             },
+            "shared": {"rpc": {"max_message_bytes": 64 * 1024}},
             "security": {
                 "tls": server_tls(pki).model_dump(), "auth": {"token": TOKEN, "scope": "all"},
             },

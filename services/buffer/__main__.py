@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from services.buffer.server import create_server
-from services.common.config import DapoConfig
+import sys
+from collections.abc import Sequence
+
+from services.buffer.config import BufferSettings
+from services.common.entry import role_main
 from services.common.lifecycle import announce, stop_event_on_signals
 from services.common.redis_server import connect_run
 
 
-def run(config: DapoConfig) -> None:
-    assert config.shared.redis_url
+def run(config: BufferSettings) -> None:
+    from services.buffer.server import create_server
+
     stop = stop_event_on_signals()
     buffer, http = create_server(config, connect_run(config))
     announce("buffer", http=http.port)
@@ -17,3 +21,13 @@ def run(config: DapoConfig) -> None:
         buffer.run(stop)
     finally:
         http.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return role_main(
+        "buffer", BufferSettings, run, argv, description=__doc__ or "", needs_redis=True
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

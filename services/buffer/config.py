@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.server_config import ServerConfig, StrictModel
+from services.common.settings import RoleSettings
 
 
 class BufferConfig(StrictModel):
@@ -30,3 +31,9 @@ class BufferConfig(StrictModel):
         "older acked entries are deleted, so the streams stay bounded.",
     )
     trim_interval_s: float = Field(1.0, ge=0, description="Least seconds between two trims.")
+
+
+class BufferSettings(RoleSettings):
+    """The buffer's process: shared, security and its own section."""
+
+    buffer: BufferConfig = Field(default_factory=BufferConfig)

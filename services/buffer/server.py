@@ -19,13 +19,13 @@ from typing import Any
 import redis
 from prometheus_client import Counter, Gauge
 
+from services.buffer.config import BufferSettings
 from services.buffer.filters import FilterDecision, decide
 from services.common.adapters import decode_group
-from services.common.config import DapoConfig
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
+from services.common.ledger import LEARNER_GROUP
 from services.common.streams import Entry, StreamConsumer, forward_and_ack, trim_acked
-from services.ledger import LEARNER_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ CONSUMER_GROUP = "buffer"
 class Buffer:
     """Dynamic-sampling filter between the `scored` and `train` streams."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis, consumer: str = "buffer-0"):
+    def __init__(self, config: BufferSettings, client: redis.Redis, consumer: str = "buffer-0"):
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
         self.consumer = StreamConsumer(client, self.keys.scored, CONSUMER_GROUP, consumer)
@@ -141,7 +141,7 @@ class Buffer:
         return {"decisions": dict(self.counts), "version": self.current_version()}
 
 
-def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Buffer, HttpServer]:
+def create_server(config: BufferSettings, client: redis.Redis) -> tuple[Buffer, HttpServer]:
     """The buffer plus its HTTP endpoints (not yet consuming: call buffer.run)."""
     buffer = Buffer(config, client)
     app = create_http_app("buffer", status=buffer.status, auth=config.security.auth)

@@ -234,13 +234,14 @@ def start_grpc_server(
     service_names: Sequence[str],
     max_workers: int = 16,
     security: SecurityConfig | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[grpc.Server, int]:
     """Start a server with the given servicers plus health; return it and its bound port."""
     security = security or SecurityConfig()
     token = security.auth.secret()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        options=[*grpc_options(cfg.max_message_bytes), ("grpc.so_reuseport", 0)],
+        options=[*grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=[TokenInterceptor(security.auth, token)] if token else None,
     )
     add_servicers(StrictServer(server))  # type: ignore[arg-type]

@@ -18,13 +18,20 @@ class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 in containers.")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 = pick a free one.")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 = pick a free one.")
-    max_message_bytes: int = Field(
-        64 * 1024 * 1024, ge=1024, description="Largest gRPC message accepted or sent."
-    )
 
 
 class RpcConfig(StrictModel):
-    """Deadlines of the gRPC calls between services, and how idempotent ones are retried."""
+    """What every gRPC server and client agrees on: message limits, deadlines, retries."""
+
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Largest gRPC message any service accepts or sends (and the largest "
+        "weight-socket frame).",
+    )
+    max_score_items: int = Field(
+        4096, ge=1, description="Most items in one Score request (the controller splits)."
+    )
 
     score_timeout_s: float = Field(60.0, gt=0, description="Deadline of one Score call.")
     weights_timeout_s: float = Field(

@@ -1,7 +1,9 @@
 """Internal record types shared by every process (torch-free).
 
-Business code handles these dataclasses; protobuf appears only in the adapters
-(`services/common/adapters.py` and each service's own adapter).
+The logic (filters, admission, the loss, batching) handles these dataclasses; servicers
+and clients translate to and from protobuf with the adapters (`services/common/adapters.py`
+and each role's `adapter.py`) and touch raw messages only for request fields that need
+no record type (limits, versions, weight buckets).
 """
 
 from __future__ import annotations

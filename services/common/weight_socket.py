@@ -241,7 +241,7 @@ def _frames(
         if size > max_frame_bytes:
             raise WeightSocketError(
                 f"weight socket frame of {size} bytes exceeds the limit of "
-                f"{max_frame_bytes} (learner.server.max_message_bytes)"
+                f"{max_frame_bytes} (shared.rpc.max_message_bytes)"
             )
         if size > len(buf):
             buf = bytearray(size)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from dapo.v1 import reward_pb2, rollout_pb2
-from rollout.config import SamplingConfig
 from services.common.adapters import sample_from_completion
+from services.common.settings import SamplingConfig
 from services.common.types import Sample
 
 VERIFIERS = {

@@ -6,10 +6,10 @@ Three independent limits, each a small pure function of counters:
 - *back-pressure*: informative groups queued for the learner (`train` backlog);
 - *staleness*: with `max_staleness = k`, the learner will train at most (k + 1) batches
   before a group admitted now is too old; so the informative work expected from what is
-  queued and in flight must stay below (k + 1 − lag) · N, where `lag` is how many
-  versions the slowest rollout server is behind the learner. `k = 0` is synchronous
-  on-policy DAPO: one batch of expected informative groups per version, and nothing is
-  admitted while a rollout server still serves the previous version.
+  queued and in flight must stay below (k + 1) · N. `k = 0` is synchronous on-policy
+  DAPO: one batch of expected informative groups per version. Rollout servers add no
+  lag: each group asks for at least the version current at admission, and a server
+  that is behind pulls it before it generates.
 
 The expected informative yield of a group in flight uses a running estimate of the
 informative rate (kept / decided), so admission adapts as the model gets better.
@@ -60,16 +60,15 @@ class RateEstimator:
 
 
 def staleness_allows(
-    counts: PipelineCounts, rate: float, batch_groups: int, max_staleness: int, lag: int = 0
+    counts: PipelineCounts, rate: float, batch_groups: int, max_staleness: int
 ) -> bool:
-    """True while expected informative work < (max_staleness + 1 - lag) batches.
+    """True while expected informative work < (max_staleness + 1) batches.
 
     A group admitted now lands behind the expected informative work already queued, so it
-    is trained floor(expected / N) versions from now; it is sampled by a rollout server
-    that may still be `lag` versions behind the learner. Both add to its staleness.
+    is trained floor(expected / N) versions from now: that is its staleness.
     """
     expected = counts.queued_informative + counts.undecided * rate
-    return expected < (max_staleness + 1 - lag) * batch_groups
+    return expected < (max_staleness + 1) * batch_groups
 
 
 def backlog_allows(counts: PipelineCounts, max_backlog: int) -> bool:

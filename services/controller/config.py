@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from services.common.server_config import ServerConfig, StrictModel
+from services.common.settings import RoleSettings
 
 
 class DatasetConfig(StrictModel):
@@ -45,9 +46,6 @@ class ControllerConfig(StrictModel):
     dataset: DatasetConfig = Field(default_factory=DatasetConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     apply_chat_template: bool = Field(True, description="Render prompts as a chat turn.")
-    verifier: Literal["default", "dapo", "math_verify", "cascade", "first_integer"] = Field(
-        "default", description="Verifier asked of the reward service; default = its own."
-    )
     max_groups_in_flight: int = Field(64, ge=1, description="Groups generating at once.")
     max_train_backlog: int = Field(
         2048, ge=1, description="Pause admission while `train` holds this many groups."
@@ -62,3 +60,9 @@ class ControllerConfig(StrictModel):
     difficulty_skip_epochs: int = Field(
         1, ge=1, description="Consecutive epochs a prompt may sit out before it is retried."
     )
+
+
+class ControllerSettings(RoleSettings):
+    """The controller's process: shared, security and its own section."""
+
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)

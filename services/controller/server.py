@@ -26,11 +26,11 @@ from prometheus_client import Counter, Gauge, Histogram
 from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
 from services.common.atomic import admit_inflight, publish_inflight
-from services.common.config import DapoConfig
 from services.common.data import PromptRecord
 from services.common.grpc_server import channel
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
+from services.common.ledger import prefixed, read_ledger
 from services.common.registry import discover
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.types import Group
@@ -42,9 +42,9 @@ from services.controller.admission import (
     difficulty_skip,
     staleness_allows,
 )
+from services.controller.config import ControllerSettings
 from services.controller.dataset import Cursor, iterate, load_dataset
 from services.controller.scoring import ScoreBatcher
-from services.ledger import prefixed, read_ledger
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueErr
 class Controller:
     """Feeds prompts through rollout and reward into the `scored` stream."""
 
-    def __init__(self, config: DapoConfig, client: redis.Redis) -> None:
+    def __init__(self, config: ControllerSettings, client: redis.Redis) -> None:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
         self.records = load_dataset(config.controller.dataset, config.shared.seed)
@@ -80,7 +80,9 @@ class Controller:
         self._group_done = threading.Event()  # wakes admission when a slot frees up
         self._calls: set[Any] = set()
         self.scorer = ScoreBatcher(
-            self._score_call, config.reward.max_items, config.reward.server.max_message_bytes // 2
+            self._score_call,
+            config.shared.rpc.max_score_items,
+            config.shared.rpc.max_message_bytes // 2,
         )
 
     # ------------------------------------------------------------------ admission
@@ -124,7 +126,7 @@ class Controller:
         rate = self._rate.update(counts.kept, counts.filtered)
         INFORMATIVE_RATE.set(rate)
         return backlog_allows(counts, cfg.max_train_backlog) and staleness_allows(
-            counts, rate, self.config.learner.train_batch_groups, shared.max_staleness
+            counts, rate, self.config.shared.train_batch_groups, shared.max_staleness
         )
 
     def instances(self, role: str) -> list[dict[str, Any]]:
@@ -175,7 +177,7 @@ class Controller:
     def _stub(self, address: str, kind: str) -> Any:
         key = f"{kind}@{address}"
         if key not in self._stubs:
-            limit = getattr(self.config, kind).server.max_message_bytes
+            limit = self.config.shared.rpc.max_message_bytes
             chan = channel(address, self.config.security, limit)
             factory = (
                 rollout_pb2_grpc.RolloutServiceStub
@@ -209,7 +211,7 @@ class Controller:
         now = time.monotonic()
         with self._lock:
             self._shunned = {a: t for a, t in self._shunned.items() if t > now}
-            self._shunned[address] = now + self.config.rollout.registry_ttl_s
+            self._shunned[address] = now + self.config.shared.registry_ttl_s
 
     def generate(
         self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
@@ -221,7 +223,7 @@ class Controller:
         """
         shared, cfg = self.config.shared, self.config.controller
         request = adapter.generate_request(
-            group_id, record.prompt, shared.group_size, self.config.rollout.sampling,
+            group_id, record.prompt, shared.group_size, self.config.shared.sampling,
             shared.max_response_length, cfg.apply_chat_template, min_version=version,
         )  # fmt: skip
 
@@ -246,7 +248,7 @@ class Controller:
 
     def score(self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event):
         """Rewards from the reward service (a pure function of the request: safe to retry)."""
-        verifier = self.config.controller.verifier
+        verifier = self.config.shared.verifier
         request = adapter.score_request(samples, record.ground_truth, verifier, group_id)
 
         def attempt() -> list:
@@ -396,7 +398,7 @@ class Controller:
         }
 
 
-def create_server(config: DapoConfig, client: redis.Redis) -> tuple[Controller, HttpServer]:
+def create_server(config: ControllerSettings, client: redis.Redis) -> tuple[Controller, HttpServer]:
     controller = Controller(config, client)
     app = create_http_app("controller", status=controller.status, auth=config.security.auth)
     server = config.controller.server

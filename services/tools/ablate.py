@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.config import DapoConfig, build_config, cli_overrides, deep_merge, load_config
+from services.common.config_loader import cli_overrides, deep_merge
 from services.common.errors import DapoError
+from services.tools.config import DapoConfig, build_config, load_config
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ ABLATE_PRESETS: dict[str, dict[str, Any]] = {
             "shared.max_response_length": 6,
             "shared.overlong_buffer_length": 3,
             "controller.dataset.synthetic_task": "mixed",
-            "controller.verifier": "first_integer",
+            "shared.verifier": "first_integer",
             "controller.eval.enabled": False,
             "reward.overlong_punishment": True,
             "learner.overlong_filtering": True,
@@ -173,7 +174,7 @@ class HeldOut:
 
     def __init__(self, config: DapoConfig, n: int) -> None:
         from rollout.engine import SamplingParams
-        from services.evaluate import eval_plan, eval_scorer
+        from services.tools.evaluate import eval_plan, eval_scorer
 
         enabled = config.model_copy(deep=True)
         enabled.controller.eval.enabled = True  # the runs themselves skip it; we do it here
@@ -187,7 +188,7 @@ class HeldOut:
         self.scorer = eval_scorer(num_workers=1)
 
     def accuracy(self, engine: Any) -> float:
-        from services.evaluate import sample_texts, score_correct, summarise
+        from services.tools.evaluate import sample_texts, score_correct, summarise
 
         records = self.plan.records
         texts = sample_texts(engine, records, self.params, self.plan.chat)
@@ -212,7 +213,7 @@ class Curve:
 
 def eval_hook(held_out: HeldOut, engine: Any, curve: Curve, every: int) -> Callable:
     """The launcher's on_step: evaluate the latest weights every `every` steps and at the end."""
-    from services.evaluate import fetch_latest_weights
+    from services.tools.evaluate import fetch_latest_weights
 
     def hook(launch: Any, step: int, done: bool) -> None:
         due = (curve.points[-1][0] if curve.points else 0) + every
@@ -235,7 +236,7 @@ def eval_hook(held_out: HeldOut, engine: Any, curve: Curve, every: int) -> Calla
 def run_one(plan: Plan, held_out: HeldOut, rung: str, seed: int) -> dict[str, Any]:
     """One `dapo up` of a rung and seed; returns its row (curve and report numbers)."""
     from rollout.torch_engine import TorchEngine
-    from services.launcher import ensure_model, launch
+    from services.tools.launcher import ensure_model, launch
 
     config = run_config(plan, rung, seed)
     ensure_model(config)

@@ -1,4 +1,4 @@
-"""The ledger: where every admitted group is, checked against the streams themselves.
+"""The ledger identities: where every admitted group is, checked against the streams themselves.
 
     admitted = in_flight + scored                      (controller)
     scored   = kept + filtered + pending_scored        (buffer)
@@ -12,8 +12,6 @@ pending counts come from the streams' consumer-group state, so a mismatch means 
 
 from __future__ import annotations
 
-import json
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -124,38 +122,3 @@ def read_ledger(client: redis.Redis, run: str) -> Ledger:
 def prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:
     """Counters under `prefix:`, keyed by the rest of their name."""
     return {k.removeprefix(prefix): v for k, v in counters.items() if k.startswith(prefix)}
-
-
-def format_ledger(ledger: Ledger) -> str:
-    rows = [
-        ("admitted", ledger.admitted),
-        ("in flight (controller)", ledger.in_flight),
-        ("scored", ledger.scored),
-        ("pending in `scored`", ledger.pending_scored),
-        ("kept (informative)", ledger.kept),
-        *((f"filtered: {k}", v) for k, v in sorted(ledger.filtered.items())),
-        ("pending in `train`", ledger.pending_train),
-        *((f"dropped: {k}", v) for k, v in sorted(ledger.dropped.items())),
-        ("trained", ledger.trained),
-        ("policy version", ledger.version),
-    ]
-    width = max(len(name) for name, _ in rows)
-    lines = [f"{name:<{width}}  {value}" for name, value in rows]
-    problems = ledger.problems()
-    lines.append("identity holds" if not problems else "MISMATCH: " + "; ".join(problems))
-    return "\n".join(lines)
-
-
-def print_ledger(config, as_json: bool = False) -> int:
-    """`dapo ledger`: print the run's ledger; exit 1 on any mismatch."""
-    from services.common.errors import DapoError
-    from services.common.redis_server import connect_run
-
-    if not config.shared.redis_url:
-        raise DapoError("pass --redis-url (or set shared.redis_url) to read a run's ledger")
-    ledger = read_ledger(connect_run(config), config.shared.run_name)
-    print(json.dumps(ledger.as_dict(), indent=2) if as_json else format_ledger(ledger))
-    if ledger.problems():
-        print("ledger mismatch", file=sys.stderr)
-        return 1
-    return 0

@@ -1,6 +1,6 @@
 """`dapo up`: Redis plus the five services as separate OS processes on this machine.
 
-Each service is `python -m services.cli <role> --config <run>/config.yaml` with ports 0
+Each service is `python -m services.tools.cli <role> --config <run>/config.yaml` with ports 0
 (picked free and printed), registering itself in Redis so the others find it. The
 launcher shows a progress bar from the learner's metrics stream and supervises: a child
 that dies is started again (up to `max_restarts` times) and resumes from the run's state
@@ -24,15 +24,15 @@ from typing import IO, Any
 
 import redis
 
-from services.common.config import DapoConfig, dump_config
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.lifecycle import PARENT_ENV
 from services.common.redis_server import RedisServer, connect, connect_run, start_redis
 from services.common.security import secret_env, without_secrets
-from services.evaluate import eval_plan, run_eval_plan
-from services.ledger import read_ledger
-from services.report import kept_ratios, save_report, summary_lines, write_plots
+from services.tools.config import DapoConfig, dump_config
+from services.tools.evaluate import eval_plan, run_eval_plan
+from services.tools.report import kept_ratios, save_report, summary_lines, write_plots
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class Launch:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", role, "--config", str(self.config_path),
+            [sys.executable, "-m", "services.tools.cli", role, "--config", str(self.config_path),
              *extra],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip

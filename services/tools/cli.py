@@ -12,69 +12,27 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-SERVICES: dict[str, tuple[str, str]] = {
-    # role → (module with run(config), config section holding its server ports)
-    "controller": ("services.controller.__main__", "controller"),
-    "buffer": ("services.buffer.__main__", "buffer"),
-    "rollout": ("rollout.__main__", "rollout"),
-    "reward": ("reward.__main__", "reward"),
-    "learner": ("learner.__main__", "learner"),
+from services.common.entry import add_config_args, add_service_args, flag_overrides
+
+ROLES: dict[str, str] = {
+    # role → its entry module (`python -m <module>` is the same command)
+    "controller": "services.controller.__main__",
+    "buffer": "services.buffer.__main__",
+    "rollout": "rollout.__main__",
+    "reward": "reward.__main__",
+    "learner": "learner.__main__",
 }
-NEEDS_REDIS = {"controller", "buffer", "learner"}
-TORCH_ROLES = {"rollout", "learner"}
 
 
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="F", help="YAML or TOML config file")
-    parser.add_argument("--preset", help="start from a named preset (paper, tiny)")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-        help="override one config value (repeatable)",
-    )  # fmt: skip
+def resolve_config(args: argparse.Namespace) -> Any:
+    """The whole run's DapoConfig from preset, file, env and this invocation's flags."""
+    from services.tools.config import load_config
 
-
-def add_service_args(parser: argparse.ArgumentParser) -> None:
-    add_config_args(parser)
-    parser.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6379/0")
-    parser.add_argument("--grpc-port", type=int, help="gRPC port (0 = pick a free one)")
-    parser.add_argument("--http-port", type=int, help="HTTP port (0 = pick a free one)")
-
-
-def resolve_config(args: argparse.Namespace, section: str | None = None) -> Any:
-    """Build the DapoConfig from preset, file, env and the flags of this invocation."""
-    from services.common.config import load_config
-
-    overrides = list(args.overrides)
-    if getattr(args, "redis_url", None):
-        overrides.append(f"shared.redis_url={args.redis_url}")
-    for flag in ("grpc_port", "http_port"):
-        value = getattr(args, flag, None)
-        if value is not None and section is not None:
-            overrides.append(f"{section}.server.{flag}={value}")
-    return load_config(args.config, preset=args.preset, overrides=overrides)
-
-
-def run_service(role: str, args: argparse.Namespace) -> int:
-    from services.common.errors import DapoError
-    from services.common.lifecycle import exit_with_parent
-    from services.common.logs import setup_logging
-
-    module, section = SERVICES[role]
-    config = resolve_config(args, section)
-    if role in NEEDS_REDIS and not config.shared.redis_url:
-        raise DapoError(f"{role} needs Redis: pass --redis-url or set shared.redis_url")
-    setup_logging(role)
-    exit_with_parent()
-    if config.shared.torch_threads and role in TORCH_ROLES:
-        import torch
-
-        torch.set_num_threads(config.shared.torch_threads)
-    importlib.import_module(module).run(config)
-    return 0
+    return load_config(args.config, preset=args.preset, overrides=flag_overrides(args, None))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from services.common.config import dump_config
+    from services.tools.config import dump_config
 
     print(dump_config(resolve_config(args), args.format), end="")
     return 0
@@ -91,7 +49,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher import launch
+    from services.tools.launcher import launch
 
     return launch(
         resolve_config(args), run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts
@@ -99,7 +57,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from services.ablate import make_plan, run_ablation
+    from services.tools.ablate import make_plan, run_ablation
 
     rungs = args.rungs.split(",") if args.rungs else None
     plan = make_plan(
@@ -110,19 +68,19 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    from services.ledger import print_ledger
+    from services.tools.ledger import print_ledger
 
     return print_ledger(resolve_config(args), as_json=args.json)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from services.bench import run_benchmark
+    from services.tools.bench import run_benchmark
 
     return run_benchmark(args.name, args.args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from services.evaluate import run_eval
+    from services.tools.evaluate import run_eval
 
     return run_eval(args)
 
@@ -132,10 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dapo", description="DAPO reinforcement learning as a set of services."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for role in SERVICES:
-        p = sub.add_parser(role, help=f"run the {role} service")
-        add_service_args(p)
-        p.set_defaults(func=lambda a, r=role: run_service(r, a))
+    for role in ROLES:
+        sub.add_parser(role, help=f"run the {role} service (`dapo {role} --help`)", add_help=False)
 
     p = sub.add_parser("up", help="start Redis and every service locally and train")
     add_service_args(p)
@@ -197,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ROLES:  # one path for `dapo <role>` and `python -m <role>`
+        return int(importlib.import_module(ROLES[argv[0]]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     from services.common.errors import DapoError

@@ -84,7 +84,7 @@ def score_correct(
 def eval_scorer(num_workers: int | None = None) -> Any:
     """A reward scorer for evaluations: correctness only (no overlong shaping)."""
     from reward.server import create_scorer
-    from services.common.config import load_config
+    from services.tools.config import load_config
 
     overrides = ["reward.overlong_punishment=false"]
     if num_workers is not None:
@@ -178,7 +178,7 @@ def eval_plan(config: Any) -> EvalPlan | None:
         data = f"synthetic:{dataset.synthetic_task}"
     if data is None:
         return None
-    verifier = config.controller.verifier
+    verifier = config.shared.verifier
     return EvalPlan(
         records=load_eval_data(data, cfg.limit),
         n=cfg.n,
@@ -203,7 +203,7 @@ def fetch_latest_weights(config: Any, engine: Any) -> None:
     if not learners:
         raise DapoError("no learner registered: cannot fetch the final weights")
     channel = grpc_channel(
-        learners[0]["address"], config.security, config.learner.server.max_message_bytes
+        learners[0]["address"], config.security, config.shared.rpc.max_message_bytes
     )
     try:
         _, buckets = fetch_buckets(WeightStub(channel), learners[0]["address"], config)
