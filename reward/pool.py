@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
 
 from reward.verifiers import Verdict
@@ -134,7 +135,11 @@ class VerifierPool:
         self.num_workers = num_workers or default_num_workers()
         self.timeout_s = timeout_s
         self.soft_timeout_s = soft_timeout_s
-        self._ctx = mp.get_context(start_method)
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be forkserver or spawn, not {start_method!r}")
+        self._ctx: SpawnContext | ForkServerContext = (
+            mp.get_context("spawn") if start_method == "spawn" else mp.get_context("forkserver")
+        )
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(PRELOAD)
         self._on_restart = on_restart or (lambda reason: None)
@@ -259,7 +264,8 @@ class VerifierPool:
     def _take_chunk(self) -> list[_Job]:
         """The next chunk from the front of the queue (empty when the queue is)."""
         with self._lock:
-            size, chunk, nbytes = chunk_size(len(self._queue), self.num_workers), [], 0
+            chunk: list[_Job] = []
+            size, nbytes = chunk_size(len(self._queue), self.num_workers), 0
             while self._queue and len(chunk) < size:
                 nbytes += len(self._queue[0].payload)
                 if chunk and nbytes > MAX_CHUNK_BYTES:

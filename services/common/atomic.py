@@ -17,6 +17,7 @@ chunk atomic with its own counters, which keeps the ledger exact).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import redis
 
@@ -117,7 +118,8 @@ def _ack_then(
     names: list[str],
     out_stream: str | None,
     fields: Fields | None,
-) -> object:
+) -> Any:
+    """Run the ack-then script: an int reply, or a pipeline when queued on one."""
     args = [group, len(ids), *ids, len(names), *names]
     if out_stream is not None and fields:
         args += _flat(fields)

@@ -46,8 +46,8 @@ def deep_merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any
 
 def nested(path: Sequence[str], value: Any) -> dict[str, Any]:
     """`["a", "b"], 1` → `{"a": {"b": 1}}`."""
-    out: Any = value
-    for key in reversed(path):
+    out: dict[str, Any] = {path[-1]: value} if path else {}
+    for key in reversed(path[:-1]):
         out = {key: out}
     return out
 
@@ -167,4 +167,4 @@ def dump_settings(config: BaseModel, fmt: str = "yaml") -> str:
         shared["redis_url"] = redact_url(shared["redis_url"])
     if fmt == "json":
         return json.dumps(data, indent=2)
-    return yaml.safe_dump(data, sort_keys=False)
+    return str(yaml.safe_dump(data, sort_keys=False))

@@ -35,7 +35,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (metadata `authorization: Bearer …`)"
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int | str]]:
     """Channel/server options bounding message sizes in both directions."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -244,9 +244,9 @@ def start_grpc_server(
         options=[*grpc_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         interceptors=[TokenInterceptor(security.auth, token)] if token else None,
     )
-    add_servicers(StrictServer(server))  # type: ignore[arg-type]
+    add_servicers(StrictServer(server))
     health_servicer = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, StrictServer(server))  # type: ignore[arg-type]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, StrictServer(server))
     for name in ("", *service_names):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     address = f"{cfg.host}:{cfg.grpc_port}"

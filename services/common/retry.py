@@ -53,7 +53,7 @@ class Backoff:
 def retryable_rpc(exc: BaseException) -> bool:
     """A gRPC error worth retrying (server gone, overloaded, too slow), or no server at all."""
     if isinstance(exc, grpc.RpcError):
-        return exc.code() in RETRYABLE_CODES  # type: ignore[attr-defined]
+        return exc.code() in RETRYABLE_CODES
     return isinstance(exc, ConnectionError)
 
 

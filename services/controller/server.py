@@ -333,17 +333,28 @@ class Controller:
 
     def publish(self, group: Group) -> None:
         """Leave `inflight` and append to `scored`, atomically and once per group id."""
-        fields = {"group": encode_group(group), "group_id": group.group_id}
+        fields: dict[str, bytes | str] = {
+            "group": encode_group(group),
+            "group_id": group.group_id,
+        }
         k = self.keys
         if publish_inflight(self.client, k.inflight, k.scored, k.ledger, group.group_id, fields):
             SCORED.inc()
 
     # ------------------------------------------------------------------ main loop
-    def _submit(self, pool: ThreadPoolExecutor, stop: threading.Event, *args: Any) -> None:
+    def _submit(
+        self,
+        pool: ThreadPoolExecutor,
+        stop: threading.Event,
+        group_id: str,
+        record: PromptRecord,
+        epoch: int,
+        version: int,
+    ) -> None:
         with self._lock:
             self._inflight += 1
             INFLIGHT.set(self._inflight)
-        pool.submit(self.process, *args, stop)
+        pool.submit(self.process, group_id, record, epoch, version, stop)
 
     def resume_inflight(self, pool: ThreadPoolExecutor, stop: threading.Event) -> int:
         """Re-run groups a previous controller admitted but never published."""

@@ -240,6 +240,7 @@ def run_one(plan: Plan, held_out: HeldOut, rung: str, seed: int) -> dict[str, An
 
     config = run_config(plan, rung, seed)
     ensure_model(config)
+    assert config.model_path, "ensure_model sets the model path"
     engine = TorchEngine(config.model_path)
     curve = Curve([(0, held_out.accuracy(engine))])  # the initial model: step 0
     run_dir = plan.out_dir / rung / f"seed{seed}"
