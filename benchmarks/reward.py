@@ -90,7 +90,7 @@ def start_service(workers: int) -> Any:
     config = DapoConfig.model_validate(
         {"reward": {"num_workers": workers, "server": {"grpc_port": 0, "http_port": 0}}}
     )
-    server = create_server(config)
+    server = create_server(config).start()
     if not server.scorer.pool.wait_ready(120):
         server.stop()
         raise RuntimeError("reward workers did not start")

@@ -203,7 +203,7 @@ def start(workers: int, timeout_s: float) -> Any:
         "num_workers": workers, "timeout_s": timeout_s,
         "server": {"grpc_port": 0, "http_port": 0},
     }})  # fmt: skip
-    server = create_server(config)
+    server = create_server(config).start()
     if not server.scorer.pool.wait_ready(120):
         raise RuntimeError("reward workers did not start")
     return server

@@ -1,4 +1,5 @@
-"""`dapo reward`: the reward/verification service (gRPC + HTTP), until SIGINT/SIGTERM."""
+"""`dapo reward`: the reward/verification service (gRPC + HTTP), until SIGINT/SIGTERM
+or the end of the run."""
 
 from __future__ import annotations
 
@@ -7,28 +8,13 @@ from collections.abc import Sequence
 
 from reward.config import RewardSettings
 from services.common.entry import role_main
-from services.common.lifecycle import (
-    announce,
-    register_service,
-    stop_event_on_signals,
-    wait_until_stopped,
-)
+from services.common.service import serve
 
 
 def run(config: RewardSettings) -> None:
-    """Serve until a signal, printing the bound ports, then stop the workers cleanly."""
     from reward.server import create_server
 
-    stop = stop_event_on_signals()
-    server = create_server(config)
-    announce("reward", grpc=server.grpc_port, http=server.http_port)
-    registration = register_service(config, "reward", config.reward.server.host, server.grpc_port)
-    try:
-        wait_until_stopped(stop, registration)
-    finally:
-        if registration is not None:
-            registration.stop()
-        server.stop()
+    serve("reward", create_server(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """The reward service: gRPC `dapo.v1.RewardService` plus the HTTP API, around one pool.
 
-`create_server(config)` builds and starts everything on the configured ports (0 = free
-ones) and returns a handle, so tests run it in-process; nothing lives in globals except
-the Prometheus metrics (see reward.metrics).
+`create_server(config).start()` starts everything on the configured ports (0 = free
+ones) and returns the handle, so tests run it in-process; nothing lives in globals
+except the Prometheus metrics (see reward.metrics).
 
 The gRPC method is registered with a raw-bytes deserializer: a request that protobuf
 cannot decode (for example invalid UTF-8 in a string field, which another language's
@@ -11,7 +11,7 @@ client can send) gets INVALID_ARGUMENT with the reason, not an opaque INTERNAL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
 
 import grpc
 from fastapi import FastAPI
@@ -25,7 +25,10 @@ from reward.scoring import Limits, RequestError, Scorer
 from reward.shaping import OverlongShaping
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http, token_guard
+from services.common.redis_server import connect_run
+from services.common.registry import Registration
 from services.common.security import AuthConfig
+from services.common.service import register, run_is_done
 
 SERVICE_NAME = "dapo.v1.RewardService"
 
@@ -91,45 +94,72 @@ def create_app(scorer: Scorer, max_request_bytes: int, auth: AuthConfig | None =
     return app
 
 
-@dataclass
 class RewardServer:
-    """A running reward service; `stop()` shuts down HTTP, gRPC and the workers."""
+    """The reward service as a `Service`: `start()` starts the pool, gRPC, HTTP and (with
+    Redis) the registration; `stop()` shuts all of them down."""
 
-    scorer: Scorer
-    grpc_server: grpc.Server
-    grpc_port: int
-    http: HttpServer
+    def __init__(self, config: RewardSettings) -> None:
+        self.config = config
+        self._scorer: Scorer | None = None
+        self.grpc_server: grpc.Server | None = None
+        self.grpc_port = 0
+        self.http: HttpServer | None = None
+        self.registration: Registration | None = None
+
+    @property
+    def scorer(self) -> Scorer:
+        assert self._scorer is not None, "start() the server first"
+        return self._scorer
 
     @property
     def http_port(self) -> int:
-        return self.http.port
+        return self.http.port if self.http else 0
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"grpc": self.grpc_port, "http": self.http_port}
+
+    def start(self) -> RewardServer:
+        """Start everything on the configured ports; on any failure stop what started."""
+        config, cfg = self.config, self.config.reward
+        self._scorer = create_scorer(config)
+        try:
+            self.grpc_server, self.grpc_port = start_grpc_server(
+                cfg.server,
+                RewardServicer(self.scorer).register,
+                [SERVICE_NAME],
+                security=config.security,
+                max_message_bytes=config.shared.rpc.max_message_bytes,
+            )
+            app = create_app(self.scorer, cfg.max_request_bytes, config.security.auth)
+            self.http = serve_http(app, cfg.server.host, cfg.server.http_port)
+            if config.shared.redis_url:
+                client = connect_run(config)
+                self.registration = register(
+                    client, config, "reward", cfg.server.host, self.grpc_port
+                )
+        except BaseException:
+            self.stop(0)
+            raise
+        return self
+
+    def wait(self, stop: threading.Event) -> None:
+        """Serve until a signal, or until the run's learner marked the run done."""
+        while not stop.wait(0.5):
+            if self.registration and run_is_done(self.registration.client, self.config):
+                return
 
     def stop(self, grace_s: float = 2.0) -> None:
-        self.http.stop()
-        self.grpc_server.stop(grace_s).wait()
-        self.scorer.pool.close()
+        if self.registration is not None:
+            self.registration.stop()
+        if self.http is not None:
+            self.http.stop()
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace_s).wait()
+        if self._scorer is not None:
+            self._scorer.pool.close()
 
 
 def create_server(config: RewardSettings) -> RewardServer:
-    """Start the pool, the gRPC server and the HTTP server on the configured ports."""
-    scorer = create_scorer(config)
-    cfg = config.reward
-    try:
-        servicer = RewardServicer(scorer)
-        grpc_server, grpc_port = start_grpc_server(
-            cfg.server,
-            servicer.register,
-            [SERVICE_NAME],
-            security=config.security,
-            max_message_bytes=config.shared.rpc.max_message_bytes,
-        )
-        try:
-            app = create_app(scorer, cfg.max_request_bytes, config.security.auth)
-            http = serve_http(app, cfg.server.host, cfg.server.http_port)
-        except BaseException:
-            grpc_server.stop(0)
-            raise
-    except BaseException:
-        scorer.pool.close()
-        raise
-    return RewardServer(scorer, grpc_server, grpc_port, http)
+    """The reward service on the configured ports (0 = free ones), not yet started."""
+    return RewardServer(config)

@@ -63,7 +63,7 @@ def reward_server() -> Iterator[RewardServer]:
         {"reward": {"num_workers": 1, "max_response_chars": 64,
                     "server": {"grpc_port": 0, "http_port": 0}}}
     )  # fmt: skip
-    server = create_server(config)
+    server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60), "verifier workers did not start"
     yield server
     server.stop()

@@ -57,7 +57,7 @@ def server() -> Iterator[RewardServer]:
             },
         }
     )
-    server = create_server(config)
+    server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60)
     yield server
     server.stop()

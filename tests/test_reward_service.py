@@ -45,7 +45,7 @@ def server() -> Iterator[RewardServer]:
             },
         }
     )
-    server = create_server(config)
+    server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60), "verifier workers did not start"
     yield server
     server.stop()

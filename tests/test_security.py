@@ -319,7 +319,7 @@ def secured_reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
             },
         }
     )  # fmt: skip
-    server = create_server(config)
+    server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60)
     yield server, pki
     server.stop()

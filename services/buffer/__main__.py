@@ -7,20 +7,13 @@ from collections.abc import Sequence
 
 from services.buffer.config import BufferSettings
 from services.common.entry import role_main
-from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect_run
+from services.common.service import serve
 
 
 def run(config: BufferSettings) -> None:
     from services.buffer.server import create_server
 
-    stop = stop_event_on_signals()
-    buffer, http = create_server(config, connect_run(config))
-    announce("buffer", http=http.port)
-    try:
-        buffer.run(stop)
-    finally:
-        http.stop()
+    serve("buffer", create_server(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,9 +22,10 @@ from prometheus_client import Counter, Gauge
 from services.buffer.config import BufferSettings
 from services.buffer.filters import FilterDecision, decide
 from services.common.adapters import decode_group
-from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.ledger import LEARNER_GROUP
+from services.common.redis_server import connect_run
+from services.common.service import LoopServer
 from services.common.streams import Entry, StreamConsumer, forward_and_ack, trim_acked
 
 log = logging.getLogger(__name__)
@@ -141,8 +142,7 @@ class Buffer:
         return {"decisions": dict(self.counts), "version": self.current_version()}
 
 
-def create_server(config: BufferSettings, client: redis.Redis) -> tuple[Buffer, HttpServer]:
-    """The buffer plus its HTTP endpoints (not yet consuming: call buffer.run)."""
-    buffer = Buffer(config, client)
-    app = create_http_app("buffer", status=buffer.status, auth=config.security.auth)
-    return buffer, serve_http(app, config.buffer.server.host, config.buffer.server.http_port)
+def create_server(config: BufferSettings, client: redis.Redis | None = None) -> LoopServer:
+    """The buffer and its HTTP endpoints (start() serves them, wait() consumes `scored`)."""
+    buffer = Buffer(config, client or connect_run(config))
+    return LoopServer("buffer", buffer, config.buffer.server, config.security.auth)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
 
 PARENT_ENV = "DAPO_PARENT_PID"
 
@@ -57,27 +56,3 @@ def advertised_address(host: str, port: int) -> str:
     import socket
 
     return f"{socket.gethostname() if host in ('0.0.0.0', '::') else host}:{port}"
-
-
-def register_service(config: Any, role: str, host: str, grpc_port: int) -> Any:
-    """Announce a service in the run's Redis registry (None when there is no Redis)."""
-    if not config.shared.redis_url:
-        return None
-    import uuid
-
-    from services.common.keys import RunKeys
-    from services.common.redis_server import connect_run
-    from services.common.registry import Registration
-
-    client = connect_run(config)
-    return Registration(
-        client, RunKeys(config.shared.run_name), role, f"{role}-{uuid.uuid4().hex[:8]}",
-        {"address": advertised_address(host, grpc_port), "ready": True},
-    ).start()  # fmt: skip
-
-
-def wait_until_stopped(stop: threading.Event, registration: Any, poll_s: float = 0.5) -> None:
-    """Block until a signal, or until the run's learner marked the run done."""
-    while not stop.wait(poll_s):
-        if registration is not None and registration.client.exists(registration.keys.done):
-            return

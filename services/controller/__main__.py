@@ -6,21 +6,14 @@ import sys
 from collections.abc import Sequence
 
 from services.common.entry import role_main
-from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect_run
+from services.common.service import serve
 from services.controller.config import ControllerSettings
 
 
 def run(config: ControllerSettings) -> None:
     from services.controller.server import create_server
 
-    stop = stop_event_on_signals()
-    controller, http = create_server(config, connect_run(config))
-    announce("controller", http=http.port)
-    try:
-        controller.run(stop)
-    finally:
-        http.stop()
+    serve("controller", create_server(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

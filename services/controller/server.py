@@ -28,11 +28,12 @@ from services.common.adapters import encode_group
 from services.common.atomic import admit_inflight, publish_inflight
 from services.common.data import PromptRecord
 from services.common.grpc_server import channel
-from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.ledger import prefixed, read_ledger
+from services.common.redis_server import connect_run
 from services.common.registry import discover
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry
+from services.common.service import LoopServer
 from services.common.types import Group
 from services.controller import adapter
 from services.controller.admission import (
@@ -409,8 +410,7 @@ class Controller:
         }
 
 
-def create_server(config: ControllerSettings, client: redis.Redis) -> tuple[Controller, HttpServer]:
-    controller = Controller(config, client)
-    app = create_http_app("controller", status=controller.status, auth=config.security.auth)
-    server = config.controller.server
-    return controller, serve_http(app, server.host, server.http_port)
+def create_server(config: ControllerSettings, client: redis.Redis | None = None) -> LoopServer:
+    """The controller and its HTTP endpoints (start() serves them, wait() runs the loop)."""
+    controller = Controller(config, client or connect_run(config))
+    return LoopServer("controller", controller, config.controller.server, config.security.auth)
