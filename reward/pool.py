@@ -26,99 +26,35 @@ is ready in milliseconds instead of a second of imports.
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing as mp
-import os
 import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from multiprocessing.context import ForkServerContext, SpawnContext
-from typing import Any
 
-from reward.verifiers import Verdict
-from reward.worker import MAX_CHUNK_ITEMS as _INDEX_LIMIT
-from reward.worker import Progress, decode_reply, encode_chunk, encode_task, worker_main
+from reward.jobs import (
+    MAX_CHUNK_BYTES,
+    MAX_DEATHS,
+    Job,
+    Outcome,
+    Task,
+    Worker,
+    chunk_size,
+    default_num_workers,
+    fail_all,
+    failed,
+    job_for,
+)
+from reward.worker import Progress, decode_reply, encode_chunk, worker_main
 
 log = logging.getLogger(__name__)
 
 PRELOAD = ["reward.verifiers", "reward.preload", "reward.worker"]
-MAX_DEATHS = 2  # a job that kills this many workers is answered with an error
-CHUNK_SPREAD = 2  # a chunk is at most 1/(CHUNK_SPREAD x workers) of the queue
-MAX_CHUNK_ITEMS = min(64, _INDEX_LIMIT)
-MAX_CHUNK_BYTES = 256 * 1024  # a bigger single item still goes, alone
 STARTUP_FAILURES_BEFORE_GIVING_UP = 5
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A verdict plus how long the worker spent on it and whether it was killed."""
-
-    verdict: Verdict
-    seconds: float
-    timed_out: bool = False
-
-
-@dataclass(frozen=True)
-class Task:
-    """One verification to run: which verifier, on what."""
-
-    verifier: str
-    response: str
-    ground_truth: str
-
-
-@dataclass
-class _Job:
-    task: Task
-    payload: bytes  # the task as a chunk element, encoded once
-    future: Future[Outcome] = field(default_factory=Future)
-    deaths: int = 0  # workers that died while verifying this job
-
-
-def _job(task: Task) -> _Job:
-    return _Job(task, encode_task(task.verifier, task.response, task.ground_truth))
-
-
-@dataclass
-class _Worker:
-    """One process and the chunk it holds: `jobs` are its items not yet answered."""
-
-    process: Any  # a multiprocessing Process of the pool's context
-    conn: Connection
-    progress: Progress
-    ready: bool = False
-    jobs: deque[_Job] = field(default_factory=deque)
-    answered: int = 0  # items of the current chunk already answered
-    sent_at: float = 0.0  # when the current chunk was sent
-    heard_at: float = 0.0  # when its last results (or the chunk itself) arrived
-
-    def current(self) -> tuple[int, float]:
-        """(position in `jobs`, start time) of the item the worker is verifying now.
-
-        A mark older than the chunk is the previous chunk's; a mark of an answered item
-        means the next one is about to start: both count from when we last heard."""
-        index, started = self.progress.read()
-        if started < self.sent_at or index < self.answered:
-            return 0, self.heard_at
-        return index - self.answered, started
-
-
-def default_num_workers() -> int:
-    """The CPUs this process may run on (cgroup/affinity aware where the OS says)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def chunk_size(queued: int, num_workers: int) -> int:
-    """Guided self-scheduling: big chunks while the queue is long, single items at its end."""
-    return max(1, min(MAX_CHUNK_ITEMS, math.ceil(queued / (CHUNK_SPREAD * num_workers))))
 
 
 class VerifierPool:
@@ -143,11 +79,11 @@ class VerifierPool:
         if start_method == "forkserver":
             self._ctx.set_forkserver_preload(PRELOAD)
         self._on_restart = on_restart or (lambda reason: None)
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._closed = threading.Event()
         self._startup_failures = 0  # consecutive workers that died before becoming ready
         self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
@@ -186,9 +122,9 @@ class VerifierPool:
 
     def submit_all(self, tasks: Sequence[Task]) -> list[Future[Outcome]]:
         """Queue tasks in one go (one lock, one wake-up); futures in input order."""
-        jobs = [_job(task) for task in tasks]
+        jobs = [job_for(task) for task in tasks]
         if self._closed.is_set():
-            _fail_all(jobs, "reward pool is shut down")
+            fail_all(jobs, "reward pool is shut down")
         else:
             with self._lock:
                 self._queue.extend(jobs)
@@ -207,11 +143,11 @@ class VerifierPool:
             self._thread.join(timeout=10)
         for worker in list(self._workers):
             self._stop_worker(worker)
-            _fail_all(worker.jobs, "reward pool is shut down")
+            fail_all(worker.jobs, "reward pool is shut down")
         self._workers.clear()
         with self._lock:
             pending, self._queue = list(self._queue), deque()
-        _fail_all(pending, "reward pool is shut down")
+        fail_all(pending, "reward pool is shut down")
         self._wake_r.close()
         self._wake_w.close()
 
@@ -258,13 +194,13 @@ class VerifierPool:
         except (BlockingIOError, OSError):
             pass
 
-    def _by_conn(self, conn: object) -> _Worker | None:
+    def _by_conn(self, conn: object) -> Worker | None:
         return next((w for w in self._workers if w.conn is conn), None)
 
-    def _take_chunk(self) -> list[_Job]:
+    def _take_chunk(self) -> list[Job]:
         """The next chunk from the front of the queue (empty when the queue is)."""
         with self._lock:
-            chunk: list[_Job] = []
+            chunk: list[Job] = []
             size, nbytes = chunk_size(len(self._queue), self.num_workers), 0
             while self._queue and len(chunk) < size:
                 nbytes += len(self._queue[0].payload)
@@ -283,7 +219,7 @@ class VerifierPool:
                 return
             self._send(worker, chunk)
 
-    def _send(self, worker: _Worker, chunk: list[_Job]) -> None:
+    def _send(self, worker: Worker, chunk: list[Job]) -> None:
         worker.jobs.extend(chunk)
         worker.answered = 0
         worker.sent_at = worker.heard_at = time.monotonic()
@@ -293,7 +229,7 @@ class VerifierPool:
         except OSError:  # it died: let _worker_died requeue (or fail) what it held
             self._worker_died(worker)
 
-    def _receive(self, worker: _Worker | None) -> None:
+    def _receive(self, worker: Worker | None) -> None:
         if worker is None:
             return
         try:
@@ -312,7 +248,7 @@ class VerifierPool:
             worker.answered += 1
             worker.jobs.popleft().future.set_result(Outcome(verdict, seconds))
 
-    def _take_back(self, worker: _Worker) -> _Job | None:
+    def _take_back(self, worker: Worker) -> Job | None:
         """Empty the worker: its current item is returned, every other unanswered item
         goes back to the front of the queue in order (nothing is lost)."""
         if not worker.jobs:
@@ -325,7 +261,7 @@ class VerifierPool:
             self._queue.extendleft(reversed(jobs))
         return culprit
 
-    def _worker_died(self, worker: _Worker) -> None:
+    def _worker_died(self, worker: Worker) -> None:
         code, elapsed = worker.process.exitcode, time.monotonic() - worker.current()[1]
         job = self._take_back(worker)
         self._replace(worker, "died")
@@ -337,7 +273,7 @@ class VerifierPool:
                 self._queue.appendleft(job)
             return
         reason = f"verifier worker died (exit code {code}) on this item {job.deaths} times"
-        job.future.set_result(_failed(job.task, reason, elapsed))
+        job.future.set_result(failed(job.task, reason, elapsed))
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
@@ -350,13 +286,13 @@ class VerifierPool:
             job = self._take_back(worker)
             assert job is not None
             message = f"timeout: verification exceeded timeout_s={self.timeout_s:g}; worker killed"
-            outcome = _failed(job.task, message, now - started, timed_out=True)
+            outcome = failed(job.task, message, now - started, timed_out=True)
             self._replace(worker, "timeout")
             job.future.set_result(outcome)
 
     # -- worker processes ---------------------------------------------------------
 
-    def _spawn(self) -> _Worker:
+    def _spawn(self) -> Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         progress = self._ctx.RawArray("q", 1)
         process = self._ctx.Process(
@@ -367,9 +303,9 @@ class VerifierPool:
         process.daemon = True
         process.start()
         child.close()
-        return _Worker(process, parent, Progress(progress))
+        return Worker(process, parent, Progress(progress))
 
-    def _replace(self, worker: _Worker, reason: str) -> None:
+    def _replace(self, worker: Worker, reason: str) -> None:
         """Kill one worker and put a fresh one in its slot (once, however often called)."""
         was_ready = worker.ready
         self._stop_worker(worker)
@@ -391,24 +327,13 @@ class VerifierPool:
         if self._startup_failures >= STARTUP_FAILURES_BEFORE_GIVING_UP:
             with self._lock:
                 waiting, self._queue = list(self._queue), deque()
-            _fail_all(waiting, f"verifier workers cannot start (exit code {exitcode})")
+            fail_all(waiting, f"verifier workers cannot start (exit code {exitcode})")
         self._closed.wait(min(0.05 * 2**self._startup_failures, 5.0))
 
     @staticmethod
-    def _stop_worker(worker: _Worker) -> None:
+    def _stop_worker(worker: Worker) -> None:
         worker.ready = False  # nothing more is sent to it
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join(timeout=5)
         worker.conn.close()
-
-
-def _failed(task: Task, error: str, seconds: float = 0.0, timed_out: bool = False) -> Outcome:
-    """The wrong-answer outcome that stands in for a failed verification."""
-    return Outcome(Verdict(False, "", task.verifier, error), seconds, timed_out)
-
-
-def _fail_all(jobs: Iterable[_Job], error: str) -> None:
-    for job in jobs:
-        if not job.future.done():
-            job.future.set_result(_failed(job.task, error))

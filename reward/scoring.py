@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reward import metrics
-from reward.pool import Outcome, Task, VerifierPool
+from reward.jobs import Outcome, Task
+from reward.pool import VerifierPool
 from reward.shaping import OverlongShaping, is_overlong
 
 CORRECT_REWARD = 1.0

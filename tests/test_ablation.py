@@ -25,17 +25,15 @@ from services.common.data import SYNTHETIC_TASKS, synthetic_records
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.types import Group, Sample
-from services.tools.ablate import (
+from services.tools.ablation_plan import (
     RUNG_NAMES,
     TECHNIQUES,
     Plan,
-    grid_curve,
     make_plan,
     run_config,
     rung_overrides,
-    steps_to,
-    summarise_rung,
 )
+from services.tools.ablation_table import grid_curve, steps_to, summarise_rung
 from services.tools.config import DapoConfig
 from tests.learner_fixtures import make_groups
 

@@ -19,6 +19,7 @@ from services.common.net import free_port
 from services.common.registry import Registration
 from services.controller import adapter
 from services.controller.dataset import Cursor
+from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import Controller
 from services.tools.config import DapoConfig, load_config
@@ -168,6 +169,11 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     assert request.min_version == 7
 
 
+def pick(router: Router) -> str | None:
+    with router.rollout() as address:
+        return address
+
+
 def test_a_rollout_server_that_answered_unavailable_is_routed_around(
     redis_client: redis.Redis,
 ) -> None:
@@ -181,22 +187,22 @@ def test_a_rollout_server_that_answered_unavailable_is_routed_around(
     ]
     for entry in entries:
         entry.refresh()  # no heartbeat thread: the entries live 5 s, enough for this test
-    c._load[live] += 3  # the live one is busy: load alone would pick the dead one
-    assert c.pick_rollout() == dead
-    c._load[dead] -= 1
+    router = c.router
+    router._load[live] += 3  # the live one is busy: load alone would pick the dead one
+    assert pick(router) == dead
     stop = threading.Event()
     worker = threading.Thread(target=c.generate, args=("g", c.records[0], 0, stop))
     worker.start()  # its first call goes to the dead server and fails with UNAVAILABLE
     deadline = time.monotonic() + 20
-    while dead not in c._shunned and time.monotonic() < deadline:
+    while dead not in router._shunned and time.monotonic() < deadline:
         time.sleep(0.01)
     stop.set()
     worker.join(timeout=20)
-    assert dead in c._shunned
-    c._shunned.pop(live, None)  # a retry may have reached the stand-in "live" address
+    assert dead in router._shunned
+    router._shunned.pop(live, None)  # a retry may have reached the stand-in "live" address
     for entry in entries:
         entry.refresh()
-    picks = {c.pick_rollout() for _ in range(5)}
-    assert picks == {live}  # despite its load
-    c._shunned[live] = time.monotonic() + 60  # every server shunned: still route somewhere
-    assert c.pick_rollout() in (dead, live)
+    assert {pick(router) for _ in range(5)} == {live}  # despite its load
+    router._shunned[live] = time.monotonic() + 60  # every server shunned: still route somewhere
+    assert pick(router) in (dead, live)
+    assert router._load == {live: 3, dead: 0}  # every pick was released

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from reward.pool import MAX_CHUNK_ITEMS, Task, VerifierPool, chunk_size
+from reward.jobs import MAX_CHUNK_ITEMS, Task, chunk_size
+from reward.pool import VerifierPool
 from reward.worker import Progress
 
 HARD_TIMEOUT_S = 1.5

@@ -18,7 +18,7 @@ tokens long, and each answer is a short digit string a first-integer verifier ca
 A *mix* joins tasks whose prompts cannot be confused (different arities): `mixed` is
 max3 plus copy2, i.e. prompts of mixed difficulty (a one-digit answer most of the time,
 a two-digit one the tiny model rarely gets right at first) and answers of varied length.
-The ablation ladder (services/tools/ablate.py) trains on it. Each part keeps its own fixed
+The ablation ladder (services/tools/ablation_plan.py) trains on it. Each part keeps its own fixed
 train/test split, so a mix's splits never share a prompt either.
 """
 

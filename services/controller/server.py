@@ -31,7 +31,6 @@ from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.ledger import prefixed, read_ledger
 from services.common.redis_server import connect_run
-from services.common.registry import discover
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.service import LoopServer
 from services.common.types import Group
@@ -45,6 +44,7 @@ from services.controller.admission import (
 )
 from services.controller.config import ControllerSettings
 from services.controller.dataset import Cursor, iterate, load_dataset
+from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
 
 log = logging.getLogger(__name__)
@@ -72,12 +72,10 @@ class Controller:
         self.by_id = {r.prompt_id: r for r in self.records}
         self._lock = threading.Lock()
         self._inflight = 0
-        self._load: Tally[str] = Tally()
-        self._shunned: dict[str, float] = {}  # rollout address -> monotonic time it may return
         self._stubs: dict[str, Any] = {}
         self._rate = RateEstimator()
         self._skips: Tally[str] = Tally()
-        self._registry: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+        self.router = Router(client, self.keys, config.shared.registry_ttl_s)
         self._group_done = threading.Event()  # wakes admission when a slot frees up
         self._calls: set[Any] = set()
         self.scorer = ScoreBatcher(
@@ -130,19 +128,6 @@ class Controller:
             counts, rate, self.config.shared.train_batch_groups, shared.max_staleness
         )
 
-    def instances(self, role: str) -> list[dict[str, Any]]:
-        """Registered instances of a role, re-read from Redis at most every 50 ms.
-
-        Every admission check and every group asks; a SCAN each time would put Redis
-        round trips on the hot path for no fresher answer than the heartbeats give.
-        """
-        now = time.monotonic()
-        cached = self._registry.get(role)
-        if cached is None or now - cached[0] > 0.05:
-            cached = (now, discover(self.client, self.keys, role))
-            self._registry[role] = cached
-        return cached[1]
-
     def skip_reason(self, record: PromptRecord) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out one epoch at a time.
 
@@ -188,32 +173,6 @@ class Controller:
             self._stubs[key] = factory(chan)
         return self._stubs[key]
 
-    def pick_rollout(self) -> str | None:
-        """The accepting rollout server with the fewest of our requests in flight.
-
-        `accepting`, not `ready`: a server a version behind still takes the call and
-        waits for the weights the request's min_version names (rollout/server.py). A
-        server that answered UNAVAILABLE lately is used only if no other one is left.
-        """
-        ready = [i["address"] for i in self.instances("rollout") if i.get("accepting")]
-        if not ready:
-            return None
-        with self._lock:
-            now = time.monotonic()
-            usable = [a for a in ready if self._shunned.get(a, 0.0) <= now] or ready
-            address = min(usable, key=lambda a: self._load[a])
-            self._load[address] += 1
-        return address
-
-    def shun(self, address: str) -> None:
-        """Route around `address`, which answered UNAVAILABLE, for one registry TTL: a
-        dead server's entry lives that long, and as its calls fail at once it would
-        otherwise look least loaded and draw most new groups until it expires."""
-        now = time.monotonic()
-        with self._lock:
-            self._shunned = {a: t for a, t in self._shunned.items() if t > now}
-            self._shunned[address] = now + self.config.shared.registry_ttl_s
-
     def generate(
         self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
     ) -> Any:
@@ -229,21 +188,18 @@ class Controller:
         )  # fmt: skip
 
         def attempt() -> Any:
-            address = self.pick_rollout()
-            if address is None:
-                raise ConnectionError("no ready rollout server")
-            try:
-                stub = self._stub(address, "rollout")
-                call = stub.GenerateGroup.future(request, timeout=cfg.rpc_timeout_s)
-                with self._tracked(call):
-                    return adapter.samples_from_group(call.result(), shared.group_size)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.shun(address)
-                raise
-            finally:
-                with self._lock:
-                    self._load[address] -= 1
+            with self.router.rollout() as address:
+                if address is None:
+                    raise ConnectionError("no ready rollout server")
+                try:
+                    stub = self._stub(address, "rollout")
+                    call = stub.GenerateGroup.future(request, timeout=cfg.rpc_timeout_s)
+                    with self._tracked(call):
+                        return adapter.samples_from_group(call.result(), shared.group_size)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.router.shun(address)
+                    raise
 
         return self._retry(attempt, "rollout", group_id, stop)
 
@@ -297,7 +253,7 @@ class Controller:
 
     def _score_call(self, request: Any) -> Any:
         """One (merged) Score call on the registered reward service; stopping cancels it."""
-        rewards = self.instances("reward")
+        rewards = self.router.instances("reward")
         if not rewards:
             raise ConnectionError("no reward service registered")
         stub = self._stub(rewards[0]["address"], "reward")

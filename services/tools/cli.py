@@ -57,7 +57,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from services.tools.ablate import make_plan, run_ablation
+    from services.tools.ablate import run_ablation
+    from services.tools.ablation_plan import make_plan
 
     rungs = args.rungs.split(",") if args.rungs else None
     plan = make_plan(
@@ -85,6 +86,37 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return run_eval(args)
 
 
+def add_ablate_parser(sub: Any) -> None:
+    p = sub.add_parser("ablate", help="the paper's ablation ladder, one real run per rung")
+    p.add_argument("--preset", default="tiny", help="ablation preset (tiny)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per rung (seeds 0..N-1)")
+    p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
+    p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
+    p.add_argument("--steps", type=int, help="training steps per run")
+    p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
+    p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="override a value of the base config (repeatable)",
+    )  # fmt: skip
+    p.set_defaults(func=cmd_ablate)
+
+
+def add_eval_parser(sub: Any) -> None:
+    p = sub.add_parser("eval", help="avg@K / pass@K of a model on a dataset")
+    p.add_argument("--model", required=True, metavar="DIR")
+    p.add_argument("--data", required=True, metavar="F", help="parquet/jsonl, or synthetic:TASK")
+    p.add_argument("--n", type=int, default=32, help="samples per prompt (K)")
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--verifier", default="cascade")
+    p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--out", metavar="F", help="write the JSON result here")
+    p.set_defaults(func=cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dapo", description="DAPO reinforcement learning as a set of services."
@@ -100,19 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("ablate", help="the paper's ablation ladder, one real run per rung")
-    p.add_argument("--preset", default="tiny", help="ablation preset (tiny)")
-    p.add_argument("--seeds", type=int, default=3, help="runs per rung (seeds 0..N-1)")
-    p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
-    p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
-    p.add_argument("--steps", type=int, help="training steps per run")
-    p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
-    p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-        help="override a value of the base config (repeatable)",
-    )  # fmt: skip
-    p.set_defaults(func=cmd_ablate)
+    add_ablate_parser(sub)
 
     p = sub.add_parser("config", help="print the resolved config (`dapo config show`)")
     p.add_argument("action", choices=["show"])
@@ -132,18 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ledger)
 
-    p = sub.add_parser("eval", help="avg@K / pass@K of a model on a dataset")
-    p.add_argument("--model", required=True, metavar="DIR")
-    p.add_argument("--data", required=True, metavar="F", help="parquet/jsonl, or synthetic:TASK")
-    p.add_argument("--n", type=int, default=32, help="samples per prompt (K)")
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--verifier", default="cascade")
-    p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--out", metavar="F", help="write the JSON result here")
-    p.set_defaults(func=cmd_eval)
+    add_eval_parser(sub)
 
     p = sub.add_parser("bench", help="run benchmarks/NAME.py")
     p.add_argument("name")

@@ -1,0 +1,145 @@
+"""The ablation ladder's plan: the techniques, their config switches, the presets and
+each rung's config (`dapo ablate`, services/tools/ablate.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.common.config_loader import cli_overrides, deep_merge
+from services.common.errors import DapoError
+from services.tools.config import DapoConfig, build_config, load_config
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One switch: the config path it sets and its value when the technique is off."""
+
+    name: str
+    label: str
+    path: str
+    off: Callable[[DapoConfig], Any]
+
+
+# In the paper's order (Table 1); "on" is the base config's own value.
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique("overlong_filtering", "+ overlong filtering", "learner.overlong_filtering",
+              lambda c: False),
+    Technique("clip_higher", "+ clip-higher", "learner.clip_ratio_high",
+              lambda c: c.learner.clip_ratio_low),
+    Technique("soft_overlong", "+ soft overlong punishment", "reward.overlong_punishment",
+              lambda c: False),
+    Technique("token_level_loss", "+ token-level loss", "learner.loss_agg_mode",
+              lambda c: "seq_mean_token_mean"),
+    Technique("dynamic_sampling", "+ dynamic sampling (= DAPO)", "buffer.dynamic_sampling",
+              lambda c: False),
+)  # fmt: skip
+RUNG_NAMES = ("naive_grpo", *(t.name for t in TECHNIQUES))
+RUNG_LABELS = dict(zip(RUNG_NAMES, ("naive GRPO", *(t.label for t in TECHNIQUES)), strict=True))
+
+# `--preset tiny`: the tiny demo preset on the `mixed` task with a tight length budget.
+# L_max 6 and a soft zone of 3 tokens: a random model is truncated ~2/3 of the time, and
+# a finished answer ("7<eos>") is 2 tokens, so filtering and the penalty have work to do.
+ABLATE_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "base": "tiny",
+        "overrides": {
+            "shared.max_response_length": 6,
+            "shared.overlong_buffer_length": 3,
+            "controller.dataset.synthetic_task": "mixed",
+            "shared.verifier": "first_integer",
+            "controller.eval.enabled": False,
+            "reward.overlong_punishment": True,
+            "learner.overlong_filtering": True,
+            "learner.total_steps": 80,
+            "learner.linger_s": 30,
+        },
+        "eval_every": 5,
+        "eval_n": 4,
+        "target": 0.5,
+    },
+}
+
+
+@dataclass
+class Plan:
+    """What one `dapo ablate` runs."""
+
+    name: str
+    base: DapoConfig
+    rungs: list[str]
+    seeds: list[int]
+    steps: int
+    eval_every: int
+    eval_n: int
+    target: float
+    root: str = "runs"
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.root) / f"ablate-{self.name}"
+
+
+def rung_overrides(base: DapoConfig, rung: str) -> dict[str, Any]:
+    """The switches of a rung: every technique before it (in paper order) on, the rest off."""
+    if rung not in RUNG_NAMES:
+        raise DapoError(f"unknown rung {rung!r}; choose from: {', '.join(RUNG_NAMES)}")
+    on = RUNG_NAMES.index(rung)  # naive_grpo = 0 techniques on
+    return {t.path: _get(base, t.path) if i < on else t.off(base)
+            for i, t in enumerate(TECHNIQUES)}  # fmt: skip
+
+
+def _get(config: Any, path: str) -> Any:
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def as_sets(values: dict[str, Any]) -> list[str]:
+    """`{"a.b": 1}` → `["a.b=1"]` in the `--set` syntax (JSON values parse as YAML)."""
+    return [f"{k}={json.dumps(v)}" for k, v in values.items()]
+
+
+def run_config(plan: Plan, rung: str, seed: int) -> DapoConfig:
+    """The full config of one run: base, the rung's switches, the seed and its model."""
+    data = plan.base.model_dump(mode="json")
+    sets = {
+        **rung_overrides(plan.base, rung),
+        "shared.seed": seed,
+        "shared.run_name": f"abl-{rung}-s{seed}",
+        "shared.model_path": str(plan.out_dir / "models" / f"seed{seed}"),
+        "learner.total_steps": plan.steps,
+    }
+    return build_config(deep_merge(data, cli_overrides(as_sets(sets))))
+
+
+def make_plan(
+    preset: str,
+    seeds: int,
+    name: str | None = None,
+    rungs: Sequence[str] | None = None,
+    steps: int | None = None,
+    eval_every: int | None = None,
+    overrides: Sequence[str] = (),
+    root: str = "runs",
+) -> Plan:
+    """Resolve the ablation preset (plus `--set` overrides on the base config)."""
+    if preset not in ABLATE_PRESETS:
+        raise DapoError(f"unknown ablation preset {preset!r}; choose: {', '.join(ABLATE_PRESETS)}")
+    spec = ABLATE_PRESETS[preset]
+    sets = [*as_sets(spec["overrides"]), *overrides]
+    base = load_config(preset=spec["base"], env={}, overrides=sets)
+    chosen = list(rungs or RUNG_NAMES)
+    for rung in chosen:
+        rung_overrides(base, rung)  # validates the name
+    if seeds < 1:
+        raise DapoError("--seeds must be >= 1")
+    return Plan(
+        name=name or preset, base=base, rungs=chosen, seeds=list(range(seeds)),
+        steps=steps or base.learner.total_steps, eval_every=eval_every or spec["eval_every"],
+        eval_n=spec["eval_n"], target=spec["target"], root=root, overrides=list(overrides),
+    )  # fmt: skip

@@ -1,0 +1,135 @@
+"""The ablation's results: per-rung summaries, table.md / table.json and the plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from services.tools.ablation_plan import RUNG_LABELS, Plan
+
+
+def grid_curve(points: Sequence[tuple[int, float]], grid: Sequence[int]) -> list[float]:
+    """Accuracy on a common step grid (linear between evaluated versions, flat beyond)."""
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    out = []
+    for g in grid:
+        if g <= xs[0]:
+            out.append(ys[0])
+        elif g >= xs[-1]:
+            out.append(ys[-1])
+        else:
+            k = next(i for i, x in enumerate(xs) if x >= g)
+            frac = (g - xs[k - 1]) / (xs[k] - xs[k - 1])
+            out.append(ys[k - 1] + frac * (ys[k] - ys[k - 1]))
+    return out
+
+
+def steps_to(points: Sequence[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step whose accuracy reached `target` (None: never)."""
+    return next((v for v, acc in points if acc >= target), None)
+
+
+def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+
+def summarise_rung(plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean and spread over the seeds of one rung."""
+    grid = list(range(0, plan.steps + 1, plan.eval_every))
+    if grid[-1] != plan.steps:
+        grid.append(plan.steps)
+    curves = [grid_curve(r["curve"], grid) for r in rows]
+    reached = [steps_to(r["curve"], plan.target) for r in rows]
+    out: dict[str, Any] = {"rung": rows[0]["rung"], "label": RUNG_LABELS[rows[0]["rung"]],
+                           "seeds": len(rows), "grid": grid,
+                           "acc_mean": [statistics.fmean(c) for c in zip(*curves, strict=True)],
+                           "acc_min": [min(c) for c in zip(*curves, strict=True)],
+                           "acc_max": [max(c) for c in zip(*curves, strict=True)],
+                           "steps_to_target": reached,
+                           "reached": sum(r is not None for r in reached)}  # fmt: skip
+    out["final_acc"] = mean_sd([c[-1] for c in curves])
+    for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s"):
+        out[key] = mean_sd([r[key] for r in rows])
+    out["steps_to_target_mean"] = mean_sd(reached)[0]
+    return out
+
+
+def _fmt(pair: tuple[float | None, float | None], digits: int = 2) -> str:
+    mean, sd = pair
+    if mean is None:
+        return "—"
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}" if sd else f"{mean:.{digits}f}"
+
+
+def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The Markdown table (mean ± sd over seeds)."""
+    head = (
+        f"| rung | held-out avg@{plan.eval_n} at step {plan.steps} | steps to "
+        f"avg@{plan.eval_n} ≥ {plan.target} | generated / trained | entropy at end | "
+        "train s | wall s |"
+    )
+    lines = [
+        f"Ablation `{plan.name}`: {len(plan.seeds)} seed(s), {plan.steps} steps per run, "
+        f"held-out eval every {plan.eval_every} steps. Load average at the end: "
+        f"{meta['loadavg']}; total {meta['total_s'] / 60:.1f} min."
+        + (f" Base config overrides: `{' '.join(plan.overrides)}`." if plan.overrides else ""),
+        "",
+        head,
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        reach = s["steps_to_target_mean"]
+        to = "—" if reach is None else f"{reach:.0f} ({s['reached']}/{s['seeds']} seeds)"
+        lines.append(
+            f"| {s['label']} | {_fmt(s['final_acc'])} | {to} | "
+            f"{_fmt(s['generated_per_trained'])} | {_fmt(s['entropy_end'])} | "
+            f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(plan: Plan, summary: list[dict[str, Any]], path: Path) -> Path | None:
+    """Held-out accuracy vs step: the seed mean per rung, shaded between min and max."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install 'dapo[plots]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for s in summary:
+        (line,) = ax.plot(s["grid"], s["acc_mean"], marker=".", label=s["label"])
+        ax.fill_between(s["grid"], s["acc_min"], s["acc_max"], color=line.get_color(), alpha=0.15)
+    ax.axhline(plan.target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("training step (policy version)")
+    ax.set_ylabel(f"held-out avg@{plan.eval_n}")
+    ax.set_title(f"DAPO ablation ladder ({plan.name}, {len(plan.seeds)} seeds: mean, min–max)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(plan: Plan, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
+    """table.json (every run and the summary), table.md and accuracy.png."""
+    by_rung = [[r for r in rows if r["rung"] == rung] for rung in plan.rungs]
+    summary = [summarise_rung(plan, group) for group in by_rung if group]
+    out = plan.out_dir
+    plan_info = {k: v for k, v in asdict(plan).items() if k != "base"}
+    data = {"plan": plan_info, "meta": meta, "summary": summary, "runs": rows}
+    (out / "table.json").write_text(json.dumps(data, indent=2))
+    (out / "table.md").write_text(table_md(plan, summary, meta))
+    written = [out / "table.json", out / "table.md"]
+    png = write_plot(plan, summary, out / "accuracy.png")
+    return written + ([png] if png else [])
