@@ -208,24 +208,15 @@ def check(name: str, value: float, target: float, higher: bool = True) -> dict[s
     return {"name": name, "value": round(value, 3), "target": target, "ok": bool(ok)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every measurement, write the JSON; 0 when every check is ok."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
-    parser.add_argument("--repeats", type=int, default=REPEATS, help="sync/async run pairs")
-    args = parser.parse_args(argv)
+def measure(steps: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The sync/async pairs, the plain loop before and after them, and the mixed runs."""
     from learner.init_model import init_model
 
-    steps = args.steps
-
-    load_start = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dapo-bench-pipeline-") as tmp:
         work = Path(tmp)
         model = init_model(work / "model", preset="tiny", seed=0)
         runs: dict[str, Any] = {}
-        for i in range(args.repeats):
+        for i in range(repeats):
             runs[f"sync{i}"] = run_staleness(model, steps, 0, work / f"sync{i}")
             if i == 0:
                 plain_before = plain_rate(model, steps)
@@ -238,8 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             tiny_config("mixedd", model, steps, *mixed, "controller.difficulty_window=1"),
             work / "mixedd",
         )
+    return runs, plain_before, plain_after
 
-    pairs = [(runs[f"sync{i}"], runs[f"async{i}"]) for i in range(args.repeats)]
+
+def summarize(
+    runs: dict[str, Any], plain_before: dict[str, Any], plain_after: dict[str, Any], repeats: int
+) -> dict[str, Any]:
+    """The result JSON (without the machine section): ratios and checks."""
+    pairs = [(runs[f"sync{i}"], runs[f"async{i}"]) for i in range(repeats)]
     overlap = overlap_of(pooled([s for s, _ in pairs]), pooled([a for _, a in pairs]))
     ideal, speedup = overlap["ideal_speedup"], overlap["measured_speedup"]
     asyn = pooled([a for _, a in pairs])
@@ -247,15 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     overhead = asyn["responses_per_s"] / plain_rps
     plain_steps_per_s = sum(p["steps"] / p["wall_seconds"] for p in (plain_before, plain_after)) / 2
     mixed, mixed_d = runs["mixed"], runs["mixed_difficulty"]
-    result = {
-        "machine": {
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "load_average_start": [round(x, 2) for x in load_start],
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        },
-        "steps_per_run": steps,
+    return {
         "runs": runs,
         "plain_loop": {
             "before_async": plain_before,
@@ -287,6 +276,27 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ],
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every measurement, write the JSON; 0 when every check is ok."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="sync/async run pairs")
+    args = parser.parse_args(argv)
+    load_start = os.getloadavg()
+    runs, plain_before, plain_after = measure(args.steps, args.repeats)
+    machine = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
+    summary = summarize(runs, plain_before, plain_after, args.repeats)
+    result = {"machine": machine, "steps_per_run": args.steps, **summary}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     return 0 if all(c["ok"] for c in result["checks"]) else 1

@@ -100,6 +100,26 @@ def snapshot(server: LearnerServer) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in server.learner.policy.named_weights()}
 
 
+def assert_threads_come_back_and_are_bounded(
+    address: str, stalled: list[StalledReader], version: int
+) -> list[StalledReader]:
+    """Disconnecting gives the stalled readers' threads back (as many stall again and a
+    fresh reader is still served); one more stalled reader takes the last thread, and
+    the next reader waits (for the stalled calls' deadline, weights_timeout_s in a run).
+    docs/reliability.md states the bound; if this fails, update it there. Returns the
+    readers still open."""
+    for reader in stalled:
+        reader.close()
+    stalled = [StalledReader(address) for _ in range(STALLED)]
+    assert {r.assembler.version for r in stalled} == {version}
+    assert fetch(address, timeout=5)[1] == version
+    stalled.append(StalledReader(address))
+    with pytest.raises(grpc.RpcError) as waited:
+        fetch(address, timeout=1)
+    assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    return stalled
+
+
 def test_stalled_weight_readers_never_block_the_learner(
     tiny_model: Path, redis_client: redis.Redis
 ) -> None:
@@ -145,20 +165,7 @@ def test_stalled_weight_readers_never_block_the_learner(
         print(f"\n{STALLED} stalled readers: steps {[round(s, 2) for s in step_s]} s, "
               f"fresh fetch of version {version} in {fetch_s:.2f} s")  # fmt: skip
 
-        # Disconnecting gives their threads back: as many stalled again, still served.
-        for reader in stalled:
-            reader.close()
-        stalled = [StalledReader(address) for _ in range(STALLED)]
-        assert {r.assembler.version for r in stalled} == {steps}
-        assert fetch(address, timeout=5)[1] == steps
-
-        # The bound is real: one more stalled reader takes the last thread, and the next
-        # reader waits (for the stalled calls' deadline, weights_timeout_s in a run).
-        # docs/reliability.md states the bound; if this fails, update it there.
-        stalled.append(StalledReader(address))
-        with pytest.raises(grpc.RpcError) as waited:
-            fetch(address, timeout=1)
-        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        stalled = assert_threads_come_back_and_are_bounded(address, stalled, steps)
     finally:
         for reader in stalled:
             reader.close()
@@ -229,6 +236,35 @@ def appended(client: redis.Redis, stream: str, field: bytes) -> list[tuple[str, 
     return [(f[field].decode(), int(eid.split(b"-")[0]) / 1000) for eid, f in client.xrange(stream)]
 
 
+def assert_registry_dropped(hook: KeepDead, client: redis.Redis, ttl: float) -> list[float]:
+    """The registry dropped the dead server within its TTL; the live one stayed, alone.
+    (The run may end before the TTL: the controller routes around a server that
+    answered UNAVAILABLE, so the remaining steps need not wait for the registry.)
+    Returns the seconds after the kill at which it was seen gone (empty: after the run)."""
+    assert hook.killed_at is not None
+    gone = [s for s, alive in hook.seen if hook.dead["instance"] not in alive]
+    if gone:
+        assert gone[0] < ttl + 2
+        assert {hook.live["instance"]} == set().union(*(a for s, a in hook.seen if s >= gone[0]))
+    else:
+        time.sleep(max(0.0, hook.killed_at + ttl + 2 - time.time()))
+        alive = {i["instance"] for i in discover(client, KEYS, "rollout")}
+        assert hook.dead["instance"] not in alive
+    return gone
+
+
+def assert_nothing_lost(client: redis.Redis, scored: int, batch_groups: int) -> None:
+    """The ledger holds, every step committed once, no group trained twice."""
+    ledger = read_ledger(client, RUN)
+    assert not ledger.problems(), ledger.problems()
+    steps = effective_steps(client, KEYS)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    trained = Counter(g for groups in steps.values() for g in groups)
+    assert max(trained.values()) == 1
+    assert sum(trained.values()) == STEPS * batch_groups == ledger.trained
+    assert scored == ledger.scored and scored + ledger.in_flight == ledger.admitted
+
+
 @pytest.mark.slow
 def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
@@ -258,18 +294,7 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     assert len(after) >= STEPS - hook.version_at_kill >= STEPS - KILL_AFTER - 2
     gaps = [b - a for a, b in zip([0.0, *after], after, strict=False)]
 
-    # The registry dropped the dead server within its TTL; the live one stayed, alone.
-    # (The run may end before the TTL: the controller routes around a server that
-    # answered UNAVAILABLE, so the remaining steps need not wait for the registry.)
-    ttl = config.shared.registry_ttl_s
-    gone = [s for s, alive in hook.seen if hook.dead["instance"] not in alive]
-    if gone:
-        assert gone[0] < ttl + 2
-        assert {hook.live["instance"]} == set().union(*(a for s, a in hook.seen if s >= gone[0]))
-    else:
-        time.sleep(max(0.0, hook.killed_at + ttl + 2 - time.time()))
-        alive = {i["instance"] for i in discover(redis_client, KEYS, "rollout")}
-        assert hook.dead["instance"] not in alive
+    gone = assert_registry_dropped(hook, redis_client, config.shared.registry_ttl_s)
 
     # The controller re-routed what the dead server had or was sent: each such group was
     # then generated by the live one and scored once, or was still being retried when
@@ -292,13 +317,5 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
           f"after); registry dropped it {f'{gone[0]:.1f} s after' if gone else 'after the run'}; "
           f"run {wall:.0f} s")  # fmt: skip
 
-    # Nothing lost, nothing trained twice.
-    ledger = read_ledger(redis_client, RUN)
-    assert not ledger.problems(), ledger.problems()
-    steps = effective_steps(redis_client, KEYS)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    trained = Counter(g for groups in steps.values() for g in groups)
-    assert max(trained.values()) == 1
-    assert sum(trained.values()) == STEPS * config.shared.train_batch_groups == ledger.trained
-    assert len(scored) == ledger.scored and len(scored) + ledger.in_flight == ledger.admitted
+    assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)
