@@ -125,3 +125,8 @@ def collect(
     for item in samples:
         result[item.request_index][item.sample_index] = item.output
     return [[s for s in row if s is not None] for row in result]
+
+
+def out_of_vocab(prompt: Iterable[int], vocab_size: int) -> int | None:
+    """The first token id outside [0, vocab_size), else None."""
+    return next((t for t in prompt if not 0 <= t < vocab_size), None)

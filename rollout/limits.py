@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from dapo.v1 import rollout_pb2
 from rollout.config import RolloutSettings
+from rollout.engine import out_of_vocab
 
 
 class LimitExceeded(ValueError):
@@ -65,7 +66,7 @@ class Limits:
                 f"prompt of {len(prompt)} tokens",
                 self.max_prompt_length,
             )
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        bad = out_of_vocab(prompt, vocab_size)
         if bad is not None:
             raise LimitExceeded(
                 "vocab_size", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"

@@ -25,7 +25,6 @@ which other rows share its batch.
 
 from __future__ import annotations
 
-import random
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from rollout.config import TorchEngineConfig
-from rollout.engine import SampleOutput, SamplingParams, StreamedSample, collect
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_STRIDE = 1_000_003  # mixes the prompt index into the request seed
@@ -156,7 +156,7 @@ class _BucketResult:
     stopped: torch.Tensor
 
 
-class TorchEngine:
+class TorchEngine(EngineBase):
     """A Hugging Face causal LM sampling in buckets with a KV cache; thread-safe."""
 
     def __init__(
@@ -174,14 +174,16 @@ class TorchEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         self.model.to(self.device).eval()
+        super().__init__(self.model.get_input_embeddings().num_embeddings, version)
+        generation_eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = (
-            list(eos_token_ids) if eos_token_ids is not None else self._default_eos()
+            list(eos_token_ids)
+            if eos_token_ids is not None
+            else default_eos(generation_eos, self.tokenizer)
         )
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
-        self._version = version
-        self._paused = False
-        self._cond = threading.Condition(threading.RLock())
+        self._model_lock = threading.Lock()  # one bucket at a time on the model
 
     @classmethod
     def from_config(cls, model_path: str | Path, config: TorchEngineConfig) -> TorchEngine:
@@ -193,61 +195,26 @@ class TorchEngine:
             max_batch_size=config.max_batch_size,
         )
 
-    def _default_eos(self) -> list[int]:
-        """EOS ids from the generation config, else the tokenizer."""
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else list(eos)
-
-    @property
-    def version(self) -> int:
-        """Policy version of the weights in use."""
-        return self._version
-
     # -- generation -------------------------------------------------------------------
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[list[SampleOutput]]:
-        """All n samples of every prompt: `result[prompt][sample]`."""
-        return collect(self.stream(prompts, params), len(prompts), params.n)
-
-    def stream(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> Iterator[StreamedSample]:
-        """Samples bucket by bucket; bad prompts raise ValueError here, not on first use."""
-        self._check_prompts(prompts)
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        return self._stream([list(p) for p in prompts], params, seed)
-
-    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Reject what would crash the model (an out-of-range id is fatal on CUDA)."""
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        bad = [t for p in prompts for t in p if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-
-    def _stream(
+    def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
     ) -> Iterator[StreamedSample]:
-        """Run buckets one at a time; no lock is held while the caller consumes."""
+        """Run buckets one at a time; nothing is held while the caller consumes."""
         buckets = plan_batches([len(p) for p in prompts], params.n, self.max_batch_size)
         for bucket in buckets:
-            with self._cond:
-                while self._paused:
-                    self._cond.wait()
-                done = self._run_bucket(bucket, prompts, params, seed)
+            self._gate.enter()
+            try:
+                with self._model_lock:
+                    done = self._run_bucket(bucket, prompts, params, seed)
+            finally:
+                self._gate.leave()
             yield from done
 
     def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
         """EOS (unless ignored) plus the request's own stop tokens."""
-        ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-        return torch.tensor(sorted(ids), dtype=torch.long, device=self.device)
+        ids = stop_ids(params, self.eos_token_ids)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def _run_bucket(
@@ -360,51 +327,20 @@ class TorchEngine:
         """Check every tensor first, then copy all of them in between two buckets."""
         updates = list(named_tensors)
         targets = self.model.state_dict(keep_vars=True)
-        for name, tensor in updates:
-            _check_tensor(name, tensor, targets)
-        _check_complete({name for name, _ in updates}, targets)
-        with self._cond, torch.no_grad():
+        check_weights(updates, {name: (t.shape, t.dtype) for name, t in targets.items()})
+        refuse_missing(_uncovered({name for name, _ in updates}, targets), "torch")
+        with self._swap(version), torch.no_grad():
             for name, tensor in updates:
                 targets[name].copy_(tensor.to(self.device))
-            self._version = version
 
     def pause(self) -> None:
-        """Wait for the bucket in flight, then hold new buckets until `resume()`."""
-        with self._cond:
-            self._paused = True
-
-    def resume(self) -> None:
-        """Let generation continue."""
-        with self._cond:
-            self._paused = False
-            self._cond.notify_all()
+        """Hold new buckets until `resume()`; returns once the bucket in flight is done."""
+        super().pause()
+        self._gate.wait_idle()
 
 
-def _check_complete(names: set[str], targets: dict[str, torch.Tensor]) -> None:
-    """Refuse an update that leaves some weight out: samples tagged with its version would
-    come from a mix of versions. Tied weights (one tensor under two names) need one name.
-    (Found by tests/test_fuzz_rollout_weights.py: an empty update was applied.)"""
+def _uncovered(names: set[str], targets: dict[str, torch.Tensor]) -> list[str]:
+    """Weights that no incoming name writes to; a tied weight (one tensor under two
+    names) is covered by either name."""
     covered = {targets[name].data_ptr() for name in names}
-    missing = [name for name, t in targets.items() if t.data_ptr() not in covered]
-    if missing:
-        raise ValueError(
-            f"weight {missing[0]!r} is missing ({len(missing)} in all): the torch engine "
-            "takes complete weight sets only; weights left unchanged"
-        )
-
-
-def _check_tensor(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first mismatch of one incoming tensor."""
-    if name not in targets:
-        raise ValueError(f"unknown weight {name!r}; weights left unchanged")
-    want = targets[name]
-    if tuple(tensor.shape) != tuple(want.shape):
-        raise ValueError(
-            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}; "
-            "weights left unchanged"
-        )
-    if tensor.dtype != want.dtype:
-        raise ValueError(
-            f"weight {name!r} has dtype {tensor.dtype}, expected {want.dtype}; "
-            "weights left unchanged"
-        )
+    return [name for name, t in targets.items() if t.data_ptr() not in covered]

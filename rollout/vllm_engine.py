@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from rollout.config import VllmEngineConfig
-from rollout.engine import SampleOutput, SamplingParams, StreamedSample, collect
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -115,42 +116,6 @@ def _reprocess_tied_head(model: torch.nn.Module) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-class _Gate:
-    """Admits generation calls; pause and weight swaps wait for the ones in flight."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._paused = self._swapping = False
-        self._active = 0
-
-    def enter(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not (self._paused or self._swapping))
-            self._active += 1
-
-    def leave(self) -> None:
-        with self._cond:
-            self._active -= 1
-            self._cond.notify_all()
-
-    def set_paused(self, paused: bool) -> None:
-        with self._cond:
-            self._paused = paused
-            self._cond.notify_all()
-
-    def begin_swap(self) -> None:
-        """Hold new calls and wait until none is in flight (allowed while paused)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._swapping)
-            self._swapping = True
-            self._cond.wait_for(lambda: self._active == 0)
-
-    def end_swap(self) -> None:
-        with self._cond:
-            self._swapping = False
-            self._cond.notify_all()
-
-
 def expected_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, torch.Size]:
     """Name -> shape of every weight the learner's Hugging Face model has (meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -159,34 +124,6 @@ def expected_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, to
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return {name: t.shape for name, t in model.state_dict().items()}
-
-
-def check_weights(
-    updates: Sequence[tuple[str, torch.Tensor]],
-    shapes: dict[str, torch.Size],
-    dtype: torch.dtype,
-    optional: frozenset[str] = frozenset(),
-) -> None:
-    """Raise ValueError naming the first unknown, misshapen, mistyped or missing weight."""
-    for name, tensor in updates:
-        if name not in shapes:
-            raise ValueError(f"unknown weight {name!r}; weights left unchanged")
-        if tensor.shape != shapes[name]:
-            raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(shapes[name])}; weights left unchanged"
-            )
-        if tensor.dtype != dtype:
-            raise ValueError(
-                f"weight {name!r} has dtype {tensor.dtype}, expected {dtype}; "
-                "weights left unchanged"
-            )
-    missing = sorted(set(shapes) - optional - {name for name, _ in updates})
-    if missing:
-        raise ValueError(
-            f"weight {missing[0]!r} is missing ({len(missing)} in all): the vLLM engine "
-            "takes complete weight sets only; weights left unchanged"
-        )
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -208,6 +145,16 @@ def to_sample_output(completion: CompletionOutput, version: int) -> SampleOutput
     )
 
 
+def _generation_eos(model_path: str) -> int | list[int] | None:
+    """The checkpoint's generation-config EOS, None when it has no generation config."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return None
+
+
 def _stage_weights(updates: Sequence[tuple[str, torch.Tensor]], path: Path) -> None:
     """Write the update as one safetensors file (tensors sharing storage get copies)."""
     from safetensors.torch import save_file
@@ -222,7 +169,7 @@ def _stage_weights(updates: Sequence[tuple[str, torch.Tensor]], path: Path) -> N
     save_file(flat, str(path))
 
 
-class VllmEngine:
+class VllmEngine(EngineBase):
     """A vLLM `AsyncLLM` behind the `RolloutEngine` protocol; thread-safe."""
 
     def __init__(
@@ -240,15 +187,20 @@ class VllmEngine:
         self.config = config or VllmEngineConfig()
         self.model_path = str(model_path)
         hf_config = AutoConfig.from_pretrained(model_path)
+        super().__init__(int(hf_config.vocab_size), version)
         self.dtype = self._resolve_dtype(hf_config)
-        self.vocab_size = int(hf_config.vocab_size)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else self._eos()
-        self._shapes = expected_weights(model_path, self.dtype)
+        self.eos_token_ids = (
+            list(eos_token_ids)
+            if eos_token_ids is not None
+            else default_eos(_generation_eos(self.model_path), self.tokenizer)
+        )
+        self._expected = {
+            name: (shape, self.dtype)
+            for name, shape in expected_weights(model_path, self.dtype).items()
+        }
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._optional = frozenset({"lm_head.weight"} if tied else ())
-        self._version = version
-        self._gate = _Gate()
         self._swap_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="vllm")
@@ -273,20 +225,6 @@ class VllmEngine:
         if isinstance(dtype, str):
             return _DTYPES.get(dtype, torch.float32)
         return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-    def _eos(self) -> list[int]:
-        """EOS ids from the generation config, else the tokenizer (as the torch engine)."""
-        from transformers import GenerationConfig
-
-        try:
-            eos = GenerationConfig.from_pretrained(self.model_path).eos_token_id
-        except OSError:
-            eos = None
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return []
-        return [eos] if isinstance(eos, int) else list(eos)
 
     async def _start(self) -> Any:
         """Create the AsyncLLM on the engine's own loop (its output handler lives there)."""
@@ -313,36 +251,9 @@ class VllmEngine:
         """Run a coroutine on the engine loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    @property
-    def version(self) -> int:
-        """Policy version of the weights in use."""
-        return self._version
-
     # -- generation -------------------------------------------------------------------
 
-    def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> list[list[SampleOutput]]:
-        """All n samples of every prompt: `result[prompt][sample]`."""
-        return collect(self.stream(prompts, params), len(prompts), params.n)
-
-    def stream(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams
-    ) -> Iterator[StreamedSample]:
-        """Samples in the order vLLM finishes them; bad prompts raise ValueError here."""
-        self._check_prompts(prompts)
-        seed = params.seed if params.seed is not None else random.getrandbits(31)
-        return self._stream([list(p) for p in prompts], params, seed)
-
-    def _check_prompts(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Reject what vLLM would fail on later, with the torch engine's messages."""
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        bad = [t for p in prompts for t in p if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-
-    def _stream(
+    def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
     ) -> Iterator[StreamedSample]:
         """Submit every sample, then yield them as they land on a thread-safe queue."""
@@ -390,15 +301,14 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         temperature = params.temperature if params.temperature >= _VLLM_MIN_TEMPERATURE else 0.0
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {*self.eos_token_ids})
         return VllmSamplingParams(
             n=1,
             temperature=temperature,
             top_p=params.top_p,
             top_k=max(params.top_k, 0),
             max_tokens=params.max_tokens,
-            stop_token_ids=sorted(stops),
-            ignore_eos=True,  # vLLM's own EOS rule is replaced by `stops`
+            stop_token_ids=stop_ids(params, self.eos_token_ids),
+            ignore_eos=True,  # vLLM's own EOS rule is replaced by `stop_token_ids`
             seed=seed,
             logprobs=0,  # just the sampled token's
             detokenize=False,
@@ -410,26 +320,16 @@ class VllmEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Check every tensor, drain generation, reload in the worker, then move version."""
         updates = list(named_tensors)
-        check_weights(updates, self._shapes, self.dtype, self._optional)
+        check_weights(updates, self._expected)
+        sent = {name for name, _ in updates}
+        refuse_missing(sorted(set(self._expected) - self._optional - sent), "vLLM")
         updates = [(n, t) for n, t in updates if n not in self._optional]
         with self._swap_lock, tempfile.TemporaryDirectory(prefix="dapo-weights-") as tmp:
             path = Path(tmp) / "update.safetensors"
             _stage_weights(updates, path)
-            self._gate.begin_swap()
-            try:
+            with self._swap(version):
                 self._run(self._llm.collective_rpc("dapo_reload_weights", args=(str(path),)))
                 self._run(self._llm.reset_prefix_cache())
-                self._version = version
-            finally:
-                self._gate.end_swap()
-
-    def pause(self) -> None:
-        """Let the calls in flight finish; hold new ones until `resume()`."""
-        self._gate.set_paused(True)
-
-    def resume(self) -> None:
-        """Let generation continue."""
-        self._gate.set_paused(False)
 
     def close(self) -> None:
         """Shut vLLM's processes down and stop the loop thread."""
