@@ -106,7 +106,7 @@ def _reprocess_tied_head(model: torch.nn.Module) -> None:
 
     vLLM's layer-wise reload skips a tied head ("no weights loaded") and keeps its old
     kernel state; on CPU that is a pre-packed copy of the old embedding, so the logits
-    would come from the old weights (caught by the after-update log-prob test).
+    would come from the old weights.
     """
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)

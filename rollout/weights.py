@@ -7,9 +7,9 @@ push and a pull race). The engine checks names, dtypes and shapes before touchin
 weight, so a bad bucket leaves the previous weights and version in place.
 
 `WeightSync` watches the learner's published version in Redis and pulls the full
-weights from the learner (over its weight socket, else its FetchWeights stream) whenever
-it moves ahead; `caught_up` is set the first time the served version reaches the
-published one.
+weights whenever it moves ahead, from the first `WeightSource` that offers them (the
+learner's weight socket, else its FetchWeights stream); `caught_up` is set the first time
+the served version reaches the published one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import grpc
 import redis
@@ -87,8 +88,7 @@ class WeightUpdater:
 
 
 def check_finite(name: str, tensor: Any) -> None:
-    """Refuse NaN or infinite values: one would poison every later sample's log-probs.
-    (Found by tests/test_fuzz_rollout.py: such an update was applied.)"""
+    """Refuse NaN or infinite values: one would poison every later sample's log-probs."""
     import torch
 
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -110,17 +110,62 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
         self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
 
 
-def fetch_buckets(
-    stub: WeightStub, address: str, config: RolloutSettings
-) -> tuple[str, Iterator[Any]]:
+class WeightSource(Protocol):
+    """One way the learner's latest weights reach this server (its weight socket, its
+    FetchWeights stream; later others such as a collective broadcast). The catch-up
+    loop tries the sources in order and loads from the first that offers an update."""
+
+    name: str  # for logs: "loaded weights ... over the <name>"
+
+    def fetch(self) -> Iterator[Any] | None:
+        """The latest version's buckets, or None when this source is not on offer."""
+        ...
+
+
+@dataclass
+class WeightSocketSource:
+    """A ticket over gRPC, the bytes over the learner's weight socket (the fast path)."""
+
+    stub: WeightStub
+    address: str
+    config: RolloutSettings
+    name: str = "weight socket"
+
+    def fetch(self) -> Iterator[Any] | None:
+        return socket_buckets(self.stub, self.address, self.config)
+
+
+@dataclass
+class FetchWeightsSource:
+    """The learner's FetchWeights gRPC stream: always offered, slower than the socket."""
+
+    stub: WeightStub
+    config: RolloutSettings
+    name: str = "FetchWeights stream"
+
+    def fetch(self) -> Iterator[Any]:
+        request = learner_pb2.FetchWeightsRequest(version=0)
+        return self.stub.FetchWeights(request, timeout=self.config.shared.rpc.weights_timeout_s)
+
+
+def learner_sources(stub: WeightStub, address: str, config: RolloutSettings) -> list[WeightSource]:
+    """The learner's transports, fastest first."""
+    return [WeightSocketSource(stub, address, config), FetchWeightsSource(stub, config)]
+
+
+def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterator[Any]]:
+    """(source name, buckets) of the first source that offers the latest version."""
+    for source in sources:
+        buckets = source.fetch()
+        if buckets is not None:
+            return source.name, buckets
+    raise LookupError("no weight source offered an update")
+
+
+def fetch_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> tuple[str, Iterator[Any]]:
     """(transport, the latest version's buckets): over the learner's weight socket when it
     offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
-    buckets = socket_buckets(stub, address, config)
-    if buckets is not None:
-        return "weight socket", buckets
-    request = learner_pb2.FetchWeightsRequest(version=0)
-    stream = stub.FetchWeights(request, timeout=config.shared.rpc.weights_timeout_s)
-    return "FetchWeights stream", stream
+    return first_offered(learner_sources(stub, address, config))
 
 
 def socket_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> Iterator[Any] | None:
@@ -148,13 +193,22 @@ def socket_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> I
     return map(parse_bucket, frames)
 
 
+SourcesFor = Callable[[WeightStub, str], list[WeightSource]]
+"""The weight sources to try for one learner (its stub and address), in order."""
+
+
 class WeightSync:
     """Pulls new weights from the learner whenever the published version moves ahead."""
 
     def __init__(
-        self, config: RolloutSettings, client: redis.Redis, updater: WeightUpdater
+        self,
+        config: RolloutSettings,
+        client: redis.Redis,
+        updater: WeightUpdater,
+        sources: SourcesFor | None = None,
     ) -> None:
         self.config, self.client, self.updater = config, client, updater
+        self.sources = sources or (lambda stub, address: learner_sources(stub, address, config))
         self.keys = RunKeys(config.shared.run_name)
         self.caught_up = threading.Event()
         self._wake = threading.Event()
@@ -164,7 +218,7 @@ class WeightSync:
         """Look for a new version now instead of at the next poll (a request needs it)."""
         self._wake.set()
 
-    def _stub(self, address: str) -> learner_pb2_grpc.WeightServiceStub:
+    def _stub(self, address: str) -> WeightStub:
         """A stub on one channel per learner address, kept across syncs."""
         if self._channel is None or self._channel[0] != address:
             if self._channel is not None:
@@ -198,12 +252,13 @@ class WeightSync:
         if not learners:
             log.info("version %d published but no learner registered yet", target)
             return False
-        stub, rpc = self._stub(learners[0]["address"]), self.config.shared.rpc
+        address = learners[0]["address"]
+        stub, rpc = self._stub(address), self.config.shared.rpc
         request = learner_pb2.GetVersionRequest()
         offered = stub.GetVersion(request, timeout=rpc.control_timeout_s).version
         if offered <= self.served:
             return False  # the learner's snapshot is not there yet
-        transport, buckets = fetch_buckets(stub, learners[0]["address"], self.config)
+        transport, buckets = first_offered(self.sources(stub, address))
         version = self.updater.apply(buckets)
         log.info("loaded weights version=%d (published %d) over the %s", version, target, transport)
         if version >= target:
@@ -218,7 +273,7 @@ class WeightSync:
             except StaleUpdate as exc:
                 log.debug("weight sync raced another update: %s", exc)
             except (grpc.RpcError, TensorWireError, WeightSocketError, ValueError,
-                    redis.RedisError) as exc:  # fmt: skip
+                    LookupError, redis.RedisError) as exc:  # fmt: skip
                 log.warning("weight sync failed, will retry: %s", exc)
             except Exception:  # the loop must outlive any surprise, or readiness freezes
                 log.exception("weight sync failed unexpectedly, will retry")

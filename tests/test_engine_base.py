@@ -1,0 +1,121 @@
+"""The engine skeleton and the weight-source chain, with plain objects in place of models."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rollout.engine import RolloutEngine, SampleOutput, SamplingParams, StreamedSample
+from rollout.engine_base import EngineBase, Gate, default_eos, stop_ids
+from rollout.weights import WeightSource, first_offered
+
+
+class EchoEngine(EngineBase):
+    """Each sample is its prompt, tagged with the seed it was given and the version."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab_size=10)
+        self.seeds: list[int] = []
+
+    def _samples(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        self.seeds.append(seed)
+        self._gate.enter()
+        try:
+            version = self._version
+            for i, prompt in enumerate(prompts):
+                for j in range(params.n):
+                    yield StreamedSample(i, j, SampleOutput(prompt, [0.0], "length", version))
+        finally:
+            self._gate.leave()
+
+    def load_weights(self, named_tensors, version: int) -> None:
+        with self._swap(version):
+            if not list(named_tensors):
+                raise ValueError("empty update")
+
+
+def test_skeleton_checks_prompts_seeds_and_collects() -> None:
+    engine = EchoEngine()
+    assert isinstance(engine, RolloutEngine)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.stream([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"token id 10 is outside the vocabulary \[0, 10\)"):
+        engine.stream([[1, 10]], SamplingParams())
+    assert engine.seeds == []  # refused before the engine's own sampling runs
+    out = engine.generate([[1, 2], [3]], SamplingParams(n=2, seed=42))
+    assert [[s.token_ids for s in row] for row in out] == [[[1, 2], [1, 2]], [[3], [3]]]
+    engine.generate([[1]], SamplingParams())
+    assert engine.seeds[0] == 42 and 0 <= engine.seeds[1] < 2**31
+
+
+def test_failed_swap_keeps_the_version() -> None:
+    engine = EchoEngine()
+    with pytest.raises(ValueError, match="empty"):
+        engine.load_weights([], 3)
+    assert engine.version == 0
+    engine.load_weights([("w", None)], 3)
+    assert engine.version == 3
+    assert engine.generate([[1]], SamplingParams())[0][0].policy_version == 3
+
+
+def test_swap_waits_for_work_inside_and_holds_new_work() -> None:
+    gate, events = Gate(), []
+    gate.enter()
+
+    def swap() -> None:
+        with gate.swapping():
+            events.append("swap")
+            time.sleep(0.1)
+        events.append("swap done")
+
+    def work() -> None:
+        gate.enter()
+        events.append("work")
+        gate.leave()
+
+    swapper = threading.Thread(target=swap)
+    swapper.start()
+    time.sleep(0.1)
+    assert events == []  # the swap waits for the work inside
+    gate.leave()
+    time.sleep(0.05)  # the swap is under way: new work must wait for it
+    worker = threading.Thread(target=work)
+    worker.start()
+    swapper.join(5)
+    worker.join(5)
+    assert events == ["swap", "swap done", "work"]
+
+
+def test_stop_and_eos_rules() -> None:
+    class Tok:
+        eos_token_id = 7
+
+    assert default_eos(None, Tok()) == [7]
+    assert default_eos([1, 2], Tok()) == [1, 2]
+    assert default_eos(3, Tok()) == [3]
+    assert stop_ids(SamplingParams(stop_token_ids=(9, 4)), [7]) == [4, 7, 9]
+    assert stop_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), [7]) == [9]
+
+
+class Source:
+    def __init__(self, name: str, buckets: list[int] | None) -> None:
+        self.name, self.buckets, self.asked = name, buckets, 0
+
+    def fetch(self) -> Iterator[int] | None:
+        self.asked += 1
+        return None if self.buckets is None else iter(self.buckets)
+
+
+def test_first_offered_source_wins_in_order() -> None:
+    absent, stream, later = Source("socket", None), Source("stream", [1, 2]), Source("x", [3])
+    sources: list[WeightSource] = [absent, stream, later]
+    name, buckets = first_offered(sources)
+    assert (name, list(buckets)) == ("stream", [1, 2])
+    assert (absent.asked, stream.asked, later.asked) == (1, 1, 0)
+    with pytest.raises(LookupError):
+        first_offered([absent])
