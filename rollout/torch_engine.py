@@ -1,6 +1,8 @@
 """Torch rollout engine: batched sampling with a KV cache from a local Hugging Face model.
 
-Runs anywhere (CPU or GPU) and implements `rollout.engine.RolloutEngine`.
+Runs anywhere (CPU or GPU) and implements `rollout.engine.RolloutEngine` on
+`rollout.engine_base.EngineBase`, which owns the version, prompt checks, pause and
+weight-swap gating; this module adds the sampler and the in-place weight copy.
 
 Batching. All (prompt, sample) rows of a call are sorted by prompt length and cut into
 buckets of at most `max_batch_size` rows. A bucket prefills each distinct prompt once
@@ -174,7 +176,7 @@ class TorchEngine(EngineBase):
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
         self.model.to(self.device).eval()
-        super().__init__(self.model.get_input_embeddings().num_embeddings, version)
+        super().__init__(int(self.model.get_input_embeddings().num_embeddings), version)
         generation_eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = (
             list(eos_token_ids)
@@ -224,7 +226,7 @@ class TorchEngine(EngineBase):
         params: SamplingParams,
         seed: int,
     ) -> list[StreamedSample]:
-        """Prefill and decode one bucket; the caller holds the lock."""
+        """Prefill and decode one bucket; the caller holds the model lock."""
         state = self._prefill(bucket, prompts, params, seed)
         result = self._decode(state, params, len(bucket))
         return self._outputs(bucket, result)

