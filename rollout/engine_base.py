@@ -31,12 +31,14 @@ class Gate:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._paused = self._swapping = False
-        self._active = 0
+        self._active = self._waiting = 0
 
     def enter(self) -> None:
         """Wait until neither paused nor swapping, then count one unit of work in."""
         with self._cond:
+            self._waiting += 1
             self._cond.wait_for(lambda: not (self._paused or self._swapping))
+            self._waiting -= 1
             self._active += 1
 
     def leave(self) -> None:
@@ -57,9 +59,13 @@ class Gate:
 
     @contextmanager
     def swapping(self) -> Iterator[None]:
-        """Hold new work and wait until none is inside (allowed while paused)."""
+        """Hold new work and wait until none is inside (allowed while paused).
+
+        Work held back by the previous swap goes in first: back-to-back swaps would
+        otherwise starve generation.
+        """
         with self._cond:
-            self._cond.wait_for(lambda: not self._swapping)
+            self._cond.wait_for(lambda: not self._swapping and (self._paused or not self._waiting))
             self._swapping = True
             self._cond.wait_for(lambda: self._active == 0)
         try:

@@ -63,32 +63,34 @@ def test_failed_swap_keeps_the_version() -> None:
     assert engine.generate([[1]], SamplingParams())[0][0].policy_version == 3
 
 
-def test_swap_waits_for_work_inside_and_holds_new_work() -> None:
+def test_swap_waits_for_work_inside_and_lets_held_work_go_first() -> None:
     gate, events = Gate(), []
-    gate.enter()
 
-    def swap() -> None:
+    def swap(name: str) -> None:
         with gate.swapping():
-            events.append("swap")
+            events.append(name)
             time.sleep(0.1)
-        events.append("swap done")
 
     def work() -> None:
         gate.enter()
         events.append("work")
+        time.sleep(0.05)
         gate.leave()
 
-    swapper = threading.Thread(target=swap)
-    swapper.start()
+    gate.enter()
+    first = threading.Thread(target=swap, args=("swap 1",))
+    first.start()
     time.sleep(0.1)
     assert events == []  # the swap waits for the work inside
     gate.leave()
-    time.sleep(0.05)  # the swap is under way: new work must wait for it
-    worker = threading.Thread(target=work)
-    worker.start()
-    swapper.join(5)
-    worker.join(5)
-    assert events == ["swap", "swap done", "work"]
+    time.sleep(0.03)  # swap 1 is under way: the next swap, then new work, queue behind it
+    threads = [threading.Thread(target=swap, args=("swap 2",)), threading.Thread(target=work)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)
+    for thread in [first, *threads]:
+        thread.join(5)
+    assert events == ["swap 1", "work", "swap 2"]
 
 
 def test_stop_and_eos_rules() -> None:
