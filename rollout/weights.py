@@ -162,7 +162,9 @@ def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterator[Any]]:
     raise LookupError("no weight source offered an update")
 
 
-def fetch_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> tuple[str, Iterator[Any]]:
+def fetch_buckets(
+    stub: WeightStub, address: str, config: RolloutSettings
+) -> tuple[str, Iterator[Any]]:
     """(transport, the latest version's buckets): over the learner's weight socket when it
     offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
     return first_offered(learner_sources(stub, address, config))
