@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from rollout.config import TorchEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
@@ -174,9 +174,14 @@ class TorchEngine(EngineBase):
         self.device = resolve_device(device)
         self.max_batch_size = max_batch_size
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[dtype])
-        self.model.to(self.device).eval()
-        super().__init__(int(self.model.get_input_embeddings().num_embeddings), version)
+        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=_DTYPES[dtype]
+        )
+        torch.nn.Module.to(self.model, self.device)  # (transformers' typed `to` hides Module's)
+        self.model.eval()
+        embeddings = self.model.get_input_embeddings()
+        assert isinstance(embeddings, torch.nn.Embedding)
+        super().__init__(embeddings.num_embeddings, version)
         generation_eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = (
             list(eos_token_ids)
