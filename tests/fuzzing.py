@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 EXAMPLES = 1000  # generated inputs per endpoint (issue #8)
 # The rollout fuzz server's limits: tiny, so that a generated request costs milliseconds.
 ROLLOUT_MAX_N, ROLLOUT_MAX_PROMPT, ROLLOUT_MAX_RESPONSE = 3, 10, 4
+ROLLOUT_MAX_REQUEST_BYTES = 64 * 1024
 
 # Cheap texts that have broken verifiers elsewhere: empty, nested boxes, odd LaTeX.
 ODD_TEXTS = [
@@ -143,6 +144,7 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
             "rollout": {
                 "server": {"grpc_port": 0, "http_port": 0},
                 "max_n": ROLLOUT_MAX_N,
+                "max_request_bytes": ROLLOUT_MAX_REQUEST_BYTES,
                 "min_version_wait_s": 0,
             },
         }

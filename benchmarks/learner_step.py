@@ -19,7 +19,7 @@
    Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
    (`--no-malloc-tuning` to compare).
 
-Writes benchmarks/results/learner.json (details + `checks`).
+Writes benchmarks/results/learner_step.json (details + `checks`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 from services.common.malloc import keep_freed_memory
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "learner_step.json"
 TARGET_SPEEDUP, TARGET_PADDING, TARGET_WIRE = 0.8, 0.10, 0.5
 
 
@@ -280,14 +280,9 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
     from services.common.grpc_server import insecure_channel
     from services.common.server_config import ServerConfig
 
-    # Loaded by path like `dapo bench` does: run as a script, `import learner` would find
-    # this file instead of the package.
-    load = (
-        "import importlib.util as u, sys; s = u.spec_from_file_location('bench_learner', "
-        f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
-        "sys.exit(m.main(sys.argv[1:]))"
-    )
-    argv = [sys.executable, "-c", load, "--serve-publication", "--bucket-bytes", str(bucket_bytes)]
+    module = f"benchmarks.{Path(__file__).stem}"  # run from the repository root (cwd)
+    argv = [sys.executable, "-m", module, "--serve-publication"]
+    argv += ["--bucket-bytes", str(bucket_bytes)]
     publisher = subprocess.Popen(
         argv + ([] if tuned else ["--no-malloc-tuning"]),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=RESULTS.parents[2],
