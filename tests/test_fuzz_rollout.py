@@ -23,6 +23,7 @@ import grpc
 import pytest
 from fuzzing import (
     EXAMPLES,
+    FOREIGN_MESSAGES,
     ROLLOUT_MAX_N,
     ROLLOUT_MAX_PROMPT,
     ROLLOUT_MAX_REQUEST_BYTES,
@@ -31,6 +32,7 @@ from fuzzing import (
     assert_clear_refusal,
     cases,
     decodes,
+    nested_groups,
     raw_call,
     serve_rollout,
     wire_bytes,
@@ -38,7 +40,7 @@ from fuzzing import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo.v1 import learner_pb2, reward_pb2, rollout_pb2, tensor_pb2
+from dapo.v1 import rollout_pb2
 from rollout.engine import MIN_TEMPERATURE
 from rollout.server import RolloutServer
 
@@ -244,25 +246,6 @@ def test_fuzz_generate_group(served: tuple[RolloutServer, Any]) -> None:
 # -- structure: another RPC's message, fields far over the limits ---------------------------
 
 
-FOREIGN = st.one_of(
-    st.builds(rollout_pb2.RolloutStatus, version=st.integers(0, 2**64 - 1),
-              ready=st.booleans(), engine=st.text(max_size=8), model=st.text(max_size=8)),
-    st.builds(rollout_pb2.GenerateGroupResponse, request_id=st.text(max_size=8),
-              prompt_token_ids=st.lists(INT32, max_size=8),
-              completions=st.lists(st.builds(rollout_pb2.Completion,
-                                             token_ids=st.lists(INT32, max_size=4),
-                                             text=st.text(max_size=8)), max_size=3)),
-    st.builds(tensor_pb2.WeightBucket, version=st.integers(0, 2**64 - 1),
-              index=st.integers(0, 2**32 - 1), last=st.booleans(),
-              slices=st.lists(st.builds(tensor_pb2.TensorSlice, name=st.text(max_size=8),
-                                        shape=st.lists(st.integers(-5, 5), max_size=3),
-                                        data=st.binary(max_size=16)), max_size=2)),
-    st.builds(learner_pb2.FetchWeightsRequest, version=st.integers(0, 2**64 - 1),
-              bucket_bytes=st.integers(0, 2**32 - 1)),
-    st.builds(reward_pb2.ScoreRequest, items=st.lists(st.builds(
-        reward_pb2.ScoreItem, response=st.text(max_size=8), ground_truth=st.text(max_size=8)
-    ), max_size=3)),
-)  # fmt: skip
 # Sizes far past every limit (prompt 10 tokens, request 64 KiB on the fuzz server).
 HUGE = st.sampled_from([11, 1000, 20_000, 100_000])
 
@@ -284,8 +267,9 @@ def oversized(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
 
 
 STRUCTURES = st.one_of(
-    FOREIGN.map(lambda m: m.SerializeToString()),
+    FOREIGN_MESSAGES.map(lambda m: m.SerializeToString()),
     oversized().map(lambda m: m.SerializeToString()),
+    nested_groups(),
 )
 
 
