@@ -192,3 +192,24 @@ def nested_groups(field: int = 15) -> st.SearchStrategy[bytes]:
     start, end = bytes([field << 3 | 3]), bytes([field << 3 | 4])
     depths = st.one_of(st.integers(1, 120), st.sampled_from([1000, 100_000]))
     return depths.map(lambda depth: start * depth + end * depth)
+
+
+def unknown_field(field: int = 15) -> st.SearchStrategy[bytes]:
+    """One unknown length-delimited field of up to 1 MB (well-formed: ignored)."""
+    sizes = st.sampled_from([0, 100, 70_000, 1_000_000])
+    return sizes.map(lambda n: bytes([field << 3 | 2]) + _varint(n) + b"7" * n)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
+# Well-formed bytes of the wrong shape for any method: another RPC's message, unknown
+# groups nested past protobuf's recursion limit, or one huge unknown field.
+STRUCTURE_BYTES = st.one_of(
+    FOREIGN_MESSAGES.map(lambda m: m.SerializeToString()), nested_groups(), unknown_field()
+)

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from fuzzing import (
     EXAMPLES,
-    FOREIGN_MESSAGES,
     PROTO_TEXTS,
+    STRUCTURE_BYTES,
     TEXT_LIMIT,
     TEXTS,
     Counter,
@@ -30,7 +30,6 @@ from fuzzing import (
     cases,
     decodes,
     http_client,
-    nested_groups,
     raw_call,
 )
 from hypothesis import given
@@ -336,8 +335,7 @@ def test_fuzz_grpc_score_structure(channel: grpc.Channel) -> None:
     seen, refused = Counter(), Counter()
 
     @cases(EXAMPLES)
-    @given(data=st.one_of(FOREIGN_MESSAGES.map(lambda m: m.SerializeToString()),
-                          oversized_score_requests(), nested_groups()))  # fmt: skip
+    @given(data=st.one_of(STRUCTURE_BYTES, oversized_score_requests()))
     def run(data: bytes) -> None:
         seen()
         try:

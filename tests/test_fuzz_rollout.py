@@ -23,16 +23,15 @@ import grpc
 import pytest
 from fuzzing import (
     EXAMPLES,
-    FOREIGN_MESSAGES,
     ROLLOUT_MAX_N,
     ROLLOUT_MAX_PROMPT,
     ROLLOUT_MAX_REQUEST_BYTES,
     ROLLOUT_MAX_RESPONSE,
+    STRUCTURE_BYTES,
     Counter,
     assert_clear_refusal,
     cases,
     decodes,
-    nested_groups,
     raw_call,
     serve_rollout,
     wire_bytes,
@@ -266,11 +265,7 @@ def oversized(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
     return request
 
 
-STRUCTURES = st.one_of(
-    FOREIGN_MESSAGES.map(lambda m: m.SerializeToString()),
-    oversized().map(lambda m: m.SerializeToString()),
-    nested_groups(),
-)
+STRUCTURES = st.one_of(STRUCTURE_BYTES, oversized().map(lambda m: m.SerializeToString()))
 
 
 # -- raw bytes to every method ---------------------------------------------------------------
