@@ -4,7 +4,8 @@ The body is read with a size cap (413 past `reward.max_request_bytes`) and parse
 Python's json module after decoding with replacement, so stray invalid UTF-8 or lone
 surrogate escapes from byte-level tokenizers become U+FFFD / "?" instead of failing the
 whole batch. Schema errors and broken limits are 422 with a message naming the field or
-the limit. See docs/reward.md.
+the limit, and so is JSON that Python cannot parse for its structure (nested past the
+recursion limit, integers of thousands of digits). See docs/reward.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from reward.config import VerifierName
 from reward.scoring import LimitExceeded, RequestError, ScoreInput, Scorer
-from services.common.errors import describe_validation
+from services.common.errors import describe_validation, one_line
 
 
 def clean_text(text: str) -> str:
@@ -92,15 +93,26 @@ def _too_large(size: int, limit: int) -> LimitExceeded:
 
 def parse_items(body: bytes) -> list[ScoreInput]:
     """JSON body → ScoreInputs, or a RequestError (422) naming what is wrong."""
-    try:
-        data = json.loads(body.decode("utf-8", "replace"))
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"body is not JSON: {exc}") from None
+    data = parse_json(body)
     try:
         request = JsonRequest.model_validate(data)
     except ValidationError as exc:
         raise RequestError(_describe(exc)) from None
     return [item.to_input() for item in request.items]
+
+
+def parse_json(body: bytes) -> Any:
+    """The body as JSON, or a RequestError for anything json.loads refuses: besides syntax,
+    nesting deeper than Python's recursion limit (RecursionError) and integers of more
+    digits than `sys.get_int_max_str_digits()` (ValueError); both used to escape as 500."""
+    try:
+        return json.loads(body.decode("utf-8", "replace"))
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("body is not usable JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer literal past the int conversion limit
+        raise RequestError(f"body is not usable JSON: {one_line(str(exc))}") from None
 
 
 def _describe(exc: ValidationError) -> str:

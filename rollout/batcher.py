@@ -1,4 +1,4 @@
-"""Cross-request batching: concurrent Generate calls with equal sampling params share one
+"""Cross-request batching: concurrent GenerateGroup calls with equal sampling params share one
 engine call, so a server keeps its cores busy when the controller sends many groups.
 
 Samples are handed to their caller the moment the engine yields them (the engine yields

@@ -55,27 +55,24 @@ class RolloutConfig(StrictModel):
     )
     model_path: str | None = Field(None, description="Local Hugging Face model directory.")
     engine: EngineConfig = Field(default_factory=TorchEngineConfig)
-    max_n: int = Field(64, ge=1, description="Most samples per Generate request.")
+    max_n: int = Field(64, ge=1, description="Most samples per GenerateGroup request.")
     max_request_bytes: int = Field(
         1024 * 1024,
         ge=64,
-        description="Largest Generate request (INVALID_ARGUMENT beyond); checked before "
+        description="Largest GenerateGroup request (INVALID_ARGUMENT beyond); checked before "
         "tokenising. Requests past shared.rpc.max_message_bytes are refused by gRPC itself.",
     )
     max_concurrent_requests: int = Field(
         64,
         ge=1,
-        description="Generate calls served or queued at once; more get RESOURCE_EXHAUSTED, "
-        "so control RPCs (Pause, UpdateWeights, GetStatus) always find a free thread.",
-    )
-    drain_timeout_s: float = Field(
-        120.0, gt=0, description="How long Pause waits for in-flight requests to finish."
+        description="GenerateGroup calls served or queued at once; more get RESOURCE_EXHAUSTED, "
+        "so GetStatus and health checks always find a free thread.",
     )
     weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")
     min_version_wait_s: float = Field(
         10.0,
         ge=0,
-        description="How long Generate waits for weights of the request's min_version "
+        description="How long GenerateGroup waits for weights of the request's min_version "
         "(pulled at once) before refusing with UNAVAILABLE.",
     )
 

@@ -25,7 +25,7 @@ class LimitExceeded(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """The bounds a Generate request must respect."""
+    """The bounds a GenerateGroup request must respect."""
 
     max_request_bytes: int
     max_n: int

@@ -46,13 +46,13 @@ class RolloutMetrics:
             "dapo_rollout_samples", "Samples generated", ["finish_reason"], registry=r
         )
         self.rejected = Counter(
-            "dapo_rollout_requests_rejected", "Generate calls refused", ["reason"], registry=r
+            "dapo_rollout_requests_rejected", "GenerateGroup calls refused", ["reason"], registry=r
         )
         self.tokens_per_s = Gauge(
             "dapo_rollout_tokens_per_second", "Tokens/s over the last 10 s", registry=r
         )
         self.in_flight = Gauge(
-            "dapo_rollout_requests_in_flight", "Generate calls being served", registry=r
+            "dapo_rollout_requests_in_flight", "GenerateGroup calls being served", registry=r
         )
         self.queue = Gauge(
             "dapo_rollout_queue_depth", "Requests waiting for the engine", registry=r

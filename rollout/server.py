@@ -1,15 +1,15 @@
 """The rollout service: gRPC RolloutService over one engine, weight catch-up, registration.
 
-Generate streams each sample the moment the engine finishes it, tagged with the policy
-version that produced it. Weights arrive pushed (UpdateWeights) or pulled by
-`rollout.weights.WeightSync`; either way whole and newer, or not at all.
+GenerateGroup answers all n samples of a prompt at once, each tagged with the policy
+version that produced it. Weights are pulled by `rollout.weights.WeightSync`: whole and
+newer, or not at all.
 
-Readiness. `ready` (GET /readyz, GetStatus, the registry's `ready` flag) means "not paused
-and serving the version the learner published". A server that starts late or restarts
-refuses Generate with UNAVAILABLE until it has caught up once; after that it keeps
+Readiness. `ready` (GET /readyz, GetStatus, the registry's `ready` flag) means "serving
+the version the learner published". A server that starts late or restarts refuses
+GenerateGroup with UNAVAILABLE until it has caught up once; after that it keeps
 serving while it fetches a newer version (each sample says which version made it, and
 the buffer and learner enforce staleness). The registry's `accepting` flag says exactly
-that ("not paused and caught up once") and is what the controller routes on: `ready`
+that ("caught up once") and is what the controller routes on: `ready`
 drops after every learner step until the pull lands, and routing on it stalled
 admission for a backoff each step, while a request's `min_version` already makes the
 server wait for the weights it needs.
@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import redis
 
-from dapo.v1 import rollout_pb2, rollout_pb2_grpc, tensor_pb2
+from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout import adapter
 from rollout.batcher import Batcher
 from rollout.config import RolloutSettings
@@ -39,7 +39,6 @@ from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.lifecycle import advertised_address
 from services.common.registry import Registration
-from services.common.tensor_codec import TensorWireError
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +61,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.limits = Limits.from_config(config)
         max_sequences = getattr(config.rollout.engine, "max_batch_size", 256)
         self.batcher = Batcher(engine, max(max_sequences, config.rollout.max_n))
-        self.paused = False
         self.in_flight = 0
-        self.finished = 0  # Generate calls ended, for Pause's `drained`
-        self._cond = threading.Condition()
-        self.on_change: list[Callable[[], None]] = []  # pause, resume, new weights
+        self._lock = threading.Lock()
         self._watch_metrics()
 
     def _watch_metrics(self) -> None:
@@ -79,25 +75,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.metrics.cache_usage(usage)
 
     def ready(self) -> bool:
-        return not self.paused and (self.sync is None or self.sync.ready())
+        return self.sync is None or self.sync.ready()
 
     def accepting(self) -> bool:
-        """Takes Generate calls: not paused, and caught up with the learner at least once."""
-        return not self.paused and (self.sync is None or self.sync.caught_up.is_set())
+        """Takes GenerateGroup calls: caught up with the learner at least once."""
+        return self.sync is None or self.sync.caught_up.is_set()
 
-    def _changed(self) -> None:
-        for callback in self.on_change:
-            callback()
-
-    # -- Generate ---------------------------------------------------------------------
-
-    def Generate(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
-        prompt, params = self._accept(request, context)
-        for index, completion in self._samples(prompt, params, context):
-            yield rollout_pb2.GenerateResponse(
-                request_id=request.request_id, sample_index=index,
-                prompt_token_ids=prompt, completion=completion,
-            )  # fmt: skip
+    # -- GenerateGroup ----------------------------------------------------------------
 
     def GenerateGroup(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
         prompt, params = self._accept(request, context)
@@ -174,11 +158,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise ValueError(f"cannot tokenise the prompt: {exc}") from exc
 
     def _admit(self) -> tuple[str, Any, str] | None:
-        """Count the call in flight, or say why not (paused, too many calls)."""
+        """Count the call in flight, or say why not (too many calls)."""
         limit = self.config.rollout.max_concurrent_requests
-        with self._cond:
-            if self.paused:
-                return "paused", grpc.StatusCode.UNAVAILABLE, "rollout server is paused"
+        with self._lock:
             if self.in_flight >= limit:
                 message = f"{self.in_flight} requests in flight = rollout.max_concurrent_requests"
                 return "busy", grpc.StatusCode.RESOURCE_EXHAUSTED, message
@@ -204,50 +186,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._release()
 
     def _release(self) -> None:
-        """A Generate call admitted by `_admit` is over."""
-        with self._cond:
+        """A GenerateGroup call admitted by `_admit` is over."""
+        with self._lock:
             self.in_flight -= 1
-            self.finished += 1
-            self._cond.notify_all()
 
     # -- control ----------------------------------------------------------------------
 
-    def Pause(self, request, context):
-        """Refuse new calls, wait for those in flight (bounded), then hold the engine."""
-        with self._cond:
-            self.paused = True
-            start = self.finished
-        self._changed()  # the registry says "not ready" while we drain
-        timeout = self.config.rollout.drain_timeout_s
-        remaining = context.time_remaining() if context is not None else None
-        with self._cond:
-            self._cond.wait_for(lambda: self.in_flight == 0, min(timeout, remaining or timeout))
-            drained = self.finished - start
-        self.engine.pause()
-        return rollout_pb2.PauseResponse(drained=drained)
-
-    def Resume(self, request, context):
-        with self._cond:
-            self.paused = False
-        self.engine.resume()
-        self._changed()
-        return rollout_pb2.ResumeResponse()
-
-    def UpdateWeights(self, request_iterator: Iterator[tensor_pb2.WeightBucket], context):
-        """Apply a pushed update whole, or report why not (the old weights stay)."""
-        try:
-            version = self.updater.apply(request_iterator)
-        except (TensorWireError, ValueError) as exc:
-            log.warning("pushed weight update rejected: %s", exc)
-            return rollout_pb2.UpdateWeightsResponse(
-                version=self.engine.version, applied=False, error=str(exc)
-            )
-        self._changed()
-        return rollout_pb2.UpdateWeightsResponse(version=version, applied=True)
-
     def GetStatus(self, request, context):
         return rollout_pb2.RolloutStatus(
-            version=self.engine.version, paused=self.paused, ready=self.ready(),
+            version=self.engine.version, ready=self.ready(),
             requests_in_flight=self.in_flight, engine=self.config.rollout.engine.kind,
             model=str(self.config.rollout.model_path or self.config.shared.model_path),
         )  # fmt: skip
@@ -287,7 +234,6 @@ class RolloutServer:
         self.sync = WeightSync(config, client, self.updater) if client is not None else None
         tokenizer = engine.tokenizer  # type: ignore[attr-defined]
         self.servicer = RolloutServicer(config, engine, tokenizer, self.updater, self.sync)
-        self.servicer.on_change.append(self._announce)
         self.stop_event = threading.Event()
         self.registration: Registration | None = None
         self._announced: dict[str, Any] = {}
@@ -321,7 +267,6 @@ class RolloutServer:
             "published_version": published,
             "ready": self.ready(),
             "accepting": self.servicer.accepting(),
-            "paused": self.servicer.paused,
             "in_flight": self.servicer.in_flight,
             "queue": self.servicer.batcher.pending(),
             "engine": self.config.rollout.engine.kind,

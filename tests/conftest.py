@@ -1,7 +1,13 @@
-"""Shared fixtures: a real redis-server on a free port, a tiny model built locally."""
+"""Shared fixtures: a real redis-server on a free port, a tiny model built locally, and a
+private temp directory for the session that must be empty again when the suite ends."""
 
 from __future__ import annotations
 
+import getpass
+import multiprocessing.util
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +15,50 @@ import pytest
 import redis
 
 from services.common.redis_server import RedisServer, start_redis
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point TMPDIR (inherited by subprocesses) and `tempfile` at a directory of the
+    session's own, and fail the session if anything is left in it at the end: a test that
+    leaves files behind fills the machine's /tmp run after run. Other processes on the
+    machine write to /tmp too, hence a private directory.
+
+    What outlives a test by design stays where it was, resolved before the switch:
+    pytest's own directories (`tmp_path`, kept for the last few runs), this process's
+    multiprocessing directory (the reward pool's forkserver socket; removed at exit) and
+    torch's compile cache (one per user, reused across runs).
+    """
+    tmp_path_factory.getbasetemp()
+    multiprocessing.util.get_temp_dir()
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
+    )
+    private = Path(tempfile.mkdtemp(prefix="dapo-tests-"))
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(private), str(private)
+    try:
+        yield private
+        left = sorted(p.name for p in private.iterdir())
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(private, ignore_errors=True)
+    assert not left, f"the suite left {len(left)} entries in its temp dir: {left[:20]}"
+
+
+@pytest.fixture
+def killed_tree_env(tmp_path: Path) -> dict[str, str]:
+    """The environment for a process tree the test kills (SIGKILL): a killed process
+    cannot remove its temp files (redis-server's dir, the reward pool's forkserver
+    socket dir), so its TMPDIR is inside tmp_path, which pytest cleans up."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    return {**os.environ, "TMPDIR": str(tmp)}
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,12 @@ import httpx
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
+from dapo.v1 import learner_pb2, reward_pb2, rollout_pb2, tensor_pb2
+
 EXAMPLES = 1000  # generated inputs per endpoint (issue #8)
 # The rollout fuzz server's limits: tiny, so that a generated request costs milliseconds.
 ROLLOUT_MAX_N, ROLLOUT_MAX_PROMPT, ROLLOUT_MAX_RESPONSE = 3, 10, 4
+ROLLOUT_MAX_REQUEST_BYTES = 64 * 1024
 
 # Cheap texts that have broken verifiers elsewhere: empty, nested boxes, odd LaTeX.
 ODD_TEXTS = [
@@ -143,6 +146,7 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
             "rollout": {
                 "server": {"grpc_port": 0, "http_port": 0},
                 "max_n": ROLLOUT_MAX_N,
+                "max_request_bytes": ROLLOUT_MAX_REQUEST_BYTES,
                 "min_version_wait_s": 0,
             },
         }
@@ -153,3 +157,59 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
     yield server, channel
     channel.close()
     server.stop()
+
+
+# -- structure: well-formed bytes of the wrong shape ---------------------------------------
+
+_INT32 = st.integers(-(2**31), 2**31 - 1)
+# A valid message of another RPC's type (or of this one's, for the other services).
+FOREIGN_MESSAGES = st.one_of(
+    st.builds(rollout_pb2.RolloutStatus, version=st.integers(0, 2**64 - 1),
+              ready=st.booleans(), engine=st.text(max_size=8), model=st.text(max_size=8)),
+    st.builds(rollout_pb2.GenerateGroupResponse, request_id=st.text(max_size=8),
+              prompt_token_ids=st.lists(_INT32, max_size=8),
+              completions=st.lists(st.builds(rollout_pb2.Completion,
+                                             token_ids=st.lists(_INT32, max_size=4),
+                                             text=st.text(max_size=8)), max_size=3)),
+    st.builds(tensor_pb2.WeightBucket, version=st.integers(0, 2**64 - 1),
+              index=st.integers(0, 2**32 - 1), last=st.booleans(),
+              slices=st.lists(st.builds(tensor_pb2.TensorSlice, name=st.text(max_size=8),
+                                        shape=st.lists(st.integers(-5, 5), max_size=3),
+                                        data=st.binary(max_size=16)), max_size=2)),
+    st.builds(learner_pb2.FetchWeightsRequest, version=st.integers(0, 2**64 - 1),
+              bucket_bytes=st.integers(0, 2**32 - 1)),
+    st.builds(rollout_pb2.GenerateRequest, prompt=st.text(max_size=8), n=st.integers(0, 9),
+              prompt_token_ids=st.lists(_INT32, max_size=8)),
+    st.builds(reward_pb2.ScoreRequest, items=st.lists(st.builds(
+        reward_pb2.ScoreItem, response=st.text(max_size=8), ground_truth=st.text(max_size=8)
+    ), max_size=3)),
+)  # fmt: skip
+
+
+def nested_groups(field: int = 15) -> st.SearchStrategy[bytes]:
+    """An unknown field of nested groups (wire types 3/4), `depth` deep: protobuf parses
+    unknown groups recursively and refuses past its recursion limit (100)."""
+    start, end = bytes([field << 3 | 3]), bytes([field << 3 | 4])
+    depths = st.one_of(st.integers(1, 120), st.sampled_from([1000, 100_000]))
+    return depths.map(lambda depth: start * depth + end * depth)
+
+
+def unknown_field(field: int = 15) -> st.SearchStrategy[bytes]:
+    """One unknown length-delimited field of up to 1 MB (well-formed: ignored)."""
+    sizes = st.sampled_from([0, 100, 70_000, 1_000_000])
+    return sizes.map(lambda n: bytes([field << 3 | 2]) + _varint(n) + b"7" * n)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes([*out, value])
+
+
+# Well-formed bytes of the wrong shape for any method: another RPC's message, unknown
+# groups nested past protobuf's recursion limit, or one huge unknown field.
+STRUCTURE_BYTES = st.one_of(
+    FOREIGN_MESSAGES.map(lambda m: m.SerializeToString()), nested_groups(), unknown_field()
+)

@@ -267,9 +267,15 @@ def assert_nothing_lost(client: redis.Redis, scored: int, batch_groups: int) -> 
 
 @pytest.mark.slow
 def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
-    tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
+    tmp_path: Path,
+    tiny_model: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    killed_tree_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run_dir = tmp_path / "run"
+    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])  # the children's, one is killed
     config = load_config(preset="tiny", overrides=[
         f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",

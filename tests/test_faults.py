@@ -99,7 +99,7 @@ def group_ids(client: redis.Redis, stream: str) -> Counter:
 
 
 def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "run"
     with RedisServer(appendonly=True) as server:
@@ -113,7 +113,7 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
              # Keep every acked entry: the audit below reads the whole `scored` stream,
              # and a run that admits more than the default 1000 groups would be trimmed.
              "--set", "buffer.stream_retain=1000000"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env,
         )  # fmt: skip
         try:
             recovery, (version_at_kill, successor) = run_kills(run_dir, client, server)

@@ -112,7 +112,10 @@ def check_load(path: Path | None, env: dict[str, str], overrides: list[str]) -> 
         assert message.strip() and "\n" not in message and "\r" not in message, repr(message)
         return
     assert all(math.isfinite(x) for x in _floats(config.model_dump())), config
-    again = load_config(overrides=[], env={}, path=_dumped(config))
+    with tempfile.TemporaryDirectory() as tmp:  # deleted again: 1000s of cases per run
+        dumped = Path(tmp) / "dumped.yaml"
+        dumped.write_text(dump_config(config))
+        again = load_config(overrides=[], env={}, path=dumped)
     # Dumps mask secrets (token, Redis password, URL passwords), so the reloaded config is
     # compared through its dump: every other field must survive the round trip.
     assert dump_config(again) == dump_config(config)
@@ -124,13 +127,6 @@ def _floats(value: Any) -> list[float]:
     if isinstance(value, list):
         return [x for v in value for x in _floats(v)]
     return [value] if isinstance(value, float) else []
-
-
-def _dumped(config: DapoConfig) -> Path:
-    handle = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-    with handle:
-        handle.write(dump_config(config))
-    return Path(handle.name)
 
 
 def test_fuzz_config_sources() -> None:

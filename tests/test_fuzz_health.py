@@ -13,7 +13,16 @@ from typing import Any
 
 import grpc
 import pytest
-from fuzzing import EXAMPLES, Counter, assert_clear_refusal, cases, decodes, raw_call, wire_bytes
+from fuzzing import (
+    EXAMPLES,
+    STRUCTURE_BYTES,
+    Counter,
+    assert_clear_refusal,
+    cases,
+    decodes,
+    raw_call,
+    wire_bytes,
+)
 from grpc_health.v1 import health_pb2
 from hypothesis import given
 from hypothesis import strategies as st
@@ -75,13 +84,16 @@ def check_reply(method: str, request: Any, reply: Any) -> None:
         assert request.service in KNOWN and reply.status == SERVING
 
 
+@pytest.mark.parametrize("kind", ["raw", "structure"])
 @pytest.mark.parametrize("method", REQUESTS)
-def test_fuzz_health(channel: Any, method: str) -> None:
+def test_fuzz_health(channel: Any, method: str, kind: str) -> None:
+    """`structure`: another RPC's message, nested unknown groups, a huge unknown field."""
     seen, request_type = Counter(), REQUEST_TYPES[method]
     whole = REQUESTS[method].map(lambda m: m.SerializeToString())
+    raw = st.one_of(whole, wire_bytes(REQUESTS[method]))
 
     @cases(EXAMPLES)
-    @given(data=st.one_of(whole, wire_bytes(REQUESTS[method])))
+    @given(data=raw if kind == "raw" else STRUCTURE_BYTES)
     def run(data: bytes) -> None:
         seen()
         try:

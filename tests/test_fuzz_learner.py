@@ -20,7 +20,16 @@ from typing import Any
 
 import grpc
 import pytest
-from fuzzing import EXAMPLES, Counter, assert_clear_refusal, cases, decodes, raw_call, wire_bytes
+from fuzzing import (
+    EXAMPLES,
+    STRUCTURE_BYTES,
+    Counter,
+    assert_clear_refusal,
+    cases,
+    decodes,
+    raw_call,
+    wire_bytes,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -177,9 +186,11 @@ def test_fuzz_get_version(channel: Any) -> None:
     assert seen.n >= EXAMPLES
 
 
+@pytest.mark.parametrize("kind", ["raw", "structure"])
 @pytest.mark.parametrize("method", RAW_MESSAGES)
-def test_fuzz_raw_bytes(channel: Any, servicer: WeightServicer, method: str) -> None:
-    """Bytes that decode get the decoded request's verdict; others INVALID_ARGUMENT."""
+def test_fuzz_raw_bytes(channel: Any, servicer: WeightServicer, method: str, kind: str) -> None:
+    """Bytes that decode get the decoded request's verdict; others INVALID_ARGUMENT.
+    `structure`: another RPC's message, nested unknown groups, a huge unknown field."""
     seen, port = Counter(), servicer.weight_socket.port
     request_type = learner_pb2.GetVersionRequest
     if method != "GetVersion":
@@ -187,7 +198,7 @@ def test_fuzz_raw_bytes(channel: Any, servicer: WeightServicer, method: str) -> 
     path = f"/dapo.v1.WeightService/{method}"
 
     @cases(EXAMPLES)
-    @given(data=wire_bytes(RAW_MESSAGES[method]))
+    @given(data=wire_bytes(RAW_MESSAGES[method]) if kind == "raw" else STRUCTURE_BYTES)
     def run(data: bytes) -> None:
         seen()
         if method != "GetVersion" and decodes(request_type, data):

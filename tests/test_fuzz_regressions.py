@@ -55,6 +55,38 @@ def test_json_error_naming_a_key_with_a_newline_stays_on_one_line() -> None:
     assert "\n" not in message and "\\n: Extra inputs are not permitted" in message
 
 
+def test_json_python_cannot_parse_for_its_structure_is_422_not_500() -> None:
+    """Found by the HTTP structure fuzzer: JSON nested past Python's recursion limit
+    (RecursionError) and integers of more than 4300 digits (ValueError) escaped
+    json.loads as 500 Internal Server Error, and uvicorn then reset the connection."""
+    from reward.server import create_server
+    from services.tools.config import DapoConfig
+
+    config = DapoConfig.model_validate({"reward": {
+        "num_workers": 1, "default_verifier": "dapo", "server": {"grpc_port": 0, "http_port": 0},
+    }})  # fmt: skip
+    server = create_server(config)
+    item = b'{"response": "Answer: 1", "ground_truth": "1"}'
+    bodies = {
+        b"[" * 100_000: "nested too deeply",
+        b'{"items": [{"response": ' + b"[" * 5000 + b"]" * 5000 + b"}]}": "nested too deeply",
+        b'{"a":' * 5000 + b"1" + b"}" * 5000: "nested too deeply",
+        b'{"items": [{"response": "1", "response_length": ' + b"9" * 5000 + b"}]}": "4300 digits",
+        b"9" * 4301: "4300 digits",
+    }
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=30) as http:
+            for body, words in bodies.items():
+                reply = http.post("/v1/score", content=body)
+                assert reply.status_code == 422, (body[:40], reply.text[:200])
+                assert words in reply.json()["detail"] and "\n" not in reply.json()["detail"]
+                # the same keep-alive connection still serves
+                again = http.post("/v1/score", content=b'{"items": [' + item + b"]}")
+                assert again.status_code == 200 and again.json()["results"][0]["correct"]
+    finally:
+        server.stop()
+
+
 def test_config_error_naming_a_key_with_a_newline_stays_on_one_line() -> None:
     """The config loader shared the same formatting (a YAML key may hold a newline)."""
     try:
@@ -75,8 +107,9 @@ def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "1e400"])
 def test_config_refuses_non_finite_numbers(value: str) -> None:
     """Found by the config fuzzer: rollout.drain_timeout_s=1e400 (inf) was accepted, and
-    so were an infinite lr, timeout or temperature."""
-    for field in ("rollout.drain_timeout_s", "learner.lr", "reward.timeout_s"):
+    so were an infinite lr, timeout or temperature. (drain_timeout_s went with the Pause
+    RPC; weight_poll_s is a float of the same kind.)"""
+    for field in ("rollout.weight_poll_s", "learner.lr", "reward.timeout_s"):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(overrides=[f"{field}={value}"], env={})
 

@@ -1,8 +1,13 @@
 """Fuzzing the reward service: generated JSON and protobuf against one real server.
 
 1000 generated requests per HTTP route and for gRPC Score (decoded messages and raw
-bytes): none may crash the server or answer 5xx / INTERNAL; a refusal is a 4xx or
-INVALID_ARGUMENT with a message, an acceptance answers every item in order.
+bytes), and 1000 of the wrong structure for POST /v1/score and Score: JSON nested up to
+100000 deep, arrays and objects of up to 20000 entries, objects where lists are expected
+and the reverse, mixed types, duplicate keys, numbers of thousands of digits, NaN,
+non-UTF-8 bytes; another RPC's message, repeated items far over the limit, unknown
+groups nested past protobuf's limit. None may crash the server or answer 5xx /
+INTERNAL; a refusal is a 4xx or INVALID_ARGUMENT with a one-line message, an acceptance
+answers every item in order.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import pytest
 from fuzzing import (
     EXAMPLES,
     PROTO_TEXTS,
+    STRUCTURE_BYTES,
     TEXT_LIMIT,
     TEXTS,
     Counter,
     assert_clear_refusal,
     cases,
+    decodes,
     http_client,
     raw_call,
 )
@@ -122,7 +129,7 @@ def expected_items(body: bytes) -> list[Any] | None:
     """The items list a well-formed body carries (None: the server must refuse)."""
     try:
         data = json.loads(body.decode("utf-8", "replace"))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return data.get("items") if isinstance(data, dict) else None
 
@@ -159,6 +166,77 @@ def test_fuzz_http_score(http: httpx.Client) -> None:
 
     run()
     assert seen.n >= EXAMPLES
+
+
+# Structure: JSON text built directly, so it can hold what json.dumps never writes
+# (duplicate keys, NaN, 5000-digit numbers) and sizes hypothesis would not generate.
+ITEM = '{"response": "Answer: 1", "ground_truth": "1"}'
+SCALARS = ['"x"', "1", "-0.5", "true", "null", "1e400", "NaN", "-Infinity", "[]", "{}", ITEM]
+
+
+def _nested(depth: int, kind: str, closed: bool) -> str:
+    opening, closing = ("[", "]") if kind == "list" else ('{"a":', "}")
+    return opening * depth + "1" + (closing * depth if closed else "")
+
+
+WRONG_VALUES = st.one_of(
+    st.builds(_nested, st.one_of(st.integers(1, 1200), st.sampled_from([5000, 100_000])),
+              st.sampled_from(["list", "object"]), st.booleans()),
+    st.builds(lambda elem, n: "[" + ",".join([elem] * n) + "]",
+              st.sampled_from(SCALARS), st.sampled_from([0, 5, 1000, 20_000])),
+    st.builds(lambda n: "{" + ",".join(f'"k{i}": 1' for i in range(n)) + "}",
+              st.sampled_from([1, 5, 1000, 20_000])),
+    st.builds(lambda n: "9" * n, st.sampled_from([10, 4300, 4301, 6000])),
+    st.lists(JSON_VALUES, max_size=4).map(json.dumps),
+    st.sampled_from(SCALARS),
+)  # fmt: skip
+PLACES = [  # where the value goes: V
+    "V",  # the whole body
+    '{"items": V}',
+    '{"items": [V]}',
+    '{"items": [V, ' + ITEM + "]}",
+    '{"items": [{"response": V, "ground_truth": "1"}]}',
+    '{"items": [{"response": "1", "ground_truth": "1", "response_length": V}]}',
+    '{"items": [' + ITEM + '], "items": V}',  # duplicate keys: the last one wins
+    '{"items": V, "items": [' + ITEM + "]}",
+    '{"items": [{"response": "1", "response": V, "ground_truth": "1"}]}',
+]
+
+
+@st.composite
+def structured_bodies(draw: st.DrawFn) -> bytes:
+    """A value of the wrong structure somewhere in a body, perhaps not UTF-8 at all."""
+    text = draw(st.sampled_from(PLACES)).replace("V", draw(WRONG_VALUES))
+    how = draw(st.sampled_from(["utf-8", "utf-8", "utf-8", "utf-16", "bom", "junk"]))
+    if how == "utf-16":
+        return text.encode("utf-16")
+    if how == "bom":
+        return b"\xef\xbb\xbf" + text.encode()
+    body = text.encode()
+    if how == "junk":  # bytes that are not UTF-8, somewhere
+        at = draw(st.integers(0, len(body)))
+        body = body[:at] + draw(st.binary(min_size=1, max_size=4).map(_high)) + body[at:]
+    return body
+
+
+def _high(data: bytes) -> bytes:
+    return bytes(b | 0x80 for b in data)
+
+
+def test_fuzz_http_score_structure(http: httpx.Client) -> None:
+    seen, codes = Counter(), {}
+
+    @cases(EXAMPLES)
+    @given(body=structured_bodies())
+    def run(body: bytes) -> None:
+        seen()
+        reply = http.post("/v1/score", content=body, headers={"content-type": "application/json"})
+        check_score_reply(reply, body)
+        codes[reply.status_code] = codes.get(reply.status_code, 0) + 1
+
+    run()
+    assert seen.n >= EXAMPLES
+    assert set(codes) >= {200, 413, 422}, codes  # not vacuous: every outcome was reached
 
 
 ROUTES = ["/healthz", "/readyz", "/metrics", "/status", "/openapi.json"]
@@ -241,3 +319,46 @@ def test_fuzz_grpc_score_raw_bytes(channel: grpc.Channel) -> None:
 
     run()
     assert seen.n >= EXAMPLES
+
+
+def oversized_score_requests() -> st.SearchStrategy[bytes]:
+    """ScoreRequests with items or texts far over the limits."""
+    sizes = st.sampled_from([MAX_ITEMS + 1, 1000, 20_000])
+    many = sizes.map(lambda n: reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem()] * n))
+    long_text = st.sampled_from([TEXT_LIMIT + 1, 10_000, 1_000_000]).map(
+        lambda n: reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="7" * n)])
+    )
+    return st.one_of(many, long_text).map(lambda m: m.SerializeToString())
+
+
+def test_fuzz_grpc_score_structure(channel: grpc.Channel) -> None:
+    """Another RPC's message, repeated items or texts far over the limits, unknown groups
+    nested past protobuf's recursion limit: answered as the decoded request deserves, or
+    refused with INVALID_ARGUMENT naming the problem."""
+    seen, refused = Counter(), Counter()
+
+    @cases(EXAMPLES)
+    @given(data=st.one_of(STRUCTURE_BYTES, oversized_score_requests()))
+    def run(data: bytes) -> None:
+        seen()
+        try:
+            reply = reward_pb2.ScoreResponse.FromString(raw_call(channel, SCORE, data))
+        except grpc.RpcError as exc:
+            refused()
+            assert_clear_refusal(exc)
+            if not decodes(reward_pb2.ScoreRequest, data):
+                assert "cannot decode" in exc.details()
+                return
+            items = reward_pb2.ScoreRequest.FromString(data).items
+            assert (
+                len(items) > MAX_ITEMS
+                or any(i.verifier not in range(5) or len(i.response) > TEXT_LIMIT for i in items)
+                or any(len(i.ground_truth) > TEXT_LIMIT for i in items)
+            ), exc.details()
+            return
+        request = reward_pb2.ScoreRequest.FromString(data)  # the server decoded it too
+        assert len(request.items) <= MAX_ITEMS
+        assert [r.id for r in reply.results] == [i.id for i in request.items]
+
+    run()
+    assert seen.n >= EXAMPLES and 0 < refused.n < seen.n, refused.n

@@ -1,14 +1,15 @@
-"""Fuzzing the rollout service's Generate, GenerateGroup, Pause, Resume and GetStatus.
+"""Fuzzing the rollout service's GenerateGroup and GetStatus.
 
 One real server (torch engine, tiny model, tiny limits so a case costs milliseconds).
-Each Generate/GenerateGroup request is generated plausible or wild in one field, and
-its verdict is derived from the request itself (`problems`): a request within limits
-must be answered in full; any other must be refused with INVALID_ARGUMENT (UNAVAILABLE
-for a `min_version` not served) whose message names one of its problems. Nothing
-depends on load: calls are sequential, so busy or paused refusals cannot happen unless
-the server leaks a call. Every method also takes 1000 raw byte strings, and
-Pause/Resume/GetStatus/Generate run in random sequences against a model of the state.
-UpdateWeights is fuzzed in tests/test_fuzz_rollout_weights.py.
+Each GenerateGroup request is generated plausible or wild in one field, and its verdict
+is derived from the request itself (`problems`): a request within limits must be
+answered in full; any other must be refused with INVALID_ARGUMENT (UNAVAILABLE for a
+`min_version` not served) whose message names one of its problems. Nothing depends on
+load: calls are sequential, so busy refusals cannot happen unless the server leaks a
+call. Every method also takes 1000 raw byte strings and 1000 structurally wrong
+messages (another RPC's message type; repeated fields and strings far over the limits);
+GetStatus must always match the server's state. The weight updates the server pulls are
+fuzzed in tests/test_fuzz_rollout_weights.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from fuzzing import (
     EXAMPLES,
     ROLLOUT_MAX_N,
     ROLLOUT_MAX_PROMPT,
+    ROLLOUT_MAX_REQUEST_BYTES,
     ROLLOUT_MAX_RESPONSE,
+    STRUCTURE_BYTES,
     Counter,
     assert_clear_refusal,
     cases,
@@ -36,7 +39,7 @@ from fuzzing import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo.v1 import rollout_pb2, rollout_pb2_grpc
+from dapo.v1 import rollout_pb2
 from rollout.engine import MIN_TEMPERATURE
 from rollout.server import RolloutServer
 
@@ -101,7 +104,8 @@ def problems(
     request: rollout_pb2.GenerateRequest, tokenizer: Any, version: int
 ) -> list[tuple[grpc.StatusCode, str]]:
     """(code, words its message must hold) for each reason to refuse; [] = must answer."""
-    found = [] if 1 <= request.n <= ROLLOUT_MAX_N else ["rollout.max_n"]
+    found = ["rollout.max_request_bytes"] if request.ByteSize() > ROLLOUT_MAX_REQUEST_BYTES else []
+    found += [] if 1 <= request.n <= ROLLOUT_MAX_N else ["rollout.max_n"]
     found += sampling_problems(request.sampling)
     found += prompt_problems(prompt_ids(request, tokenizer), len(tokenizer))
     out = [(INVALID, words) for words in found]
@@ -113,21 +117,12 @@ def problems(
 # -- calling and checking -------------------------------------------------------------------
 
 
-def call(channel: Any, method: str, data: bytes) -> tuple[str, list[int], list[Any]]:
-    """(request id, prompt ids, completions in sample order) from either method."""
-    path = f"{SERVICE}/{method}"
-    if method == "GenerateGroup":
-        decode = rollout_pb2.GenerateGroupResponse.FromString
-        group = channel.unary_unary(path, response_deserializer=decode)(data, timeout=60)
-        return group.request_id, list(group.prompt_token_ids), list(group.completions)
-    stream = channel.unary_stream(
-        path, response_deserializer=rollout_pb2.GenerateResponse.FromString
-    )
-    replies = sorted(stream(data, timeout=60), key=lambda r: r.sample_index)
-    assert [r.sample_index for r in replies] == list(range(len(replies)))
-    assert len({(r.request_id, tuple(r.prompt_token_ids)) for r in replies}) <= 1, replies
-    ids = (replies[0].request_id, list(replies[0].prompt_token_ids)) if replies else ("", [])
-    return ids[0], ids[1], [r.completion for r in replies]
+def call(channel: Any, data: bytes) -> tuple[str, list[int], list[Any]]:
+    """(request id, prompt ids, completions in sample order) from GenerateGroup."""
+    decode = rollout_pb2.GenerateGroupResponse.FromString
+    method = channel.unary_unary(f"{SERVICE}/GenerateGroup", response_deserializer=decode)
+    group = method(data, timeout=60)
+    return group.request_id, list(group.prompt_token_ids), list(group.completions)
 
 
 def check_completion(c: Any, request: rollout_pb2.GenerateRequest, stops: set[int]) -> None:
@@ -141,7 +136,7 @@ def check_completion(c: Any, request: rollout_pb2.GenerateRequest, stops: set[in
 
 
 class Verdicts:
-    """Checks each Generate/GenerateGroup outcome against `problems`; tallies them."""
+    """Checks each GenerateGroup outcome against `problems`; tallies them."""
 
     def __init__(self, server: RolloutServer, channel: Any) -> None:
         self.server, self.channel = server, channel
@@ -150,11 +145,11 @@ class Verdicts:
         self.accepted = 0
         self.refused: dict[str, int] = {}  # reason named -> count
 
-    def check(self, method: str, request: rollout_pb2.GenerateRequest, data: bytes) -> None:
+    def check(self, request: rollout_pb2.GenerateRequest, data: bytes) -> None:
         version = self.server.engine.version
         expected = problems(request, self.tokenizer, version)
         try:
-            request_id, prompt, completions = call(self.channel, method, data)
+            request_id, prompt, completions = call(self.channel, data)
         except grpc.RpcError as exc:
             self.refusal(exc, expected)
             return
@@ -176,7 +171,7 @@ class Verdicts:
         self.refused[reason] = self.refused.get(reason, 0) + 1
 
 
-# -- Generate and GenerateGroup ---------------------------------------------------------------
+# -- GenerateGroup ---------------------------------------------------------------
 
 # Each field either plausible or wild; a request is wild in one field at most half the
 # time, so plenty of them get through to the engine too. Cheap: n <= 3, max_tokens <= 4,
@@ -228,8 +223,7 @@ def generate_requests(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
     return request
 
 
-@pytest.mark.parametrize("method", ["Generate", "GenerateGroup"])
-def test_fuzz_generate(served: tuple[RolloutServer, Any], method: str) -> None:
+def test_fuzz_generate_group(served: tuple[RolloutServer, Any]) -> None:
     server, channel = served
     verdicts, seen = Verdicts(server, channel), Counter()
 
@@ -237,7 +231,7 @@ def test_fuzz_generate(served: tuple[RolloutServer, Any], method: str) -> None:
     @given(request=generate_requests())
     def run(request: rollout_pb2.GenerateRequest) -> None:
         seen()
-        verdicts.check(method, request, request.SerializeToString())
+        verdicts.check(request, request.SerializeToString())
 
     run()
     assert seen.n >= EXAMPLES
@@ -248,112 +242,89 @@ def test_fuzz_generate(served: tuple[RolloutServer, Any], method: str) -> None:
     assert server.servicer.in_flight == 0
 
 
-# -- Pause, Resume, GetStatus (and Generate between them) ---------------------------------------
+# -- structure: another RPC's message, fields far over the limits ---------------------------
 
-CONTROL = ["Pause", "Resume", "GetStatus", "Generate"]
+
+# Sizes far past every limit (prompt 10 tokens, request 64 KiB on the fuzz server).
+HUGE = st.sampled_from([11, 1000, 20_000, 100_000])
+
+
+@st.composite
+def oversized(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
+    """A plausible request with one repeated field or string far over the limits."""
+    request = draw(generate_requests())
+    size, value = draw(HUGE), draw(st.one_of(st.integers(0, 13), INT32))
+    field = draw(st.sampled_from(["prompt_token_ids", "stop_token_ids", "request_id", "prompt"]))
+    if field == "prompt_token_ids":
+        del request.prompt_token_ids[:]
+        request.prompt_token_ids.extend([value] * size)
+    elif field == "stop_token_ids":
+        request.sampling.stop_token_ids.extend([value] * size)
+    else:
+        setattr(request, field, "7" * size)
+    return request
+
+
+STRUCTURES = st.one_of(STRUCTURE_BYTES, oversized().map(lambda m: m.SerializeToString()))
+
+
+# -- raw bytes to every method ---------------------------------------------------------------
+
 TINY = rollout_pb2.GenerateRequest(
     prompt_token_ids=[1, 2], n=1, sampling=rollout_pb2.SamplingParams(max_tokens=1)
 )
 
 
-def control_step(stub: Any, server: RolloutServer, op: str, paused: bool) -> bool:
-    """Run one op; check it against the model state `paused`; return the new state."""
-    if op == "Pause":
-        assert stub.Pause(rollout_pb2.PauseRequest(), timeout=60).drained == 0
-        return True
-    if op == "Resume":
-        stub.Resume(rollout_pb2.ResumeRequest(), timeout=60)
-        return False
-    if op == "GetStatus":
-        status = stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=60)
-        assert (status.paused, status.ready) == (paused, not paused), status
-        assert status.version == server.engine.version and status.requests_in_flight == 0
-        assert status.engine == "torch"
-        return paused
+def raw_status(server: RolloutServer, channel: Any, data: bytes) -> None:
+    """GetStatus on raw bytes: the server's state iff they decode, else INVALID_ARGUMENT."""
     try:
-        replies = list(stub.Generate(TINY, timeout=60))
-    except grpc.RpcError as exc:
-        assert_clear_refusal(exc, UNAVAILABLE)
-        assert paused and "paused" in exc.details(), exc.details()
-        return paused
-    assert not paused and len(replies) == 1
-    return paused
-
-
-def test_fuzz_control_sequences(served: tuple[RolloutServer, Any]) -> None:
-    server, channel = served
-    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-    seen, calls = Counter(), dict.fromkeys(CONTROL, 0)
-
-    @cases(EXAMPLES)
-    @given(ops=st.lists(st.sampled_from(CONTROL), min_size=4, max_size=8))
-    def run(ops: list[str]) -> None:
-        seen()
-        paused = control_step(stub, server, "Resume", True)  # a known state to start from
-        for op in ops:
-            calls[op] += 1
-            paused = control_step(stub, server, op, paused)
-        control_step(stub, server, "Resume", paused)
-
-    run()
-    assert seen.n >= EXAMPLES and min(calls.values()) >= EXAMPLES, calls
-    assert not server.servicer.paused and server.servicer.in_flight == 0
-
-
-# -- raw bytes to every method ---------------------------------------------------------------
-
-EMPTY_REPLIES = {
-    "Pause": (rollout_pb2.PauseRequest, rollout_pb2.PauseResponse),
-    "Resume": (rollout_pb2.ResumeRequest, rollout_pb2.ResumeResponse),
-    "GetStatus": (rollout_pb2.GetStatusRequest, rollout_pb2.RolloutStatus),
-}
-
-
-def raw_control(channel: Any, method: str, data: bytes) -> None:
-    """A control method on raw bytes: it answers iff they decode, else INVALID_ARGUMENT."""
-    request_type, reply_type = EMPTY_REPLIES[method]
-    try:
-        reply_type.FromString(raw_call(channel, f"{SERVICE}/{method}", data, timeout=60))
+        reply = raw_call(channel, f"{SERVICE}/GetStatus", data, timeout=60)
     except grpc.RpcError as exc:
         assert_clear_refusal(exc, INVALID)
-        assert not decodes(request_type, data) and "cannot decode" in exc.details()
+        assert not decodes(rollout_pb2.GetStatusRequest, data) and "cannot decode" in exc.details()
         return
-    finally:
-        if method == "Pause":
-            raw_call(channel, f"{SERVICE}/Resume", b"", timeout=60)
-    assert decodes(request_type, data)
+    assert decodes(rollout_pb2.GetStatusRequest, data)
+    status = rollout_pb2.RolloutStatus.FromString(reply)
+    assert status.ready and status.requests_in_flight == 0, status
+    assert (status.version, status.engine) == (server.engine.version, "torch"), status
 
 
 # Messages to spoil: a request, or for the empty requests the bytes of any other message
 # (unknown fields, which they must ignore).
 RAW_MESSAGES = {
-    "Generate": generate_requests(),
-    "GenerateGroup": generate_requests(),
-    **dict.fromkeys(EMPTY_REPLIES, st.one_of(generate_requests(), st.just(TINY))),
+    "GenerateGroup": wire_bytes(generate_requests()),
+    "GetStatus": wire_bytes(st.one_of(generate_requests(), st.just(TINY))),
+    "GenerateGroup/structure": STRUCTURES,
+    "GetStatus/structure": STRUCTURES,
 }
 
 
 @pytest.mark.parametrize("method", RAW_MESSAGES)
 def test_fuzz_raw_bytes(served: tuple[RolloutServer, Any], method: str) -> None:
-    """Bytes another language's client could send: they decode and get the verdict the
-    decoded request deserves, or they don't and get INVALID_ARGUMENT."""
+    """Bytes another language's client could send, or well-formed messages of the wrong
+    structure: they decode and get the verdict the decoded request deserves, or they
+    don't and get INVALID_ARGUMENT."""
     server, channel = served
     verdicts, seen = Verdicts(server, channel), Counter()
 
     @cases(EXAMPLES)
-    @given(data=wire_bytes(RAW_MESSAGES[method]))
+    @given(data=RAW_MESSAGES[method])
     def run(data: bytes) -> None:
         seen()
-        if method in EMPTY_REPLIES:
-            raw_control(channel, method, data)
+        if method.startswith("GetStatus"):
+            raw_status(server, channel, data)
         elif decodes(rollout_pb2.GenerateRequest, data):
-            verdicts.check(method, rollout_pb2.GenerateRequest.FromString(data), data)
+            verdicts.check(rollout_pb2.GenerateRequest.FromString(data), data)
         else:
             with pytest.raises(grpc.RpcError) as caught:
-                call(channel, method, data)
+                call(channel, data)
             assert_clear_refusal(caught.value, INVALID)
             assert "cannot decode" in caught.value.details()
+            verdicts.refused["cannot decode"] = verdicts.refused.get("cannot decode", 0) + 1
 
     run()
     assert seen.n >= EXAMPLES
-    assert not server.servicer.paused and server.servicer.in_flight == 0
+    assert server.servicer.in_flight == 0
+    if method == "GenerateGroup/structure":  # not vacuous: the limits were reached
+        assert {"rollout.max_request_bytes", "shared.max_prompt_length"} <= set(verdicts.refused)
+        assert verdicts.accepted > 0 and verdicts.refused["cannot decode"] > 0, verdicts.refused

@@ -1,11 +1,15 @@
-"""Fuzzing the rollout service's UpdateWeights on a real server (torch engine, tiny model).
+"""Fuzzing the weight updates a rollout server pulls, on a real server (torch engine,
+tiny model).
 
-Each case pushes a whole update (the served weights shifted, next version), or one spoiled
-in one way: a NaN/Inf value, a wrong shape, dtype or name, a stale version, or a broken
-wire stream (missing, repeated or reordered buckets, mixed versions, wrong sizes, offsets,
-dtype enums, cut data). A spoiled update must be refused (`applied=False`) with an error
-naming its problem, and leave the served weights bit-identical and the version as it was;
-a whole one must be applied exactly. Raw bytes streams follow.
+Updates go in as the weight sync applies what it pulled from the learner: serialized
+buckets, parsed in place (`parse_bucket`), then `WeightUpdater.apply`. Each case is a
+whole update (the served weights shifted, next version), or one spoiled in one way: a
+NaN/Inf value, a wrong shape, dtype or name, a stale version, or a broken wire stream
+(missing, repeated or reordered buckets, mixed versions, wrong sizes, offsets, dtype
+enums, cut data). A spoiled update must be refused with a ValueError (what the weight
+sync expects) naming its problem, and leave the served weights bit-identical and the
+version as it was; a whole one must be applied exactly. Raw bytes streams follow. (This
+fuzzed the pushed UpdateWeights RPC before it was removed for having no caller.)
 """
 
 from __future__ import annotations
@@ -15,13 +19,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from fuzzing import (
     EXAMPLES,
     Counter,
-    assert_clear_refusal,
     cases,
     decodes,
     serve_rollout,
@@ -30,10 +32,10 @@ from fuzzing import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo.v1 import rollout_pb2, rollout_pb2_grpc, tensor_pb2
+from dapo.v1 import rollout_pb2, tensor_pb2
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
-from services.common.tensor_codec import RawTensor, encode_buckets, from_torch
+from services.common.tensor_codec import RawTensor, encode_buckets, from_torch, parse_bucket
 
 BUCKET_BYTES = [8192, 16384, 65536]  # the tiny model's ~500 KB: 62, 31 or 8 buckets
 Buckets = list[tensor_pb2.WeightBucket]
@@ -175,9 +177,26 @@ def served_weights(engine: TorchEngine) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in engine.model.state_dict().items()}
 
 
+def load(server: RolloutServer, frames: list[bytes]) -> tuple[int, str]:
+    """(version served, error or ""): the frames parsed and applied as the sync does."""
+    try:
+        return server.updater.apply(map(parse_bucket, frames)), ""
+    except ValueError as exc:  # TensorWireError and StaleUpdate included
+        assert str(exc).strip(), f"{type(exc).__name__} without a message"
+        return server.engine.version, str(exc)
+
+
+def generate_one(channel: Any) -> rollout_pb2.GenerateGroupResponse:
+    call = channel.unary_unary(
+        "/dapo.v1.RolloutService/GenerateGroup",
+        request_serializer=rollout_pb2.GenerateRequest.SerializeToString,
+        response_deserializer=rollout_pb2.GenerateGroupResponse.FromString,
+    )
+    return call(TINY, timeout=60)
+
+
 def test_fuzz_update_weights(served: tuple[RolloutServer, Any]) -> None:
     server, channel = served
-    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
     engine: TorchEngine = server.engine  # type: ignore[assignment]
     names = sorted(dict(engine.model.named_parameters()))
     seen, applied = Counter(), Counter()
@@ -189,23 +208,23 @@ def test_fuzz_update_weights(served: tuple[RolloutServer, Any]) -> None:
         before, version = served_weights(engine), engine.version
         params = {n: before[n] for n in names}
         buckets = build_update(params, kind, at, version + 1)
-        reply = stub.UpdateWeights(iter(buckets), timeout=60)
+        served_version, error = load(server, [b.SerializeToString() for b in buckets])
         after = served_weights(engine)
         if kind == "none":
             applied()
-            assert reply.applied and reply.version == version + 1 == engine.version, reply
+            assert not error and served_version == version + 1 == engine.version, error
             sent = {n: params[n] + shift(version + 1) for n in names}
             assert all(torch.equal(after[n], sent[n]) for n in names)
             return
-        assert not reply.applied, (kind, reply)
-        assert any(w in reply.error for w in EXPECTED[kind]), (kind, reply.error)
-        assert reply.version == version == engine.version
+        assert error, (kind, "applied")
+        assert any(w in error for w in EXPECTED[kind]), (kind, error)
+        assert served_version == version == engine.version
         assert all(torch.equal(after[n], before[n]) for n in before), f"{kind} changed weights"
 
     run()
     assert seen.n >= EXAMPLES and applied.n >= EXAMPLES // 40, applied.n  # ~1 in 20 is whole
-    generated = list(stub.Generate(TINY, timeout=60))  # the server still samples
-    assert generated[0].completion.policy_version == engine.version
+    generated = generate_one(channel)  # the server still samples
+    assert generated.completions[0].policy_version == engine.version
 
 
 TINY = rollout_pb2.GenerateRequest(
@@ -239,38 +258,31 @@ WHOLE = BUCKETS.map(lambda m: m.SerializeToString())
 
 
 def test_fuzz_update_weights_raw_bytes(served: tuple[RolloutServer, Any]) -> None:
-    """Streams of 1-3 messages, each a bucket (whole or spoiled) or random bytes. An
-    undecodable message ends the call with INVALID_ARGUMENT; whatever is refused leaves
-    weights and version alone; whatever is applied moved the version forward and changed
-    only tensors the stream named."""
+    """Streams of 1-3 frames, each a bucket (whole or spoiled) or random bytes. Whatever
+    is refused (a ValueError: the weight sync's hand-written parser must not raise
+    anything else on bytes protobuf cannot decode) leaves weights and version alone;
+    whatever is applied moved the version forward and changed only tensors the stream
+    named."""
     server, channel = served
     engine: TorchEngine = server.engine  # type: ignore[assignment]
-    push = channel.stream_unary(
-        "/dapo.v1.RolloutService/UpdateWeights",
-        response_deserializer=rollout_pb2.UpdateWeightsResponse.FromString,
-    )
-    seen = Counter()
+    seen, refused = Counter(), Counter()
 
     @cases(EXAMPLES)
     @given(stream=st.lists(st.one_of(WHOLE, wire_bytes(BUCKETS)), min_size=1, max_size=3))
     def run(stream: list[bytes]) -> None:
         seen()
         before, version = served_weights(engine), engine.version
-        try:
-            reply = push(iter(stream), timeout=60)
-        except grpc.RpcError as exc:
-            assert_clear_refusal(exc)
-            assert "cannot decode" in exc.details()
-            assert not all(decodes(tensor_pb2.WeightBucket, m) for m in stream)
-            reply = rollout_pb2.UpdateWeightsResponse(version=version)
+        served_version, error = load(server, stream)
         after = served_weights(engine)
-        if not reply.applied:
-            assert reply.version == version == engine.version
+        if error:
+            refused()
+            assert served_version == version == engine.version
             assert all(torch.equal(after[n], before[n]) for n in before)
             return
-        assert reply.version == engine.version > version
+        assert all(decodes(tensor_pb2.WeightBucket, m) for m in stream)
+        assert served_version == engine.version > version
         named = {s.name for m in stream for s in tensor_pb2.WeightBucket.FromString(m).slices}
         assert all(torch.equal(after[n], before[n]) for n in before if n not in named)
 
     run()
-    assert seen.n >= EXAMPLES
+    assert seen.n >= EXAMPLES and refused.n >= EXAMPLES * 9 // 10, refused.n

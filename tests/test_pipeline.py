@@ -106,7 +106,7 @@ def role_process(run_dir: Path, role: str) -> psutil.Process:
 
 
 def test_run_survives_a_killed_rollout_server_and_reward_service(
-    tmp_path: Path, tiny_model: Path
+    tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -114,7 +114,7 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
          str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "6",
          "--rollouts", "2", "--set", "controller.eval.enabled=false",
          "--set", "learner.linger_s=0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env,
     )  # fmt: skip
     try:
         learner_log = run_dir / "logs" / "learner.log"
@@ -132,13 +132,15 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
     assert not children_of(run_dir)
 
 
-def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path, tiny_model: Path) -> None:
+def test_killing_the_launcher_leaves_no_orphans(
+    tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
+) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
          str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "50",
          "--set", "controller.eval.enabled=false"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=killed_tree_env,
     )  # fmt: skip
     learner_log = run_dir / "logs" / "learner.log"
     wait_for(lambda: learner_log.exists() and "ready" in learner_log.read_text(), 120,

@@ -1,7 +1,7 @@
 """Retry an idempotent call with exponential backoff and full jitter, within a deadline.
 
 Only calls whose repetition cannot change the outcome belong here: gRPC reads
-(GetVersion, FetchWeights), pure functions (Score), and sampling (Generate writes
+(GetVersion, FetchWeights), pure functions (Score), and sampling (GenerateGroup writes
 nothing). Writes to Redis are made idempotent instead (services/common/atomic.py).
 
 Full jitter (a uniform delay in [0, min(cap, base·2^n)]) spreads the retries of many

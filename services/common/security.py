@@ -22,9 +22,6 @@ from services.common.server_config import StrictModel
 # Control RPCs and RPCs that reveal run data: a bearer token guards them (scope "admin").
 ADMIN_RPCS = frozenset(
     {
-        "/dapo.v1.RolloutService/Pause",
-        "/dapo.v1.RolloutService/Resume",
-        "/dapo.v1.RolloutService/UpdateWeights",
         "/dapo.v1.RolloutService/GetStatus",
         "/dapo.v1.WeightService/FetchWeights",
         "/dapo.v1.WeightService/OpenWeightSocket",  # its ticket reads the weights
@@ -106,7 +103,7 @@ class AuthConfig(_Secret):
     )
     token_file: str | None = Field(None, description="File holding the token (a mounted secret).")
     scope: Literal["admin", "all"] = Field(
-        "admin", description="admin: Pause/Resume/UpdateWeights/GetStatus, the weight RPCs "
+        "admin", description="admin: the rollout's GetStatus, the learner's weight RPCs "
         "(FetchWeights, OpenWeightSocket) and HTTP /status; all: every RPC but health, and "
         "POST /v1/score too.",
     )  # fmt: skip

@@ -82,13 +82,6 @@ class StreamConsumer:
         """Entries delivered to the group but not yet acked."""
         return int(self.client.xpending(self.stream, self.group)["pending"])
 
-    def lag(self) -> int:
-        """Entries not yet delivered to the group (None from old servers counts as 0)."""
-        for info in self.client.xinfo_groups(self.stream):
-            if info["name"].decode() == self.group:
-                return int(info.get("lag") or 0)
-        return 0
-
 
 def forward_and_ack(
     consumer: StreamConsumer,

@@ -1,4 +1,3 @@
-from dapo.v1 import tensor_pb2 as _tensor_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -67,18 +66,6 @@ class GenerateRequest(_message.Message):
     min_version: int
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ...) -> None: ...
 
-class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "sample_index", "prompt_token_ids", "completion")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    sample_index: int
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    completion: Completion
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
-
 class GenerateGroupResponse(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "completions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -89,50 +76,20 @@ class GenerateGroupResponse(_message.Message):
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
-class PauseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class PauseResponse(_message.Message):
-    __slots__ = ("drained",)
-    DRAINED_FIELD_NUMBER: _ClassVar[int]
-    drained: int
-    def __init__(self, drained: _Optional[int] = ...) -> None: ...
-
-class ResumeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ResumeResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("version", "applied", "error")
-    VERSION_FIELD_NUMBER: _ClassVar[int]
-    APPLIED_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    version: int
-    applied: bool
-    error: str
-    def __init__(self, version: _Optional[int] = ..., applied: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
-
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "paused", "ready", "requests_in_flight", "engine", "model")
+    __slots__ = ("version", "ready", "requests_in_flight", "engine", "model")
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    PAUSED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     version: int
-    paused: bool
     ready: bool
     requests_in_flight: int
     engine: str
     model: str
-    def __init__(self, version: _Optional[int] = ..., paused: _Optional[bool] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...

@@ -4,7 +4,6 @@ import grpc
 import warnings
 
 from dapo.v1 import rollout_pb2 as dapo_dot_v1_dot_rollout__pb2
-from dapo.v1 import tensor_pb2 as dapo_dot_v1_dot_tensor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -27,7 +26,9 @@ if _version_not_supported:
 
 
 class RolloutServiceStub:
-    """A server that owns one inference engine.
+    """A server that owns one inference engine. (Removed for having no caller: Generate,
+    which streamed samples one by one; Pause and Resume; UpdateWeights, which took pushed
+    weights: servers pull them from the learner's WeightService.)
     """
 
     def __init__(self, channel):
@@ -36,30 +37,10 @@ class RolloutServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/dapo.v1.RolloutService/Generate',
-                request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.GenerateGroup = channel.unary_unary(
                 '/dapo.v1.RolloutService/GenerateGroup',
                 request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
-                _registered_method=True)
-        self.Pause = channel.unary_unary(
-                '/dapo.v1.RolloutService/Pause',
-                request_serializer=dapo_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
-                response_deserializer=dapo_dot_v1_dot_rollout__pb2.PauseResponse.FromString,
-                _registered_method=True)
-        self.Resume = channel.unary_unary(
-                '/dapo.v1.RolloutService/Resume',
-                request_serializer=dapo_dot_v1_dot_rollout__pb2.ResumeRequest.SerializeToString,
-                response_deserializer=dapo_dot_v1_dot_rollout__pb2.ResumeResponse.FromString,
-                _registered_method=True)
-        self.UpdateWeights = channel.stream_unary(
-                '/dapo.v1.RolloutService/UpdateWeights',
-                request_serializer=dapo_dot_v1_dot_tensor__pb2.WeightBucket.SerializeToString,
-                response_deserializer=dapo_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/dapo.v1.RolloutService/GetStatus',
@@ -69,40 +50,13 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """A server that owns one inference engine.
+    """A server that owns one inference engine. (Removed for having no caller: Generate,
+    which streamed samples one by one; Pause and Resume; UpdateWeights, which took pushed
+    weights: servers pull them from the learner's WeightService.)
     """
 
-    def Generate(self, request, context):
-        """Sample `n` completions of one prompt; each is streamed when finished.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GenerateGroup(self, request, context):
-        """Same checks and sampling as Generate, answered once all n samples are done: one
-        message instead of n, for callers that need the whole group anyway (the controller).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Pause(self, request, context):
-        """Stop taking new work and wait for in-flight requests to drain.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Resume(self, request, context):
-        """Take work again after Pause.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def UpdateWeights(self, request_iterator, context):
-        """Push a whole weight update as a stream of buckets; applied atomically at the end.
+        """Sample `n` completions of one prompt, answered once all n samples are done.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,30 +72,10 @@ class RolloutServiceServicer:
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
-                    response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateResponse.SerializeToString,
-            ),
             'GenerateGroup': grpc.unary_unary_rpc_method_handler(
                     servicer.GenerateGroup,
                     request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.SerializeToString,
-            ),
-            'Pause': grpc.unary_unary_rpc_method_handler(
-                    servicer.Pause,
-                    request_deserializer=dapo_dot_v1_dot_rollout__pb2.PauseRequest.FromString,
-                    response_serializer=dapo_dot_v1_dot_rollout__pb2.PauseResponse.SerializeToString,
-            ),
-            'Resume': grpc.unary_unary_rpc_method_handler(
-                    servicer.Resume,
-                    request_deserializer=dapo_dot_v1_dot_rollout__pb2.ResumeRequest.FromString,
-                    response_serializer=dapo_dot_v1_dot_rollout__pb2.ResumeResponse.SerializeToString,
-            ),
-            'UpdateWeights': grpc.stream_unary_rpc_method_handler(
-                    servicer.UpdateWeights,
-                    request_deserializer=dapo_dot_v1_dot_tensor__pb2.WeightBucket.FromString,
-                    response_serializer=dapo_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -157,35 +91,10 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """A server that owns one inference engine.
+    """A server that owns one inference engine. (Removed for having no caller: Generate,
+    which streamed samples one by one; Pause and Resume; UpdateWeights, which took pushed
+    weights: servers pull them from the learner's WeightService.)
     """
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/dapo.v1.RolloutService/Generate',
-            dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
-            dapo_dot_v1_dot_rollout__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def GenerateGroup(request,
@@ -204,87 +113,6 @@ class RolloutService:
             '/dapo.v1.RolloutService/GenerateGroup',
             dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Pause(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/dapo.v1.RolloutService/Pause',
-            dapo_dot_v1_dot_rollout__pb2.PauseRequest.SerializeToString,
-            dapo_dot_v1_dot_rollout__pb2.PauseResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Resume(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/dapo.v1.RolloutService/Resume',
-            dapo_dot_v1_dot_rollout__pb2.ResumeRequest.SerializeToString,
-            dapo_dot_v1_dot_rollout__pb2.ResumeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def UpdateWeights(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/dapo.v1.RolloutService/UpdateWeights',
-            dapo_dot_v1_dot_tensor__pb2.WeightBucket.SerializeToString,
-            dapo_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

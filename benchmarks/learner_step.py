@@ -16,10 +16,11 @@
    fallback transport) is measured alongside. The publisher (WeightService, weight
    socket and raw TCP sender alike) runs in its own process, as the learner does: in one
    process server and client threads would share one GIL, which no deployment does.
+   The code of part 3 is in benchmarks/_weight_publication.py.
    Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
    (`--no-malloc-tuning` to compare).
 
-Writes benchmarks/results/learner.json (details + `checks`).
+Writes benchmarks/results/learner_step.json (details + `checks`).
 """
 
 from __future__ import annotations
@@ -29,17 +30,30 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from services.common.malloc import keep_freed_memory
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learner.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "learner_step.json"
+
+
+def _publication() -> Any:
+    """benchmarks/_weight_publication.py (part 3), loaded by path as `dapo bench` loads
+    this file: `benchmarks` need not be importable."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "_weight_publication.py"
+    spec = importlib.util.spec_from_file_location("_weight_publication", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 TARGET_SPEEDUP, TARGET_PADDING, TARGET_WIRE = 0.8, 0.10, 0.5
 
 
@@ -167,194 +181,6 @@ def bench_padding() -> dict[str, Any]:
             "with_token_budget": by_budget[budget], "by_budget": by_budget}  # fmt: skip
 
 
-# ------------------------------------------------------------------ 3. publication
-def big_model_tensors() -> tuple[list[Any], int]:
-    """A random Qwen2 of ≥ 100 MB (fp32): views of its weights, as the learner publishes."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from learner.weights import live_views
-
-    config = Qwen2Config(vocab_size=12000, hidden_size=512, intermediate_size=1536,
-                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                         tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model = Qwen2ForCausalLM(config)
-    tensors = live_views(model.state_dict().items())
-    return tensors, sum(len(t.data) for t in tensors)
-
-
-def send_all(conn: socket.socket, tensors: list[Any]) -> None:
-    """The weights' own bytes into one socket, at most 4 MiB per call, no framing."""
-    for t in tensors:
-        view = memoryview(t.data).cast("B")
-        for at in range(0, len(view), 4 << 20):
-            conn.sendall(view[at : at + (4 << 20)])
-
-
-def raw_tcp_bytes_per_s(port: int, nbytes: int) -> float:
-    """Loopback TCP from the publisher process: it writes the weights' bytes into one
-    socket; we read them into one buffer allocated (and zeroed, so its pages are mapped)
-    before the clock starts. The floor of what any transfer of these bytes through the
-    kernel between two processes costs."""
-    buf = bytearray(nbytes)
-    view, got = memoryview(buf), 0
-    started = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
-        while got < nbytes:
-            n = sock.recv_into(view[got:], min(nbytes - got, 4 << 20))
-            if not n:
-                break
-            got += n
-    seconds = time.perf_counter() - started
-    assert got == nbytes, f"raw TCP got {got} of {nbytes} bytes"
-    return nbytes / seconds
-
-
-def serve_publication(bucket_bytes: int) -> None:
-    """The publisher process (`--serve-publication`), a learner stand-in: the WeightService
-    and a raw TCP sender of the same bytes; `publish V` on stdin publishes a version."""
-    import sys
-
-    from learner.weights import WeightServicer, add_weight_service
-    from services.common.grpc_server import start_grpc_server
-    from services.common.security import TlsConfig
-    from services.common.server_config import ServerConfig
-    from services.common.weight_socket import WeightSocketServer
-
-    tensors, nbytes = big_model_tensors()
-    weight_socket = WeightSocketServer("127.0.0.1", 0, TlsConfig()).start()
-    servicer = WeightServicer(bucket_bytes, weight_socket)
-    server, grpc_port = start_grpc_server(
-        ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
-    )
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def raw_sender() -> None:
-        while True:
-            conn, _ = listener.accept()
-            with conn:
-                send_all(conn, tensors)
-
-    threading.Thread(target=raw_sender, daemon=True).start()
-    print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
-    for line in sys.stdin:
-        version = int(line.split()[1])
-        started = time.perf_counter()
-        servicer.publish(version, tensors)
-        print("published", version, time.perf_counter() - started, flush=True)
-    server.stop(0)
-
-
-def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
-    """One fetch as a rollout server runs it, over the weight socket (`socket_buckets`)
-    or the FetchWeights stream: parsed in place, assembled, to torch."""
-    from dapo.v1 import learner_pb2
-    from rollout.weights import WeightStub, socket_buckets
-    from services.common.tensor_codec import WeightAssembler, to_torch
-    from services.tools.config import DapoConfig
-
-    started = time.perf_counter()
-    stub, assembler = WeightStub(channel), WeightAssembler()
-    if transport == "socket":
-        buckets = socket_buckets(stub, "127.0.0.1:0", DapoConfig())
-        assert buckets is not None, "the publisher offered no weight socket"
-    else:
-        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest())
-    for bucket in buckets:
-        assembler.add(bucket)
-    out = [to_torch(t) for t in assembler.result()]
-    seconds = time.perf_counter() - started
-    assert sum(t.numel() * t.element_size() for t in out) == nbytes
-    return seconds
-
-
-def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str, Any]:
-    """Per version, against a publisher in its own process (as the learner is): raw TCP,
-    then `publish` (serialize from the live weights), then two fetches over loopback gRPC
-    (the first rollout server, and every further one)."""
-    import subprocess
-    import sys
-
-    from services.common.grpc_server import insecure_channel
-    from services.common.server_config import RpcConfig
-
-    # Loaded by path like `dapo bench` does: run as a script, `import learner` would find
-    # this file instead of the package.
-    load = (
-        "import importlib.util as u, sys; s = u.spec_from_file_location('bench_learner', "
-        f"{__file__!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
-        "sys.exit(m.main(sys.argv[1:]))"
-    )
-    argv = [sys.executable, "-c", load, "--serve-publication", "--bucket-bytes", str(bucket_bytes)]
-    publisher = subprocess.Popen(
-        argv + ([] if tuned else ["--no-malloc-tuning"]),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=RESULTS.parents[2],
-    )  # fmt: skip
-    assert publisher.stdin and publisher.stdout
-    _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
-    nbytes = int(nbytes)
-    runs: dict[str, Any] = {
-        "publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "grpc_fetch_s": [], "tcp": []
-    }  # fmt: skip
-    try:
-        with insecure_channel(f"127.0.0.1:{grpc_port}", RpcConfig().max_message_bytes) as ch:
-            for version in range(1, versions + 1):
-                runs["tcp"].append(raw_tcp_bytes_per_s(int(tcp_port), nbytes))
-                publisher.stdin.write(f"publish {version}\n")
-                publisher.stdin.flush()
-                runs["publish_s"].append(float(publisher.stdout.readline().split()[2]))
-                runs["fetch_s"].append(fetch_seconds(ch, nbytes, "socket"))
-                runs["repeat_fetch_s"].append(fetch_seconds(ch, nbytes, "socket"))
-                runs["grpc_fetch_s"].append(fetch_seconds(ch, nbytes, "grpc"))
-    finally:
-        publisher.stdin.close()
-        publisher.wait(timeout=30)
-    return runs | {"model_bytes": nbytes}
-
-
-def paired(nbytes: int, fetch_s: list[float], tcp: list[float]) -> list[float]:
-    """Per version: fetch bytes/s over the raw TCP bytes/s measured just before it."""
-    return [nbytes / f / t for f, t in zip(fetch_s, tcp, strict=True)]
-
-
-def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[str, Any]:
-    """Version 1 runs on a cold process (every page fresh); versions 2..N are the steady
-    state of a learner publishing every step, and the check. Each fetch is paired with the
-    raw TCP run just before it (same load); the ratio is the median of those pairs."""
-    from learner.config import LearnerConfig
-
-    bucket = bucket or LearnerConfig().weight_bucket_bytes
-    started = time.perf_counter()
-    runs = publish_and_fetch(bucket, versions, tuned)
-    nbytes, total_s = runs.pop("model_bytes"), time.perf_counter() - started
-    steady = {k: v[1:] for k, v in runs.items()}
-    pairs = paired(nbytes, steady["fetch_s"], steady["tcp"])
-    tcp = statistics.median(steady["tcp"])
-    fetch_s, publish_s = (
-        statistics.median(steady["fetch_s"]),
-        statistics.median(steady["publish_s"]),
-    )
-    repeat = nbytes / statistics.median(steady["repeat_fetch_s"])
-    grpc_pairs = paired(nbytes, steady["grpc_fetch_s"], steady["tcp"])
-    return {"model_bytes": nbytes, "publisher": "own process", "bucket_bytes": bucket,
-            "transport": "weight socket (ticket over gRPC)",
-            "versions": versions, "total_s": total_s, "publish_s": publish_s,
-            "raw_tcp_bytes_per_s": tcp, "fetch_bytes_per_s": nbytes / fetch_s,
-            "repeat_fetch_bytes_per_s": repeat,
-            "publish_plus_fetch_bytes_per_s": nbytes / (publish_s + fetch_s),
-            "ratio": statistics.median(pairs), "paired_ratios": pairs,
-            "ratio_of_medians": nbytes / fetch_s / tcp, "repeat_ratio": repeat / tcp,
-            "publish_plus_fetch_ratio": nbytes / (publish_s + fetch_s) / tcp,
-            "grpc_stream_ratio": statistics.median(grpc_pairs),
-            "grpc_stream_paired_ratios": grpc_pairs,
-            "cold_version_1": {"tcp_bytes_per_s": runs["tcp"][0],
-                               "publish_s": runs["publish_s"][0],
-                               "fetch_bytes_per_s": nbytes / runs["fetch_s"][0]},
-            "runs": runs}  # fmt: skip
-
-
 # ------------------------------------------------------------------ main
 def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
     def check(name: str, value: float, target: str, ok: bool) -> dict[str, Any]:
@@ -379,7 +205,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--versions", type=int, default=8, help="weight versions published (1st: cold)"
     )
-    parser.add_argument("--serve-publication", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--publication-only",
         action="store_true",
@@ -394,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv if argv is not None else [])
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     tuned = not args.no_malloc_tuning and keep_freed_memory()
-    if args.serve_publication:
-        serve_publication(args.bucket_bytes)
-        return 0
+    bench_publication = _publication().bench_publication
     if args.publication_only:
         pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
         print(json.dumps(pub, indent=2), f"\nload average {os.getloadavg()}")

@@ -5,18 +5,20 @@
    model and prompts, both sampling exactly T tokens at temperature 1 with log-probs.
    The one-at-a-time loop is slow, so it runs on a subset of the samples and its rate is
    reported as measured on that subset (tokens/s does not depend on how many calls run).
-   The same batch also goes through the gRPC service (one Generate call per prompt, all
-   concurrent, merged by the batcher) to show what the service keeps of the engine rate.
-2. Weight updates for a random Qwen2 of >= 100 MB (fp32): the whole update pushed over
-   gRPC UpdateWeights, and pulled by the server from a real learner WeightService after
-   the version moves in Redis, each until the new version is served.
+   The same batch also goes through the gRPC service (one GenerateGroup call per prompt,
+   all concurrent, merged by the batcher) to show what the service keeps of the engine
+   rate.
+2. Weight updates for a random Qwen2 of >= 100 MB (fp32): pulled by the server from a
+   real learner WeightService after the version moves in Redis, until the new version is
+   served. (A push over the rollout's UpdateWeights RPC was measured too until that RPC
+   was removed for having no caller.)
 
 Torch runs with `--threads` CPU threads (default 1) on both sides: on a shared 2-core
 machine two OpenMP threads per process collapse under oversubscription (measured: the
 same batched call took 0.21 s with 1 thread and 6 s with 2 while other jobs ran).
 
-Writes benchmarks/results/rollout.json with every measurement and `checks`.
-Targets: batched >= 10x one-at-a-time; a >= 100 MB update applied in <= 5 s either way.
+Writes benchmarks/results/rollout_engine.json with every measurement and `checks`.
+Targets: batched >= 10x one-at-a-time; a >= 100 MB update applied in <= 5 s.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "rollout.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "rollout_engine.json"
 TARGET_SPEEDUP = 10.0
 TARGET_UPDATE_S = 5.0
 MIN_MODEL_MB = 100.0
@@ -94,7 +96,7 @@ def time_hf_loop(model: Any, prompts: list[list[int]], tokens: int, pad_id: int)
 def time_service(
     engine: Any, prompts: list[list[int]], group: int, tokens: int
 ) -> tuple[float, int]:
-    """All prompts as concurrent Generate calls through a real gRPC server: (s, tokens)."""
+    """All prompts as concurrent GenerateGroup calls through a real gRPC server: (s, tokens)."""
     from dapo.v1 import rollout_pb2, rollout_pb2_grpc
     from rollout.server import RolloutServer
     from services.common.grpc_server import insecure_channel
@@ -114,7 +116,8 @@ def time_service(
                 request = rollout_pb2.GenerateRequest(
                     prompt_token_ids=prompt, n=group, sampling=sampling
                 )
-                counts.append(sum(len(r.completion.token_ids) for r in stub.Generate(request)))
+                reply = stub.GenerateGroup(request)
+                counts.append(sum(len(c.token_ids) for c in reply.completions))
 
             threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
             start = time.perf_counter()
@@ -126,7 +129,7 @@ def time_service(
     finally:
         server.stop()
     if len(counts) != len(prompts):
-        raise RuntimeError(f"{len(prompts) - len(counts)} Generate calls failed")
+        raise RuntimeError(f"{len(prompts) - len(counts)} GenerateGroup calls failed")
     return seconds, sum(counts)
 
 
@@ -160,7 +163,7 @@ def measure_sampling(model_dir: Path, args: argparse.Namespace) -> dict[str, Any
                            "tokens_per_s": rate["engine"]},
         "service_grpc": {"calls": args.prompts, "seconds": service_s, "tokens": service_tokens,
                          "tokens_per_s": rate["service"],
-                         "note": "Generate has no ignore_eos: samples stop at EOS; compare "
+                         "note": "GenerateGroup has no ignore_eos: samples stop at EOS; compare "
                                  "with batched_engine_stop_at_eos"},
         "batched_engine_stop_at_eos": {"seconds": eos_s, "tokens": eos_tokens,
                                        "tokens_per_s": rate["engine_eos"]},
@@ -205,22 +208,6 @@ def new_weights(engine: Any, seed: int) -> list[Any]:
     ]
 
 
-def time_push(server: Any, raws: list[Any], version: int, bucket_bytes: int) -> float:
-    from dapo.v1 import rollout_pb2_grpc
-    from services.common.grpc_server import insecure_channel
-    from services.common.tensor_codec import encode_buckets
-
-    limit = server.config.shared.rpc.max_message_bytes
-    with insecure_channel(f"127.0.0.1:{server.grpc_port}", limit) as channel:
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        start = time.perf_counter()
-        reply = stub.UpdateWeights(encode_buckets(raws, version, bucket_bytes), timeout=600)
-        seconds = time.perf_counter() - start
-    if not reply.applied:
-        raise RuntimeError(f"push rejected: {reply.error}")
-    return seconds
-
-
 def time_pull(server: Any, learner: Any, client: Any, raws: list[Any], version: int) -> float:
     """From the learner publishing a version to the rollout server serving it."""
     from services.common.keys import RunKeys
@@ -254,7 +241,7 @@ def start_learner(client: Any, run: str, bucket_bytes: int) -> tuple[Any, Any, A
 
 
 def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -> dict[str, Any]:
-    """Push reps, then pull reps, against one rollout server over the big model."""
+    """Pull reps against one rollout server over the big model."""
     import redis
 
     from rollout.server import RolloutServer
@@ -272,14 +259,10 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
     learner, learner_server, registration = start_learner(client, "bench-rollout", bucket_bytes)
     engine = TorchEngine(big_dir, device="cpu")
     server = RolloutServer(config, client, engine).start()
-    push: list[float] = []
     pull: list[float] = []
     try:
         for rep in range(reps):
-            push.append(time_push(server, new_weights(engine, rep), 2 * rep + 1, bucket_bytes))
-            pull.append(
-                time_pull(server, learner, client, new_weights(engine, 100 + rep), 2 * rep + 2)
-            )
+            pull.append(time_pull(server, learner, client, new_weights(engine, rep), rep + 1))
     finally:
         server.stop()
         registration.stop()
@@ -288,8 +271,6 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
     return {
         "model": dict(BIG_MODEL, dtype="float32", megabytes=model_mb),
         "bucket_megabytes": bucket_mb,
-        "push_grpc": {"seconds": push, "median_s": statistics.median(push),
-                      "mb_per_s": model_mb / statistics.median(push)},
         "pull_from_learner": {"seconds": pull, "median_s": statistics.median(pull),
                               "mb_per_s": model_mb / statistics.median(pull),
                               "note": "learner publish + Redis version -> new version served "
@@ -306,9 +287,9 @@ def check(name: str, value: float, target: float, ok: bool) -> dict[str, Any]:
 
 def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
     mb = updates["model"]["megabytes"]
-    push, pull = updates["push_grpc"]["median_s"], updates["pull_from_learner"]["median_s"]
+    pull = updates["pull_from_learner"]["median_s"]
     return {
-        "benchmark": "rollout",
+        "benchmark": "rollout_engine",
         "description": "torch-engine tokens/s (batched vs one-at-a-time) and weight-update s",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "load_average": os.getloadavg()},
@@ -318,7 +299,6 @@ def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, An
             check("batched_engine_vs_one_at_a_time_generate", sampling["speedup"],
                   TARGET_SPEEDUP, sampling["speedup"] >= TARGET_SPEEDUP),
             check("update_model_megabytes", mb, MIN_MODEL_MB, mb >= MIN_MODEL_MB),
-            check("push_update_seconds", push, TARGET_UPDATE_S, push <= TARGET_UPDATE_S),
             check("pull_update_seconds", pull, TARGET_UPDATE_S, pull <= TARGET_UPDATE_S),
         ],
     }  # fmt: skip
@@ -354,8 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens/s: batched engine {sampling['batched_engine']['tokens_per_s']:.0f}, "
         f"service {sampling['service_grpc']['tokens_per_s']:.0f}, one-at-a-time "
         f"{sampling['one_at_a_time_generate']['tokens_per_s']:.0f} "
-        f"(x{sampling['speedup']:.1f}); {mb:.0f} MB update: push "
-        f"{updates['push_grpc']['median_s']:.2f}s, pull "
+        f"(x{sampling['speedup']:.1f}); {mb:.0f} MB update: pull "
         f"{updates['pull_from_learner']['median_s']:.2f}s -> {RESULTS}"
     )
     return 0 if all(c["ok"] for c in result["checks"]) else 1
@@ -364,8 +343,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    # Run as a script, this file's folder heads sys.path and its name would shadow the
-    # `rollout` package; drop it (imports of the package happen inside the functions).
-    here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(here)]
     raise SystemExit(main(sys.argv[1:]))

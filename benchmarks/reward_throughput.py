@@ -6,7 +6,7 @@ rule rejects, so math-verify does the work, as it does for real equivalent answe
 Every repetition uses a fresh item set, so neither side profits from math-verify's
 parse caches, and both start warm (math-verify imported and used once).
 
-Writes benchmarks/results/reward.json with the measured rates, the median of the
+Writes benchmarks/results/reward_throughput.json with the measured rates, the median of the
 per-repetition ratios (one warm-up repetition excluded), the agreement of the two sides'
 verdicts, per-item costs, worker utilisation and the load average of each repetition.
 No verdict cache is involved. Target on a quiet 2-core machine: >= 1.8x; on a machine
@@ -26,7 +26,7 @@ from typing import Any
 
 from services.common.data import aime_path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "reward.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "reward_throughput.json"
 AIME = aime_path()
 TARGET_SPEEDUP = 1.8
 REASONING = "Let me work through the problem step by step, checking each case. " * 8
@@ -213,7 +213,7 @@ def summarize(
     agreement = sum(r["agree"] for r in records) / sum(r["items"] for r in records)
     rate = {side: n * reps / sum(r[f"{side}_s"] for r in records) for side in ("inprocess", "grpc")}
     return {
-        "benchmark": "reward",
+        "benchmark": "reward_throughput",
         "description": "cascade verifications/s: gRPC batch through the service vs in-process",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "inputs": {
@@ -282,8 +282,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    # Run as a script, this file's folder heads sys.path and its name would shadow the
-    # `reward` package; drop it (imports of the package happen inside the functions).
-    here = str(Path(__file__).resolve().parent)
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(here)]
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
