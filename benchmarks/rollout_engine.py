@@ -105,7 +105,7 @@ def time_service(
     config = DapoConfig.model_validate(
         {"rollout": {"server": {"grpc_port": 0, "http_port": 0}, "max_n": group}}
     )
-    server = RolloutServer(config, None, engine)
+    server = RolloutServer(config, None, engine).start()
     counts: list[int] = []
     try:
         with insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:

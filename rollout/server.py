@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,9 +35,10 @@ from rollout.metrics import RolloutMetrics
 from rollout.weights import WeightSync, WeightUpdater
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
-from services.common.keys import RunKeys
 from services.common.lifecycle import advertised_address
+from services.common.redis_server import connect_run
 from services.common.registry import Registration
+from services.common.service import register, run_is_done
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,17 @@ class RolloutServer:
         self.registration: Registration | None = None
         self._announced: dict[str, Any] = {}
         self._announce_lock = threading.Lock()
+        self.grpc_server: grpc.Server | None = None
+        self.grpc_port = 0
+        self.http: HttpServer | None = None
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"grpc": self.grpc_port, "http": self.http.port if self.http else 0}
+
+    def _serve(self) -> None:
+        """Bind gRPC and HTTP on the configured ports (0 = free ones)."""
+        config = self.config
         self.grpc_server, self.grpc_port = start_grpc_server(
             config.rollout.server,
             lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(self.servicer, s),
@@ -253,9 +264,7 @@ class RolloutServer:
             registry=self.metrics.registry,
             auth=config.security.auth,
         )
-        self.http: HttpServer = serve_http(
-            app, config.rollout.server.host, config.rollout.server.http_port
-        )
+        self.http = serve_http(app, config.rollout.server.host, config.rollout.server.http_port)
 
     def ready(self) -> bool:
         return self.servicer.ready()
@@ -273,18 +282,18 @@ class RolloutServer:
         }
 
     def start(self) -> RolloutServer:
-        """Register as not ready, then catch up with the learner in the background."""
+        """Serve; with Redis, register as not ready and catch up with the learner in the
+        background."""
+        self._serve()
+        assert self.http is not None
         if self.client is None or self.sync is None:
             return self
         host = self.config.rollout.server.host
-        self.registration = Registration(
-            self.client, RunKeys(self.config.shared.run_name), "rollout",
-            f"rollout-{uuid.uuid4().hex[:8]}",
-            {"address": advertised_address(host, self.grpc_port),
-             "http": advertised_address(host, self.http.port),
-             "ready": False, "accepting": False, "version": self.engine.version},
-            ttl_s=self.config.shared.registry_ttl_s,
-        ).start()  # fmt: skip
+        self.registration = register(
+            self.client, self.config, "rollout", host, self.grpc_port,
+            http=advertised_address(host, self.http.port), ready=False, accepting=False,
+            version=self.engine.version,
+        )  # fmt: skip
         threading.Thread(
             target=self.sync.run, args=(self.stop_event, self._announce),
             daemon=True, name="weight-sync",
@@ -307,12 +316,32 @@ class RolloutServer:
             except redis.RedisError as exc:
                 log.warning("registry update failed, the heartbeat will retry: %s", exc)
 
+    def wait(self, stop: threading.Event) -> None:
+        """Serve until a signal, or until the run's learner marked the run done."""
+        while not stop.wait(0.5):
+            if self.client is not None and run_is_done(self.client, self.config):
+                return
+
     def stop(self) -> None:
         self.stop_event.set()
         if self.sync is not None:
             self.sync.wake()  # leave the poll wait now
         if self.registration is not None:
             self.registration.stop()
-        self.grpc_server.stop(grace=2).wait()
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=2).wait()
         self.servicer.batcher.close()
-        self.http.stop()
+        if self.http is not None:
+            self.http.stop()
+
+
+def create_server(
+    config: RolloutSettings,
+    client: redis.Redis | None = None,
+    engine: RolloutEngine | None = None,
+) -> RolloutServer:
+    """A rollout server around the configured engine, with Redis when a URL is set (the
+    run's registry and weight sync); not yet started."""
+    if client is None and config.shared.redis_url:
+        client = connect_run(config)
+    return RolloutServer(config, client, engine or build_engine(config))

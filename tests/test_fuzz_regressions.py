@@ -65,7 +65,7 @@ def test_json_python_cannot_parse_for_its_structure_is_422_not_500() -> None:
     config = DapoConfig.model_validate({"reward": {
         "num_workers": 1, "default_verifier": "dapo", "server": {"grpc_port": 0, "http_port": 0},
     }})  # fmt: skip
-    server = create_server(config)
+    server = create_server(config).start()
     item = b'{"response": "Answer: 1", "ground_truth": "1"}'
     bodies = {
         b"[" * 100_000: "nested too deeply",

@@ -381,6 +381,7 @@ def test_rollout_get_status_needs_the_token(tiny_model: Path) -> None:
         }
     )
     server = RolloutServer(config, None, TorchEngine(tiny_model, device="cpu", max_batch_size=4))
+    server.start()
     address = f"127.0.0.1:{server.grpc_port}"
     generate = rollout_pb2.GenerateRequest(
         request_id="r", prompt_token_ids=[3, 5], n=1,
