@@ -10,8 +10,7 @@
    rate.
 2. Weight updates for a random Qwen2 of >= 100 MB (fp32): pulled by the server from a
    real learner WeightService after the version moves in Redis, until the new version is
-   served. (A push over the rollout's UpdateWeights RPC was measured too until that RPC
-   was removed for having no caller.)
+   served.
 
 Torch runs with `--threads` CPU threads (default 1) on both sides: on a shared 2-core
 machine two OpenMP threads per process collapse under oversubscription (measured: the

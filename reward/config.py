@@ -28,7 +28,7 @@ class RewardConfig(StrictModel):
         5.0, gt=0, description="Hard per-item limit; a worker past it is killed and replaced."
     )
     overlong_punishment: bool = Field(
-        True, description="Add the soft overlong punishment (DAPO.md) to the reward."
+        True, description="Add the soft overlong punishment (reward/shaping.py) to the reward."
     )
     max_response_chars: int = Field(
         1_000_000, ge=1, description="Longest response accepted, in characters."

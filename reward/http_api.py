@@ -104,7 +104,7 @@ def parse_items(body: bytes) -> list[ScoreInput]:
 def parse_json(body: bytes) -> Any:
     """The body as JSON, or a RequestError for anything json.loads refuses: besides syntax,
     nesting deeper than Python's recursion limit (RecursionError) and integers of more
-    digits than `sys.get_int_max_str_digits()` (ValueError); both used to escape as 500."""
+    digits than `sys.get_int_max_str_digits()` (ValueError), which would otherwise be 500s."""
     try:
         return json.loads(body.decode("utf-8", "replace"))
     except json.JSONDecodeError as exc:

@@ -1,4 +1,4 @@
-"""Soft overlong punishment and the overlong flag (DAPO.md, "Overlong reward shaping").
+"""Soft overlong punishment and the overlong flag (the paper's "Overlong reward shaping", equation 13).
 
 With L_max = `max_len`, L_cache = `buffer_len` and expected length L_max - L_cache:
 

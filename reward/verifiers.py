@@ -7,7 +7,7 @@ its inputs can only be stopped by killing the process), but they are plain funct
 tests and the in-process benchmark call them directly.
 
 The `dapo` rule reproduces the verdicts of the reference "math_dapo" rule that produced
-the paper's numbers (DAPO.md, "Reward"), quirks included, because rewards that differ
+the paper's numbers, quirks included, because rewards that differ
 from the reference change which groups are informative. Its quirks, on purpose:
 
 - Only the last 300 characters of the response are read. An `Answer:` line further
@@ -37,7 +37,7 @@ with gold first. `cascade` (the default) asks the rule first and math-verify onl
 the rule says wrong, reading the rule's `Answer:` text when there is one (more precise
 than re-extracting from the whole response; tried as is, then inside `$...$` so bare
 LaTeX like `\\frac12` parses), else the whole response. `first_integer`
-is for the toy tasks whose tiny models never emit EOS (ENVIRONMENT.md): "9+9+" reads 9.
+is for the toy tasks whose tiny models never learn to emit EOS: "9+9+" reads 9.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""New weights for a rollout server: pushed over UpdateWeights or pulled from the learner.
+"""New weights for a rollout server, pulled from the learner.
 
-Both paths go through `WeightUpdater.apply`, which loads an update only once every byte
+Every update goes through `WeightUpdater.apply`, which loads an update only once every byte
 of it has arrived and been checked (a half-received update is never applied), and only
-if its version is newer than the one served (versions only move forward, also when a
-push and a pull race). The engine checks names, dtypes and shapes before touching any
+if its version is newer than the one served (versions only move forward, also when two
+pulls race). The engine checks names, dtypes and shapes before touching any
 weight, so a bad bucket leaves the previous weights and version in place.
 
 `WeightSync` watches the learner's published version in Redis and pulls the full

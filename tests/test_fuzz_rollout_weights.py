@@ -8,8 +8,7 @@ NaN/Inf value, a wrong shape, dtype or name, a stale version, or a broken wire s
 (missing, repeated or reordered buckets, mixed versions, wrong sizes, offsets, dtype
 enums, cut data). A spoiled update must be refused with a ValueError (what the weight
 sync expects) naming its problem, and leave the served weights bit-identical and the
-version as it was; a whole one must be applied exactly. Raw bytes streams follow. (This
-fuzzed the pushed UpdateWeights RPC before it was removed for having no caller.)
+version as it was; a whole one must be applied exactly. Raw bytes streams follow.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Dynamic sampling as small pure filters (DAPO.md, technique 2).
+"""Dynamic sampling as small pure filters (the paper's technique 2, equation 11).
 
 Each filter looks at one group and returns a decision with a reason; the reason is the
 metric label and the ledger counter. DAPO keeps a group iff 0 < accuracy < 1, i.e. the

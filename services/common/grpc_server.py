@@ -7,8 +7,7 @@ credentials itself.
 Servicers are added through `StrictServer`, which decodes requests inside the method
 instead of in grpc: bytes protobuf cannot parse (truncated, invalid UTF-8 in a string)
 get INVALID_ARGUMENT naming the method, not grpc's opaque INTERNAL "Exception
-deserializing request!" (found by tests/test_fuzz_rollout.py; the health service too,
-found by tests/test_fuzz_health.py, which also found List unimplemented).
+deserializing request!" (tests/test_fuzz_*.py send such bytes to every method).
 """
 
 from __future__ import annotations

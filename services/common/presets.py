@@ -1,4 +1,4 @@
-"""Named configurations. `paper` is the defaults (DAPO.md); `tiny` trains on this CPU.
+"""Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters); `tiny` trains on this CPU.
 
 The files in examples/ are these presets written out; a test keeps them equal.
 """
@@ -10,7 +10,7 @@ from typing import Any
 PAPER: dict[str, Any] = {}
 
 # A random 2-layer Qwen2 learns "largest of three digits" from scratch on 2 CPU cores in
-# about a minute with these settings (ENVIRONMENT.md, "Learning from scratch").
+# about a minute with these settings (measured: docs/ablation.md, README's demo timing).
 TINY: dict[str, Any] = {
     "shared": {
         "run_name": "tiny",

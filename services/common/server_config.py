@@ -38,7 +38,7 @@ class RpcConfig(StrictModel):
         600.0, gt=0, description="Deadline of one FetchWeights call (the whole model)."
     )
     control_timeout_s: float = Field(
-        10.0, gt=0, description="Deadline of small calls (GetVersion, GetStatus, Pause)."
+        10.0, gt=0, description="Deadline of small calls (GetVersion, GetStatus)."
     )
     backoff_base_s: float = Field(0.1, gt=0, description="First retry waits up to this.")
     backoff_cap_s: float = Field(5.0, gt=0, description="No retry waits longer than this.")

@@ -178,7 +178,7 @@ class WeightSocketServer:
 def _linger(conn: socket.socket) -> None:
     """Half-close, then read until the client closes (or LINGER_S): closing a socket that
     holds unread input (bytes sent after the ticket) makes the kernel send RST and drop
-    the frames still queued for sending, which cut the stream short (found by fuzzing)."""
+    the frames still queued for sending, cutting the stream short."""
     conn.shutdown(socket.SHUT_WR)  # under TLS: a plain FIN after the last frame
     deadline = time.monotonic() + LINGER_S
     while (left := deadline - time.monotonic()) > 0:

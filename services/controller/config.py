@@ -50,7 +50,7 @@ class ControllerConfig(StrictModel):
     max_train_backlog: int = Field(
         2048, ge=1, description="Pause admission while `train` holds this many groups."
     )
-    rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one Generate call.")
+    rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one GenerateGroup call.")
     difficulty_window: int = Field(
         0,
         ge=0,

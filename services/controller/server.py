@@ -58,7 +58,7 @@ SKIPPED = Counter("dapo_controller_prompts_skipped_total", "Prompts skipped", ["
 INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fraction")
 
 
-# Generate and Score write nothing: any failure of theirs is worth another try elsewhere.
+# GenerateGroup and Score write nothing: any failure of theirs is worth another try elsewhere.
 RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
 
 
@@ -178,7 +178,7 @@ class Controller:
     ) -> Any:
         """G samples from some ready rollout server; a failed call is re-routed after a backoff.
 
-        Generate writes nothing, so repeating it is safe; None when stopping (the group
+        GenerateGroup writes nothing, so repeating it is safe; None when stopping (the group
         stays in flight and the next controller re-runs it).
         """
         shared, cfg = self.config.shared, self.config.controller
@@ -244,7 +244,7 @@ class Controller:
                 self._calls.discard(call)
 
     def cancel_calls(self) -> int:
-        """Cancel every running Generate/Score; their groups stay in flight (handed back)."""
+        """Cancel every running GenerateGroup/Score call; their groups stay in flight (handed back)."""
         with self._lock:
             calls = list(self._calls)
         for call in calls:
