@@ -1,4 +1,5 @@
-"""Soft overlong punishment and the overlong flag (the paper's "Overlong reward shaping", equation 13).
+"""Soft overlong punishment and the overlong flag (the paper's "Overlong reward shaping",
+equation 13).
 
 With L_max = `max_len`, L_cache = `buffer_len` and expected length L_max - L_cache:
 

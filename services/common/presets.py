@@ -1,4 +1,5 @@
-"""Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters); `tiny` trains on this CPU.
+"""Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters);
+`tiny` trains on this CPU.
 
 The files in examples/ are these presets written out; a test keeps them equal.
 """

@@ -244,7 +244,8 @@ class Controller:
                 self._calls.discard(call)
 
     def cancel_calls(self) -> int:
-        """Cancel every running GenerateGroup/Score call; their groups stay in flight (handed back)."""
+        """Cancel every running GenerateGroup/Score call; their groups stay in flight (handed
+        back)."""
         with self._lock:
             calls = list(self._calls)
         for call in calls:
