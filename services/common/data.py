@@ -12,8 +12,9 @@ JSONL files hold the same rows, one JSON object per line. The AIME file repeats 
 
 The synthetic tasks are what a model trained from scratch on a CPU can learn in minutes
 (2-digit addition, for one, does not: its rewards are too rare): `max3` (`3,7,1=` ->
-`7`), `copy2` (`4,2=` -> `42`) and `reverse2` (`4,2=` -> `24`). Their prompts are bare (no instruction template) so they stay a few
-tokens long, and each answer is a short digit string a first-integer verifier can check.
+`7`), `copy2` (`4,2=` -> `42`) and `reverse2` (`4,2=` -> `24`). Their prompts are bare
+(no instruction template) so they stay a few tokens long, and each answer is a short
+digit string a first-integer verifier can check.
 
 A *mix* joins tasks whose prompts cannot be confused (different arities): `mixed` is
 max3 plus copy2, i.e. prompts of mixed difficulty (a one-digit answer most of the time,
