@@ -31,14 +31,14 @@ if TYPE_CHECKING:
 def final_hidden_states(model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor):
     """The last layer's normed hidden states `[B, L, H]` of a transformers causal LM.
 
-    The model is called whole (a DeepSpeed engine keeps its forward hooks) with
-    `logits_to_keep=1`, so it computes the logits of one position only.
+    The model is called whole (a DeepSpeed engine keeps its forward hooks), keeping the
+    logits of no position (an empty index): its head still runs, on zero rows.
     """
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         output_hidden_states=True,
-        logits_to_keep=1,
+        logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
         use_cache=False,
     )
     return out.hidden_states[-1]
