@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from learner.policy import CausalLM
 
 
-def final_hidden_states(model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor):
+def final_hidden_states(
+    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor
+) -> Tensor:
     """The last layer's normed hidden states `[B, L, H]` of a transformers causal LM.
 
     The model is called whole (a DeepSpeed engine keeps its forward hooks), keeping the
