@@ -87,10 +87,10 @@ def head_logprobs(
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     count = max(-(-hidden.shape[0] // chunk), min_chunks, 1)
-    rows = torch.arange(hidden.shape[0], device=hidden.device).tensor_split(count)
     logprobs, entropies = [], []
-    for idx in rows:
-        h, t = hidden[idx], targets[idx]
+    # One split (its backward concatenates the chunks' gradients once), not per-chunk
+    # indexing (whose backward would scatter into a zero `[N, H]` per chunk).
+    for h, t in zip(hidden.tensor_split(count), targets.tensor_split(count), strict=True):
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_head_chunk, head, h, t, temperature, use_reentrant=False)
         else:
