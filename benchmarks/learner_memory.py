@@ -21,7 +21,7 @@ Checks:
 2. memory slope: (peak(16k) − peak(4k)) ÷ (12k × V × 4 bytes) ≤ 0.10, i.e. each extra
    token costs under a tenth of one fp32 row of logits;
 3. step time at 4k (default configuration) ≤ 1.3 × the full-logits path at 4k, both
-   measured in the same run, back to back (the faster of two steps each).
+   measured in the same run, back to back, twice (the fastest of four steps each).
 
 Writes benchmarks/results/learner_memory.json (details + `checks`).
 """
@@ -143,14 +143,26 @@ def plan_rows() -> list[dict[str, Any]]:
         if tokens in FULL_LENGTHS:
             rows.append(row | {"path": "full_logits", "chunk": 0, "checkpointing": False})
         rows.append(row | {"checkpointing": False, "reps": 1})
-    return rows
+    # The timed pair once more at the end: other processes on a shared machine can slow
+    # one row down, so the check takes each configuration's fastest step over both.
+    pair = [rows[3], rows[4]]
+    assert [(r["path"], r["tokens"]) for r in pair] == [("chunked", 4096), ("full_logits", 4096)]
+    return rows + [r | {"repeat": True} for r in pair]
 
 
 def find(rows: list[dict], path: str, tokens: int, checkpointing: bool) -> dict:
+    """The first row of that configuration (the memory measurement)."""
     for row in rows:
         if (row["path"], row["tokens"], row["checkpointing"]) == (path, tokens, checkpointing):
             return row
     return {"ok": False}
+
+
+def fastest(rows: list[dict], path: str, checkpointing: bool) -> float | None:
+    """The fastest 4k step of that configuration over all its rows."""
+    steps = [t for r in rows if r["ok"] and (r["path"], r["tokens"], r["checkpointing"])
+             == (path, 4096, checkpointing) for t in r["steps_s"]]  # fmt: skip
+    return min(steps) if steps else None
 
 
 def slope(rows: list[dict], checkpointing: bool) -> float | None:
@@ -168,8 +180,8 @@ def checks(rows: list[dict]) -> list[dict[str, Any]]:
 
     done = find(rows, "chunked", 16384, True)["ok"]
     mem = slope(rows, True)
-    new, old = find(rows, "chunked", 4096, True), find(rows, "full_logits", 4096, False)
-    ratio = new["step_s"] / old["step_s"] if new["ok"] and old["ok"] else None
+    new, old = fastest(rows, "chunked", True), fastest(rows, "full_logits", False)
+    ratio = new / old if new and old else None
     return [
         check("step_16k_completes", done, "true", done),
         check("memory_slope_4k_to_16k_in_logit_rows", mem, f"<= {TARGET_SLOPE}",
