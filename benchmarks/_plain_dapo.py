@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from learner.policy import TorchPolicy, load_model
+from learner.model_io import load_model
 from learner.step import train_step
+from learner.torch_policy import TorchPolicy
 from reward.verifiers import run_verifier
 from rollout.engine import SamplingParams
 from rollout.torch_engine import TorchEngine

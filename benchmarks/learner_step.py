@@ -109,7 +109,8 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
     import torch
 
     from learner.algorithm import agg_loss, per_token_loss
-    from learner.batching import collate, logprobs_for_inputs, mini_batches, sequences_from_groups
+    from learner.batching import collate, mini_batches, sequences_from_groups
+    from learner.logprobs import logprobs_for_inputs
 
     started = time.perf_counter()
     seqs = sequences_from_groups(groups)
@@ -136,7 +137,7 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
 
     from learner.config import LearnerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
-    from learner.policy import load_model
+    from learner.model_io import load_model
     from learner.step import train_step
 
     model_dir = bench_model_dir(root)

@@ -1,21 +1,25 @@
 """DAPO's objective as pure functions of tensors (arXiv 2503.14476, eq. 8 and section 3).
 
-Read against the paper (see ../shared/DAPO.md):
+The paper's terms and the functions that compute them:
 
     Â_{i,t} = (R_i − mean({R_j})) / std({R_j})                      -> `group_advantages`
     r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | q, o_{i,<t}) -> `policy_loss`
     min(r Â, clip(r, 1 − ε_low, 1 + ε_high) Â)                       -> `policy_loss`
     1 / Σ_i |o_i| · Σ_i Σ_t (...)                                     -> `agg_loss("token_mean")`
     truncated responses get loss mask 0 (overlong filtering)          -> `overlong_filter_mask`
+    log π(o_{i,t} | ...) under the sampling temperature              -> `token_logprobs`
 
-Every function returns a *loss* to minimise, i.e. −J. Shapes: `[B, T]` is B sequences by T
-token positions; `mask` is 1 (or True) where a token counts in the loss.
+`per_token_loss` combines the policy loss with the optional corrections below;
+`masked_mean` averages metrics such as the entropy over the loss tokens.
+
+Every loss is a *loss* to minimise, i.e. −J. Shapes: `[B, T]` is B sequences by T token
+positions; `mask` is 1 (or True) where a token counts in the loss.
 
 Departures from the paper, each chosen by an argument:
 
-- `std` is the unbiased sample std (as in verl and TRL; the paper does not say) and
-  `epsilon` is added to it, so a group of equal rewards gets advantage 0, not NaN.
-  `norm_by_std=False` drops the division (Dr.GRPO).
+- `std` is the unbiased sample std (the paper does not say which) and `epsilon` is added
+  to it, so a group of equal rewards gets advantage 0, not NaN. `norm_by_std=False`
+  drops the division (Dr.GRPO).
 - Dual-clip for negative advantages (`clip_ratio_c`, recipe 10.0) and the clamp of the
   log-ratio to ±`logratio_clamp` (recipe 20) before `exp` come from the reference recipe,
   not the paper. Outside the clamp the gradient is zero.

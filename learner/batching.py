@@ -1,32 +1,29 @@
-"""From scored groups to the learner's tensors: sequences, mini-batches, micro-batches.
+"""From scored groups to the learner's tensors, and how a step's rows are planned.
 
-The flow of one training step (what the learner runs on top of this module):
-
-    seqs = sequences_from_groups(groups, adv_epsilon, norm_adv_by_std)
-    # π_old: for each micro-batch of all seqs, forward, then assign_old_logprobs(...)
-    for mini in mini_batches(len(seqs), mini_batch_size, seed):
-        counts = loss_counts([seqs[i] for i in mini], overlong_filtering)  # all-reduce
-        for micro in token_budget_micro_batches([seqs[i].length for i in mini], max_tokens):
-            inputs = collate([seqs[mini[j]] for j in micro], pad_token_id, overlong_filtering)
-            ... agg_loss(..., global_token_count=counts.tokens) ...
+Everything here runs before (or after) the model: `sequences_from_groups` flattens
+groups with their advantages; `plan_step` splits the responses into mini-batches and
+deals each to the data-parallel ranks; `plan_micro_batches` cuts a rank's share by
+token budget; `collate` pads one micro-batch into `LossInputs`; `assign_old_logprobs`
+stores the learner's recomputed log-probs back on the sequences.
 
 Layout: each row is prompt + response, right-padded. Every per-token tensor is `[B, L]`
 and aligned with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`, so the
-log-prob of that token comes from the logits at `t - 1` (`logprobs_for_inputs` does the
-shift). Micro-batches are padded, not packed; sorting by length keeps padding low.
+log-prob of that token comes from the hidden state at `t - 1`. Micro-batches are padded,
+not packed; sorting by length keeps padding low.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
-from learner.algorithm import group_advantages, token_logprobs
+from learner.algorithm import group_advantages
+from learner.dist import DataParallel
 from services.common.types import Group, Sample
 
 
@@ -144,8 +141,12 @@ class LossInputs:
 
     def to(self, device: torch.device | str) -> LossInputs:
         """A copy with every tensor on `device`."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return LossInputs(**{k: v if v is None else v.to(device) for k, v in values.items()})
+        moved = {
+            f.name: value.to(device)
+            for f in fields(self)
+            if (value := getattr(self, f.name)) is not None
+        }
+        return replace(self, **moved)
 
 
 def collate(
@@ -206,25 +207,13 @@ def _response_values(
     return out
 
 
-def logprobs_for_inputs(
-    logits: Tensor, input_ids: Tensor, temperature: float = 1.0
-) -> tuple[Tensor, Tensor]:
-    """Log-probs and entropy `[B, L]` aligned with `input_ids`, from causal-LM logits `[B, L, V]`.
-
-    Token t is scored by the logits at t − 1; column 0 (never a response token) is 0.
-    """
-    logprobs, entropy = token_logprobs(logits[:, :-1], input_ids[:, 1:], temperature)
-    pad = logprobs.new_zeros((logprobs.shape[0], 1))
-    return torch.cat([pad, logprobs], dim=1), torch.cat([pad, entropy], dim=1)
-
-
 def assign_old_logprobs(
     seqs: Sequence[TrainSequence],
     inputs: LossInputs,
     logprobs: Tensor,
     attr: Literal["old_logprobs", "ref_logprobs"] = "old_logprobs",
 ) -> None:
-    """Store learner log-probs `[B, L]` (from `logprobs_for_inputs`) on the sequences.
+    """Store learner log-probs `[B, L]` (aligned with `input_ids`) on the sequences.
 
     `seqs` is the list that was given to `collate` to build `inputs`; `attr` says whose
     log-probs they are: π_old (the default) or the KL reference's.
@@ -325,3 +314,46 @@ def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[i
         ranks[r].append(i)
         totals[r] += lengths[i]
     return ranks
+
+
+# ------------------------------------------------------------------ a step's plan
+MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
+
+
+def rank_share(seqs: Sequence[TrainSequence], mini: list[int], dp: DataParallel) -> list[int]:
+    """The rows of mini-batch `mini` this rank trains (token totals balanced over ranks)."""
+    if dp.world_size == 1:
+        return list(mini)
+    shares = balance_across_ranks([seqs[i].length for i in mini], dp.world_size)
+    return [mini[j] for j in shares[dp.rank]]
+
+
+def plan_step(
+    seqs: Sequence[TrainSequence], mini_batch_size: int, seed: int, dp: DataParallel
+) -> list[list[int]]:
+    """This rank's rows of each mini-batch (the same seeded split on every rank)."""
+    return [rank_share(seqs, mb, dp) for mb in mini_batches(len(seqs), mini_batch_size, seed)]
+
+
+def plan_micro_batches(
+    seqs: Sequence[TrainSequence], fallback: TrainSequence, budget: int, dp: DataParallel
+) -> list[MicroBatch]:
+    """This rank's micro-batches, padded with dummies to the largest count over ranks.
+
+    Ranks run the same number of forwards: ZeRO-3 gathers parameters in each one.
+    """
+    lengths = [s.length for s in seqs]
+    idx = token_budget_micro_batches(lengths, budget) if seqs else []
+    target = dp.all_reduce_max(len(idx))
+    if seqs and len(idx) < target:
+        idx = token_budget_micro_batches(lengths, budget, min_count=target)
+    batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
+    batches += [([fallback], False)] * (target - len(batches))
+    return batches
+
+
+def global_counts(seqs: Sequence[TrainSequence], overlong: bool, dp: DataParallel) -> LossCounts:
+    """Loss tokens and sequences of the whole mini-batch, summed over ranks."""
+    local = loss_counts(seqs, overlong)
+    total = dp.all_reduce_sum(torch.tensor([local.tokens, local.sequences], dtype=torch.int64))
+    return LossCounts(tokens=int(total[0]), sequences=int(total[1]))

@@ -45,6 +45,15 @@ class LearnerConfig(StrictModel):
         512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
     )
     micro_batch_tokens: int = Field(32768, ge=1, description="Token budget of a micro-batch.")
+    logprob_chunk_tokens: int = Field(
+        512,
+        ge=0,
+        description="Response tokens whose full-vocabulary logits exist at once (forward "
+        "and backward); 0: logits of every position of the micro-batch at once.",
+    )
+    gradient_checkpointing: bool = Field(
+        True, description="Recompute decoder layers in backward instead of storing them."
+    )
     total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
     # -- engine --
     engine: Literal["torch", "deepspeed"] = Field(

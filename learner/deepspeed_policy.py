@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from learner.config import LearnerConfig
-from learner.policy import warmup_factor
+from learner.logprobs import final_hidden_states
+from learner.model_io import enable_activation_checkpointing, save_hf
+from learner.optim import adamw, warmup_factor
 from services.common.net import free_port
 
 
@@ -67,33 +70,41 @@ def ds_config(cfg: LearnerConfig) -> dict[str, Any]:
 class DeepSpeedPolicy:
     """A Hugging Face causal LM trained by a DeepSpeed engine."""
 
-    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig) -> None:
+    def __init__(self, model: PreTrainedModel, cfg: LearnerConfig) -> None:
         import deepspeed
 
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
         self.world_size = torch.distributed.get_world_size()
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        self.optimizer = adamw(model.parameters(), cfg)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, config=ds_config(cfg)
         )
         self._set_lr()
 
     @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
+    def module(self) -> PreTrainedModel:
+        module = self.engine.module
+        assert isinstance(module, PreTrainedModel)
+        return module
 
     @property
     def device(self) -> torch.device:
         return self.engine.device
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        out = self.engine(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
-        )
-        return out.logits
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Through the engine's forward: its hooks (ZeRO-3 gathers, backward prologue) run."""
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        return final_hidden_states(self.engine, ids, mask)
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """Called as a module, so ZeRO-3 gathers its (partitioned) weight in its hooks."""
+        head = self.module.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module)
+        return head
 
     def backward(self, loss: Tensor, last: bool = True) -> None:
         """Accumulate `loss`'s gradient; `last` marks the mini-batch's last micro-batch."""
@@ -174,19 +185,3 @@ class DeepSpeedPolicy:
         self.schedule_step = int(client.get("schedule_step", 0))
         self._set_lr()
         return client
-
-
-def save_hf(
-    module: torch.nn.Module,
-    state: dict[str, Tensor],
-    out_dir: str | Path,
-    tokenizer_dir: str | Path | None,
-) -> None:
-    """`save_pretrained` with the given full weights, plus the tokenizer if known."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    module.save_pretrained(out, state_dict=state)
-    if tokenizer_dir is not None:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from services.common.adapters import decode_group, encode_group
+from services.common.errors import DapoError
 from services.common.types import Group
 
 
@@ -45,7 +46,12 @@ class Single:
         return value
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes:
-        assert payload is not None
+        """The payload itself; a follower (payload None) has no rank 0 to hear from."""
+        if payload is None:
+            raise DapoError(
+                "a follower rank started without torch.distributed: data parallelism needs "
+                "learner.engine=deepspeed (any zero_stage), launched with torchrun"
+            )
         return payload
 
 
@@ -73,7 +79,8 @@ class TorchDist:
         size = torch.tensor([len(payload) if payload is not None else 0], device=self.device)
         self.dist.broadcast(size, src=0)
         if self.rank == 0:
-            assert payload is not None
+            if payload is None:
+                raise ValueError("rank 0 must broadcast a payload")
             buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)

@@ -110,7 +110,7 @@ def build_small_tokenizer() -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(math_corpus(SMALL_CORPUS_LINES), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    merges = [merge_pair(m) for m in model["merges"]]
     special = {"eos_token": SMALL_EOS, "pad_token": SMALL_PAD, "unk_token": SMALL_PAD}
     wrapped = _qwen2_tokenizer(model["vocab"], merges, SMALL_CHAT_TEMPLATE, special)
     # Only eos/pad/unk are special by default; the template's start marker must be one token.
@@ -140,6 +140,12 @@ def _qwen2_pipeline(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any
     return tok
 
 
+def merge_pair(merge: str | list[str]) -> tuple[str, str]:
+    """A BPE merge as a pair, from tokenizers' JSON ("a b" or ["a", "b"])."""
+    left, right = merge.split(" ") if isinstance(merge, str) else merge
+    return left, right
+
+
 def _qwen2_tokenizer(
     vocab: dict[str, int],
     merges: list[tuple[str, str]],
@@ -151,7 +157,7 @@ def _qwen2_tokenizer(
 
     return Qwen2Tokenizer(
         vocab=vocab,
-        merges=merges,
+        merges=merges,  # type: ignore[arg-type]  # tokenizers' BPE takes pairs; the hint says str
         bos_token=None,
         chat_template=chat_template,
         clean_up_tokenization_spaces=False,

@@ -3,7 +3,8 @@
 A plain torch copy of the initial model on every rank, in eval mode and without
 gradients: it only ever runs forwards, so it needs neither an optimizer nor ZeRO
 sharding. Under ZeRO-3 that costs one full copy of the weights per rank; DAPO leaves
-the KL out (`kl_coef = 0`), and then no reference is built at all.
+the KL out (`kl_coef = 0`), and then no reference is built at all. It is scored like
+the policy (`learner.logprobs.sequence_logprobs`): hidden states, then the head in chunks.
 """
 
 from __future__ import annotations
@@ -12,22 +13,30 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
+
+from learner.logprobs import final_hidden_states
+from learner.model_io import load_model
 
 
 class Reference:
-    """Forward-only logits of the model the run started from."""
+    """Forward-only hidden states and output head of the model the run started from."""
 
-    def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
-        self.model = model.to(device).eval().requires_grad_(False)
+    def __init__(self, model: PreTrainedModel, device: str = "cpu") -> None:
+        torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
+        self.model = model.eval().requires_grad_(False)
 
     @classmethod
     def load(cls, model_path: str | Path, dtype: str = "float32") -> Reference:
-        from learner.policy import load_model
-
         return cls(load_model(model_path, dtype))
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         device = next(self.model.parameters()).device
-        out = self.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-        return out.logits
+        return final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        head = self.model.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module)
+        return head

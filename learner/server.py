@@ -33,9 +33,10 @@ from typing import Any
 import redis
 from prometheus_client import Counter, Gauge
 
+from learner.backends import build_policy
 from learner.config import LearnerSettings
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
-from learner.policy import Policy, build_policy
+from learner.policy import Policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
 from learner.weights import WeightServicer, add_weight_service, live_views, open_weight_socket

@@ -1,14 +1,20 @@
 """One DAPO training step over a batch of informative groups, on one rank or many.
 
-π_old is recomputed on the learner at the start of the step; the responses are then
-split into mini-batches (one optimizer update each, the same seeded split on every
-rank), each mini-batch is dealt to the data-parallel ranks by token count, and each
-rank's share is cut into micro-batches by token budget. Before the micro-batch loop the
-mini-batch's loss token and sequence counts are all-reduced, and every micro-batch's
-loss is divided by those global counts, so gradient accumulation and data parallelism
-give exactly the full-batch gradient. Ranks run the same number of forwards (ZeRO-3
-gathers parameters in each forward): a rank that has fewer micro-batches runs dummy
-ones whose loss is multiplied by zero.
+One pass, top to bottom:
+
+1. plan (`learner.batching`): split the responses into mini-batches (one optimizer
+   update each, the same seeded split on every rank), deal each mini-batch to the
+   data-parallel ranks by token count, cut a rank's share into micro-batches by budget;
+2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
+   response tokens without gradient (`learner.logprobs`); store them on the sequences;
+3. per mini-batch: all-reduce its loss token and sequence counts, then per micro-batch
+   collate → score → per-token DAPO loss divided by those global counts → backward, so
+   gradient accumulation and data parallelism give exactly the full-batch gradient;
+4. the optimizer step, once per mini-batch.
+
+Ranks make the same calls into the model (ZeRO-3 gathers parameters in each): a rank
+with fewer micro-batches runs dummy ones whose loss is multiplied by zero, and the
+output head runs the same number of chunks on every rank.
 """
 
 from __future__ import annotations
@@ -18,28 +24,25 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import Tensor
 
-from learner.algorithm import agg_loss, kl_k3, masked_mean, per_token_loss, tis_weights
+from learner.algorithm import ClipStats, agg_loss, kl_k3, masked_mean, per_token_loss, tis_weights
 from learner.batching import (
     LossCounts,
     LossInputs,
     TrainSequence,
     assign_old_logprobs,
-    balance_across_ranks,
     collate,
-    logprobs_for_inputs,
-    loss_counts,
-    mini_batches,
+    global_counts,
+    plan_micro_batches,
+    plan_step,
     sequences_from_groups,
-    token_budget_micro_batches,
 )
 from learner.config import LearnerConfig
 from learner.dist import DataParallel, Single
-from learner.policy import Policy
-from learner.reference import Reference
+from learner.logprobs import chunk_count, sequence_logprobs
+from learner.policy import CausalLM, Policy
 from services.common.types import Group
-
-MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
 
 
 @dataclass
@@ -67,38 +70,53 @@ class StepMetrics:
         return asdict(self)
 
 
-def micro_batches(seqs: Sequence[TrainSequence], budget: int) -> list[list[TrainSequence]]:
-    idx = token_budget_micro_batches([s.length for s in seqs], budget)
-    return [[seqs[i] for i in batch] for batch in idx]
+def train_step(
+    policy: Policy,
+    groups: Sequence[Group],
+    cfg: LearnerConfig,
+    pad_id: int,
+    temperature: float,
+    max_response_length: int,
+    seed: int = 0,
+    dp: DataParallel | None = None,
+    reference: CausalLM | None = None,
+) -> StepMetrics:
+    """Recompute π_old (and π_ref), then one optimizer update per mini-batch."""
+    started = time.monotonic()
+    dp = dp or Single()
+    seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
+    plan = plan_step(seqs, cfg.mini_batch_responses, seed, dp)
+    shares = [[seqs[i] for i in share] for share in plan]
+    metrics = StepMetrics()
+    metrics.logprob_gap = recompute_old_logprobs(
+        policy, [s for share in shares for s in share], cfg, pad_id, temperature, dp,
+        fallback=seqs[0], reference=reference,
+    )  # fmt: skip
+    totals = torch.zeros(6, dtype=torch.float64)  # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok
+    for mine in shares:
+        counts = global_counts(mine, cfg.overlong_filtering, dp)
+        if counts.tokens == 0:  # every response filtered: a step would only apply momentum
+            metrics.skipped_updates += 1
+            continue
+        totals += accumulate(
+            policy, mine, cfg, pad_id, temperature, max_response_length, dp,
+            fallback=seqs[0], counts=counts,
+        )  # fmt: skip
+        metrics.grad_norm = policy.step()
+        metrics.updates += 1
+    _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
+    metrics.lr = policy.lr()
+    metrics.seconds = time.monotonic() - started
+    metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
+    return metrics
 
 
-def plan_micro_batches(
-    seqs: Sequence[TrainSequence], fallback: TrainSequence, budget: int, dp: DataParallel
-) -> list[MicroBatch]:
-    """This rank's micro-batches, padded with dummies to the largest count over ranks."""
-    lengths = [s.length for s in seqs]
-    idx = token_budget_micro_batches(lengths, budget) if seqs else []
-    target = dp.all_reduce_max(len(idx))
-    if seqs and len(idx) < target:
-        idx = token_budget_micro_batches(lengths, budget, min_count=target)
-    batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
-    batches += [([fallback], False)] * (target - len(batches))
-    return batches
-
-
-def rank_share(seqs: Sequence[TrainSequence], mini: list[int], dp: DataParallel) -> list[int]:
-    """The rows of mini-batch `mini` this rank trains (token totals balanced over ranks)."""
-    if dp.world_size == 1:
-        return list(mini)
-    shares = balance_across_ranks([seqs[i].length for i in mini], dp.world_size)
-    return [mini[j] for j in shares[dp.rank]]
-
-
-def global_counts(seqs: Sequence[TrainSequence], overlong: bool, dp: DataParallel) -> LossCounts:
-    """Loss tokens and sequences of the whole mini-batch, summed over ranks."""
-    local = loss_counts(seqs, overlong)
-    total = dp.all_reduce_sum(torch.tensor([local.tokens, local.sequences], dtype=torch.int64))
-    return LossCounts(tokens=int(total[0]), sequences=int(total[1]))
+def score(
+    model: CausalLM, inputs: LossInputs, cfg: LearnerConfig, temperature: float, dp: DataParallel
+) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy `[B, L]` of `inputs`; the head runs as many chunks on every rank."""
+    chunks = dp.all_reduce_max(chunk_count(inputs, cfg.logprob_chunk_tokens))
+    return sequence_logprobs(model, inputs, temperature, cfg.logprob_chunk_tokens, chunks)
 
 
 @torch.no_grad()
@@ -110,7 +128,7 @@ def recompute_old_logprobs(
     temperature: float,
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
-    reference: Reference | None = None,
+    reference: CausalLM | None = None,
 ) -> float:
     """Fill each sequence's π_old (and π_ref when a reference is given).
 
@@ -118,17 +136,14 @@ def recompute_old_logprobs(
     """
     dp = dp or Single()
     sums = torch.zeros(2, dtype=torch.float64)  # |gap| sum, token count
-    fallback = fallback or seqs[0]
-    for batch, real in plan_micro_batches(seqs, fallback, cfg.micro_batch_tokens, dp):
+    for batch, real in plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
-        logits = policy.forward(inputs.input_ids, inputs.attention_mask)
+        logprobs, _ = score(policy, inputs, cfg, temperature, dp)
         if not real:
             continue
-        logprobs, _ = logprobs_for_inputs(logits, inputs.input_ids.to(logits.device), temperature)
         assign_old_logprobs(batch, inputs, logprobs)
         if reference is not None:
-            ref_logits = reference.forward(inputs.input_ids, inputs.attention_mask)
-            ref, _ = logprobs_for_inputs(ref_logits, inputs.input_ids.to(ref_logits.device))
+            ref, _ = score(reference, inputs, cfg, 1.0, Single())
             assign_old_logprobs(batch, inputs, ref, attr="ref_logprobs")
         if inputs.rollout_logprobs is not None:
             mask = inputs.response_mask
@@ -136,64 +151,6 @@ def recompute_old_logprobs(
             sums += torch.tensor([float(diff[mask].sum()), float(mask.sum())], dtype=torch.float64)
     sums = dp.all_reduce_sum(sums)
     return float(sums[0]) / max(float(sums[1]), 1.0)
-
-
-def train_step(
-    policy: Policy,
-    groups: Sequence[Group],
-    cfg: LearnerConfig,
-    pad_id: int,
-    temperature: float,
-    max_response_length: int,
-    seed: int = 0,
-    dp: DataParallel | None = None,
-    reference: Reference | None = None,
-) -> StepMetrics:
-    """Recompute π_old (and π_ref), then one optimizer update per mini-batch."""
-    started = time.monotonic()
-    dp = dp or Single()
-    seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
-    minis = mini_batches(len(seqs), cfg.mini_batch_responses, seed)
-    shares = [rank_share(seqs, mb, dp) for mb in minis]
-    own = [seqs[i] for share in shares for i in share]
-    metrics = StepMetrics()
-    metrics.logprob_gap = recompute_old_logprobs(
-        policy, own, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
-    )
-    totals = torch.zeros(6, dtype=torch.float64)  # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok
-    for mb, share in zip(minis, shares, strict=True):
-        mine = [seqs[i] for i in share]
-        counts = global_counts(mine, cfg.overlong_filtering, dp)
-        if counts.tokens == 0:  # every response filtered: a step would only apply momentum
-            metrics.skipped_updates += 1
-            continue
-        totals += accumulate(
-            policy, mine, cfg, pad_id, temperature, max_response_length,
-            dp, fallback=seqs[mb[0]], counts=counts,
-        )  # fmt: skip
-        metrics.grad_norm = policy.step()
-        metrics.updates += 1
-    _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
-    metrics.lr = policy.lr()
-    metrics.seconds = time.monotonic() - started
-    metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
-    return metrics
-
-
-def _fill_metrics(
-    metrics: StepMetrics, totals: torch.Tensor, seqs: list[TrainSequence], groups: Sequence[Group]
-) -> None:
-    tokens = max(float(totals[4]), 1.0)
-    metrics.loss = float(totals[0]) / tokens
-    metrics.clip_frac_high = float(totals[1]) / tokens
-    metrics.clip_frac_low = float(totals[2]) / tokens
-    metrics.entropy = float(totals[3]) / tokens
-    metrics.kl = float(totals[5]) / tokens
-    metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
-    metrics.response_length = metrics.tokens / max(len(seqs), 1)
-    metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
-    samples = [s for g in groups for s in g.samples]
-    metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)
 
 
 def accumulate(
@@ -206,7 +163,7 @@ def accumulate(
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
     counts: LossCounts | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Accumulate this rank's share of one mini-batch's gradient; return its metric sums.
 
     `seqs` is this rank's share; the counts (`global_counts`, unless given) are summed
@@ -218,27 +175,39 @@ def accumulate(
     sums = torch.zeros(6, dtype=torch.float64)
     for k, (batch, real) in enumerate(plan):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
-        logits = policy.forward(inputs.input_ids, inputs.attention_mask)
-        inputs = inputs.to(logits.device)
-        logprobs, entropy = logprobs_for_inputs(logits, inputs.input_ids, temperature)
-        assert inputs.old_logprobs is not None
-        kl = kl_term(logprobs, inputs, cfg)
-        loss_mat, stats = per_token_loss(
-            logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask,
-            cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.logratio_clamp,
-            is_weights=importance_weights(inputs, cfg), kl=kl, kl_coef=cfg.kl_coef,
-        )  # fmt: skip
-        loss = agg_loss(
-            loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
-            max_response_length,
-        )  # fmt: skip
+        logprobs, entropy = score(policy, inputs, cfg, temperature, dp)
+        inputs = inputs.to(logprobs.device)
+        loss, stats, kl = micro_batch_loss(logprobs, inputs, cfg, counts, max_response_length)
         policy.backward(loss if real else loss * 0.0, last=k == len(plan) - 1)
         if real:
             sums += _micro_sums(float(loss.detach()), counts, stats, entropy, kl, inputs.loss_mask)
     return sums
 
 
-def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> torch.Tensor | None:
+def micro_batch_loss(
+    logprobs: Tensor,
+    inputs: LossInputs,
+    cfg: LearnerConfig,
+    counts: LossCounts,
+    max_response_length: int,
+) -> tuple[Tensor, ClipStats, Tensor | None]:
+    """The micro-batch's share of the mini-batch loss (divided by the global `counts`)."""
+    if inputs.old_logprobs is None:
+        raise ValueError("no π_old: run recompute_old_logprobs first")
+    kl = kl_term(logprobs, inputs, cfg)
+    loss_mat, stats = per_token_loss(
+        logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask,
+        cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.logratio_clamp,
+        is_weights=importance_weights(inputs, cfg), kl=kl, kl_coef=cfg.kl_coef,
+    )  # fmt: skip
+    loss = agg_loss(
+        loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
+        max_response_length,
+    )  # fmt: skip
+    return loss, stats, kl
+
+
+def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
     """Truncated IS weights π_old / π_rollout when `tis_cap` is set, else None."""
     if cfg.tis_cap is None:
         return None
@@ -249,7 +218,7 @@ def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> torch.Tensor |
     )
 
 
-def kl_term(logprobs: torch.Tensor, inputs: LossInputs, cfg: LearnerConfig) -> torch.Tensor | None:
+def kl_term(logprobs: Tensor, inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
     """Per-token k3 KL to the reference when `kl_coef` > 0, else None."""
     if cfg.kl_coef == 0.0:
         return None
@@ -258,7 +227,14 @@ def kl_term(logprobs: torch.Tensor, inputs: LossInputs, cfg: LearnerConfig) -> t
     return kl_k3(logprobs, inputs.ref_logprobs.to(logprobs.device), cfg.logratio_clamp)
 
 
-def _micro_sums(loss: float, counts: LossCounts, stats, entropy, kl, mask) -> torch.Tensor:
+def _micro_sums(
+    loss: float,
+    counts: LossCounts,
+    stats: ClipStats,
+    entropy: Tensor,
+    kl: Tensor | None,
+    mask: Tensor,
+) -> Tensor:
     n = float(stats.tokens)
     kl_mean = float(masked_mean(kl.detach(), mask)) if kl is not None else 0.0
     return torch.tensor(
@@ -266,3 +242,19 @@ def _micro_sums(loss: float, counts: LossCounts, stats, entropy, kl, mask) -> to
          float(masked_mean(entropy, mask)) * n, n, kl_mean * n],
         dtype=torch.float64,
     )  # fmt: skip
+
+
+def _fill_metrics(
+    metrics: StepMetrics, totals: Tensor, seqs: list[TrainSequence], groups: Sequence[Group]
+) -> None:
+    tokens = max(float(totals[4]), 1.0)
+    metrics.loss = float(totals[0]) / tokens
+    metrics.clip_frac_high = float(totals[1]) / tokens
+    metrics.clip_frac_low = float(totals[2]) / tokens
+    metrics.entropy = float(totals[3]) / tokens
+    metrics.kl = float(totals[5]) / tokens
+    metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
+    metrics.response_length = metrics.tokens / max(len(seqs), 1)
+    metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
+    samples = [s for g in groups for s in g.samples]
+    metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)

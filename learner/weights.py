@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import torch
 
-from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
+from dapo.v1 import learner_pb2, learner_pb2_grpc
 from services.common.tensor_codec import (
     RawTensor,
     WeightAssembler,
@@ -103,6 +103,7 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                 grpc.StatusCode.UNIMPLEMENTED,
                 "no weight socket (learner.weight_transport=grpc): use FetchWeights",
             )
+            raise AssertionError("abort raises")
         version, buckets = self._snapshot(request, context)
         try:
             ticket = self.weight_socket.issue(buckets)
@@ -111,11 +112,6 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         return learner_pb2.WeightSocketTicket(
             version=version, port=self.weight_socket.port, ticket=ticket
         )
-
-    def FetchWeights(self, request: learner_pb2.FetchWeightsRequest, context):
-        """Buckets as messages (for servers registered with the generated helper)."""
-        for message in self._buckets(request, context):
-            yield tensor_pb2.WeightBucket.FromString(message)
 
     def fetch_serialized(self, request: learner_pb2.FetchWeightsRequest, context):
         """Buckets as the serialized bytes cached by `publish`."""

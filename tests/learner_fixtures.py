@@ -38,15 +38,16 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from learner.batching import sequences_from_groups
+    from learner.batching import plan_micro_batches, rank_share, sequences_from_groups
     from learner.config import LearnerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.dist import data_parallel
-    from learner.policy import load_model
-    from learner.step import accumulate, plan_micro_batches, rank_share, recompute_old_logprobs
+    from learner.model_io import load_model
+    from learner.step import accumulate, recompute_old_logprobs
 
     cfg = LearnerConfig(engine="deepspeed", zero_stage=stage, dtype="float32",
-                        micro_batch_tokens=micro_tokens, lr=1e-3)  # fmt: skip
+                        micro_batch_tokens=micro_tokens, lr=1e-3,
+                        logprob_chunk_tokens=5)  # fmt: skip
     policy = DeepSpeedPolicy(load_model(model), cfg)
     dp = data_parallel()
     seqs = sequences_from_groups(make_groups())

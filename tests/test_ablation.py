@@ -18,8 +18,9 @@ import redis
 import torch
 
 from learner.batching import sequences_from_groups
-from learner.policy import TorchPolicy, load_model
+from learner.model_io import load_model
 from learner.step import accumulate, recompute_old_logprobs
+from learner.torch_policy import TorchPolicy
 from services.common.adapters import encode_group
 from services.common.data import SYNTHETIC_TASKS, synthetic_records
 from services.common.errors import DapoError

@@ -16,13 +16,13 @@ from learner.batching import (
     balance_across_ranks,
     collate,
     fixed_size_micro_batches,
-    logprobs_for_inputs,
     loss_counts,
     mini_batches,
     padding_fraction,
     sequences_from_groups,
     token_budget_micro_batches,
 )
+from learner.logprobs import logprobs_for_inputs
 from services.common.types import Group, Sample
 
 PAD = 0

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from learner.policy import TorchPolicy, load_model
+from learner.model_io import load_model
+from learner.torch_policy import TorchPolicy
 from services.tools.config import load_config
 
 
@@ -14,7 +15,7 @@ def trained_policy(model_dir: Path) -> TorchPolicy:
     cfg = load_config(preset="tiny", env={}).learner
     policy = TorchPolicy(load_model(model_dir), cfg)
     ids = torch.randint(1, 14, (4, 6))
-    loss = policy.forward(ids, torch.ones_like(ids)).float().logsumexp(-1).mean()
+    loss = policy.lm_head(policy.hidden_states(ids, torch.ones_like(ids))).logsumexp(-1).mean()
     policy.backward(loss)
     policy.step()
     policy.advance_schedule()

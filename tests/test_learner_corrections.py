@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from learner.algorithm import agg_loss, kl_k3
-from learner.batching import collate, logprobs_for_inputs, loss_counts, sequences_from_groups
+from learner.batching import collate, loss_counts, sequences_from_groups
 from learner.config import LearnerConfig
-from learner.policy import TorchPolicy, load_model
+from learner.logprobs import sequence_logprobs
+from learner.model_io import load_model
 from learner.reference import Reference
 from learner.step import accumulate, recompute_old_logprobs, train_step
+from learner.torch_policy import TorchPolicy
 from tests.learner_fixtures import make_groups
 
 MAX_LEN = 16
@@ -91,8 +93,7 @@ def test_kl_adds_exactly_coef_times_the_token_mean_k3_gradient(tiny_model: Path)
     cfg = _cfg(kl_coef=coef)
     policy, seqs = _prepared(tiny_model, cfg, reference)
     inputs = collate(seqs, 0)
-    logprobs, _ = logprobs_for_inputs(policy.forward(inputs.input_ids, inputs.attention_mask),
-                                      inputs.input_ids)  # fmt: skip
+    logprobs, _ = sequence_logprobs(policy, inputs, 1.0, cfg.logprob_chunk_tokens)
     assert inputs.ref_logprobs is not None
     counts = loss_counts(seqs)
     kl = kl_k3(logprobs, inputs.ref_logprobs)
@@ -130,7 +131,7 @@ def _all_truncated(groups):
 @pytest.mark.parametrize("engine", ["torch", "deepspeed"])
 def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine: str) -> None:
     """No loss token left: no update at all (AdamW momentum and decay would still move θ)."""
-    from learner.policy import build_policy
+    from learner.backends import build_policy
 
     cfg = LearnerConfig(engine=engine, lr=1e-2, micro_batch_tokens=64, mini_batch_responses=8,
                         dtype="float32")  # fmt: skip

@@ -13,11 +13,13 @@ from learner_fixtures import make_groups
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from learner.batching import collate, logprobs_for_inputs, sequences_from_groups
+from learner.batching import collate, sequences_from_groups
 from learner.config import LearnerConfig
 from learner.deepspeed_policy import DeepSpeedPolicy
-from learner.policy import TorchPolicy, load_model
+from learner.logprobs import sequence_logprobs
+from learner.model_io import load_model
 from learner.step import accumulate, recompute_old_logprobs, train_step
+from learner.torch_policy import TorchPolicy
 from services.common.net import free_port
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -35,8 +37,7 @@ def _weighted_logprob(policy, groups) -> tuple[float, float]:
     """Mean log-prob per token of the positive- and of the negative-advantage responses."""
     seqs = sequences_from_groups(groups)
     inputs = collate(seqs, 0)
-    logits = policy.forward(inputs.input_ids, inputs.attention_mask)
-    lp, _ = logprobs_for_inputs(logits, inputs.input_ids.to(logits.device))
+    lp, _ = sequence_logprobs(policy, inputs, 1.0, chunk=0)
     lp, mask, adv = lp.cpu(), inputs.loss_mask, inputs.advantages
     pos, neg = mask & (adv > 0), mask & (adv < 0)
     return float(lp[pos].mean()), float(lp[neg].mean())

@@ -46,6 +46,7 @@ TINY: dict[str, Any] = {
         "zero_stage": 0,
         "dtype": "float32",
         "checkpoint_every": 20,
+        "gradient_checkpointing": False,
     },
 }
 

@@ -1,0 +1,109 @@
+"""`TorchPolicy`: the `Policy` protocol as a plain torch loop in one process.
+
+AdamW with linear warm-up and gradient clipping, on CPU or one GPU. It has no
+data parallelism: under a launcher with several ranks it refuses to start (DeepSpeed
+covers that case, at any ZeRO stage).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from learner.config import LearnerConfig
+from learner.logprobs import final_hidden_states
+from learner.model_io import enable_activation_checkpointing, load_state, save_hf, save_state
+from learner.optim import adamw, warmup_factor
+from services.common.errors import DapoError
+
+
+def launched_world_size() -> int:
+    """Ranks launched: the larger of the launcher's WORLD_SIZE and torch.distributed's group."""
+    dist = torch.distributed
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return max(group, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+class TorchPolicy:
+    """Single-process torch training (CPU or one GPU)."""
+
+    def __init__(self, model: PreTrainedModel, cfg: LearnerConfig, device: str = "cpu"):
+        if (world := launched_world_size()) > 1:
+            raise DapoError(
+                f"learner.engine=torch trains in one process, but {world} ranks were "
+                "launched: use learner.engine=deepspeed for data parallelism (any "
+                "zero_stage, 0 included), or launch one process"
+            )
+        if cfg.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
+        self.model = model
+        self.model.train()
+        self.cfg = cfg
+        self.optimizer = adamw(self.model.parameters(), cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: warmup_factor(s, cfg.warmup_steps)
+        )
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        device = next(self.model.parameters()).device
+        return final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        head = self.model.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module)
+        return head
+
+    def backward(self, loss: Tensor, last: bool = True) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def advance_schedule(self) -> None:
+        """One rollout step done: warm-up counts rollout steps, not gradient updates."""
+        self.scheduler.step()
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        yield from self.model.state_dict().items()
+
+    def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
+        save_hf(self.model, dict(self.model.state_dict()), out_dir, tokenizer_dir)
+
+    def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
+        """Model, optimizer, schedule and `client_state` in one file; `latest` written last."""
+        root = Path(directory)
+        (root / tag).mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "client": client_state,
+        }
+        save_state(state, root / tag)
+        tmp = root / "latest.tmp"
+        tmp.write_text(tag)
+        tmp.replace(root / "latest")
+
+    def load_checkpoint(self, directory: str | Path) -> dict | None:
+        """Restore the latest checkpoint; its client state, or None if there is none."""
+        latest = Path(directory) / "latest"
+        if not latest.is_file():
+            return None
+        state = load_state(Path(directory) / latest.read_text().strip())
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["client"]

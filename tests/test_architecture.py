@@ -1,0 +1,98 @@
+"""The house's shape, checked: no import cycles, every role starts the same way, and the
+torch-free roles start without torch (the layer contract itself is `lint-imports`)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grimp
+import pytest
+
+from services.common.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dapo", "services", "learner", "rollout", "reward")
+ROLE_MODULES = {
+    "controller": "services.controller",
+    "buffer": "services.buffer",
+    "rollout": "rollout",
+    "reward": "reward",
+    "learner": "learner",
+}
+
+
+def cycles(graph: grimp.ImportGraph) -> list[tuple[str, ...]]:
+    """Every direct import a -> b that b leads back to: the chain a -> b -> ... -> a."""
+    found = []
+    for importer in sorted(graph.modules):
+        for imported in sorted(graph.find_modules_directly_imported_by(importer)):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back:
+                found.append((importer, *back))
+    return found
+
+
+def test_the_cycle_finder_finds_a_planted_cycle() -> None:
+    graph = grimp.ImportGraph()
+    for name in ("a", "b", "c", "d"):
+        graph.add_module(name)
+    graph.add_import(importer="a", imported="b")
+    graph.add_import(importer="b", imported="c")
+    graph.add_import(importer="c", imported="a")
+    graph.add_import(importer="c", imported="d")
+    assert cycles(graph) == [("a", "b", "c", "a"), ("b", "c", "a", "b"), ("c", "a", "b", "c")]
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = grimp.build_graph(*PACKAGES)
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("role", ROLE_MODULES)
+def test_every_role_prints_its_usage(role: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", ROLE_MODULES[role], "--help"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: dapo {role}")
+    for flag in ("--config", "--preset", "--set", "--redis-url", "--grpc-port", "--http-port"):
+        assert flag in done.stdout
+
+
+def test_a_bad_config_is_one_line_and_exit_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "services.buffer", "--set", "buffer.read_count=-1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.startswith("dapo buffer: error: invalid config: buffer.read_count")
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("role", ["controller", "buffer", "reward"])
+def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServer) -> None:
+    """Started for real (`-X importtime` logs every import to stderr) until it announces
+    it is ready, then stopped with SIGTERM."""
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", ROLE_MODULES[role], "--preset", "tiny",
+         "--redis-url", redis_server.url, "--http-port", "0", "--grpc-port", "0",
+         "--set", "reward.num_workers=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    watchdog = threading.Timer(120, proc.kill)  # a hung start fails here, not at the timeout
+    watchdog.start()
+    try:
+        ready = proc.stdout.readline() if proc.stdout else ""
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, imports = proc.communicate(timeout=60)
+        watchdog.cancel()
+    assert ready.startswith(f"dapo {role} ready"), (ready, imports[-3000:])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in imports.splitlines() if "|" in line}
+    assert {"redis", "fastapi"} <= imported  # the log holds the whole start-up
+    assert not {"torch", "transformers", "deepspeed"} & imported
