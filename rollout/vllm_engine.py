@@ -32,13 +32,17 @@ Departures from the torch engine:
 - Samples are not bitwise independent of batch composition: vLLM's kernels may reduce
   in a different order for different batch shapes.
 
-Weights. `load_weights` checks names, shapes and dtypes against a meta-device copy of
-the Hugging Face model before anything is sent, waits for the requests in flight to
-finish (so every sample is produced by the version it is tagged with), stages the
-tensors as one safetensors file, and has the worker load it with vLLM's in-place
-`reload_weights` (through `collective_rpc` on the worker extension), then drops the
-prefix cache (its KV entries came from the old weights). On a failed check nothing is
-sent and the old weights stay; a failure inside vLLM after the checks is not rolled back.
+Weights. No file on the way: `load_weights` checks names, shapes and dtypes against a
+meta-device copy of the Hugging Face model before anything is sent, waits for the requests
+in flight to finish (so every sample is produced by the version it is tagged with), then
+sends the tensors' raw bytes bucket by bucket (`weight_bucket_bytes`) through vLLM's
+`collective_rpc` to the worker extension, which loads each bucket with vLLM's layer-wise
+in-place reload (a layer is re-packed for its kernels once all its weights arrived, so a
+bucket may split a fused q/k/v); then the prefix cache is dropped (its KV entries came
+from the old weights). The bytes travel as msgpack `bin` over vLLM's ZeroMQ IPC socket to
+the engine core (and over its shared-memory broadcast queue to workers when there are
+several): memory to memory on one host. On a failed check nothing is sent and the old
+weights stay; a failure inside vLLM after the checks is not rolled back.
 """
 
 from __future__ import annotations
@@ -47,10 +51,10 @@ import asyncio
 import importlib.util
 import queue
 import random
-import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+import warnings
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -78,7 +82,7 @@ class DapoWorkerExtension:
     """
 
     model_runner: Any
-    reload_weights: Callable[..., None]
+    vllm_config: Any
 
     def dapo_use_full_vocab_logprobs(self) -> None:
         """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
@@ -96,12 +100,72 @@ class DapoWorkerExtension:
         sampler.forward = forward
         sampler._dapo_full_vocab_logprobs = True
 
-    def dapo_reload_weights(self, path: str) -> None:
-        """Load a safetensors file of checkpoint-named weights with vLLM's in-place reload."""
-        from safetensors.torch import load_file
+    def dapo_begin_update(self) -> None:
+        """Start a layer-wise reload: each layer is re-processed once all its weights came."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.reload_weights(weights_iterator=iter(load_file(path).items()))
-        _reprocess_tied_head(self.model_runner.get_model())
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def dapo_load_bucket(self, bucket: list[tuple[str, str, list[int], bytes]]) -> None:
+        """Load one bucket of checkpoint-named weights (`encode_bucket`) into the model."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(decode_bucket(bucket))
+
+    def dapo_finish_update(self) -> None:
+        """Re-process the layers left, rebuild the tied head; the update is then live."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        _reprocess_tied_head(model)
+
+
+def encode_bucket(
+    updates: Sequence[tuple[str, torch.Tensor]],
+) -> list[tuple[str, str, list[int], memoryview]]:
+    """(name, dtype, shape, raw bytes) per tensor: what vLLM's RPC carries (msgpack bin)."""
+    bucket = []
+    for name, tensor in updates:
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        raw = flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
+        bucket.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw))
+    return bucket
+
+
+def decode_bucket(bucket: Iterable[Sequence[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors viewing the received bytes (no copy; the model's loader copies them in)."""
+    for name, dtype_name, shape, raw in bucket:
+        dtype = _DTYPES[dtype_name]
+        if not raw:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # read-only bytes: the loader only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(raw, dtype=torch.uint8)
+        yield name, flat.view(dtype).reshape(shape)
+
+
+def buckets_of(
+    updates: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive runs of tensors of at most `bucket_bytes` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in updates:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def _reprocess_tied_head(model: torch.nn.Module) -> None:
@@ -156,20 +220,6 @@ def _generation_eos(model_path: str) -> int | list[int] | None:
         return GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         return None
-
-
-def _stage_weights(updates: Sequence[tuple[str, torch.Tensor]], path: Path) -> None:
-    """Write the update as one safetensors file (tensors sharing storage get copies)."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    flat: dict[str, torch.Tensor] = {}
-    for name, tensor in updates:
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        flat[name] = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-    save_file(flat, str(path))
 
 
 class VllmEngine(EngineBase):
@@ -327,12 +377,19 @@ class VllmEngine(EngineBase):
         sent = {name for name, _ in updates}
         refuse_missing(sorted(set(self._expected) - self._optional - sent), "vLLM")
         updates = [(n, t) for n, t in updates if n not in self._optional]
-        with self._swap_lock, tempfile.TemporaryDirectory(prefix="dapo-weights-") as tmp:
-            path = Path(tmp) / "update.safetensors"
-            _stage_weights(updates, path)
-            with self._swap(version):
-                self._run(self._llm.collective_rpc("dapo_reload_weights", args=(str(path),)))
-                self._run(self._llm.reset_prefix_cache())
+        with self._swap_lock, self._swap(version):
+            self._run(self._send_update(updates))
+
+    async def _send_update(self, updates: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Bucket by bucket into the worker over vLLM's RPC; then drop the prefix cache
+        (its KV entries came from the old weights)."""
+        await self._llm.collective_rpc("dapo_begin_update")
+        try:
+            for bucket in buckets_of(updates, self.config.weight_bucket_bytes):
+                await self._llm.collective_rpc("dapo_load_bucket", args=(encode_bucket(bucket),))
+        finally:  # also after a failure: unwraps vLLM's layer-wise loaders
+            await self._llm.collective_rpc("dapo_finish_update")
+        await self._llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut vLLM's processes down and stop the loop thread."""
