@@ -53,7 +53,6 @@ import queue
 import random
 import threading
 import uuid
-import warnings
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -63,13 +62,13 @@ import torch
 from rollout.config import VllmEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
+from rollout.vllm_weights import DTYPES, buckets_of, decode_bucket, encode_bucket
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
 
 T = TypeVar("T")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises smaller positive temperatures to this
 WORKER_EXTENSION = "rollout.vllm_engine.DapoWorkerExtension"
 
@@ -124,48 +123,6 @@ class DapoWorkerExtension:
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(model, self.vllm_config.model_config)
         _reprocess_tied_head(model)
-
-
-def encode_bucket(
-    updates: Sequence[tuple[str, torch.Tensor]],
-) -> list[tuple[str, str, list[int], memoryview]]:
-    """(name, dtype, shape, raw bytes) per tensor: what vLLM's RPC carries (msgpack bin)."""
-    bucket = []
-    for name, tensor in updates:
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        raw = flat.view(torch.uint8).numpy().data if flat.numel() else memoryview(b"")
-        bucket.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), raw))
-    return bucket
-
-
-def decode_bucket(bucket: Iterable[Sequence[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors viewing the received bytes (no copy; the model's loader copies them in)."""
-    for name, dtype_name, shape, raw in bucket:
-        dtype = _DTYPES[dtype_name]
-        if not raw:
-            yield name, torch.empty(shape, dtype=dtype)
-            continue
-        with warnings.catch_warnings():  # read-only bytes: the loader only reads them
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(raw, dtype=torch.uint8)
-        yield name, flat.view(dtype).reshape(shape)
-
-
-def buckets_of(
-    updates: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive runs of tensors of at most `bucket_bytes` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in updates:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def _reprocess_tied_head(model: torch.nn.Module) -> None:
@@ -273,10 +230,10 @@ class VllmEngine(EngineBase):
     def _resolve_dtype(self, hf_config: Any) -> torch.dtype:
         """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
         if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
+            return DTYPES[self.config.dtype]
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
-            return _DTYPES.get(dtype, torch.float32)
+            return DTYPES.get(dtype, torch.float32)
         return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
     async def _start(self) -> Any:

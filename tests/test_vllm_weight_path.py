@@ -11,7 +11,7 @@ import pytest
 import torch
 from fswatch import watch_writes
 
-from rollout.vllm_engine import buckets_of, decode_bucket, encode_bucket
+from rollout.vllm_weights import buckets_of, decode_bucket, encode_bucket
 
 
 def test_buckets_keep_order_and_size_and_a_large_tensor_goes_alone() -> None:
