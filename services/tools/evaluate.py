@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ def build_engine(model: str | Path, config: EngineConfig | None) -> Any:
     if config is not None and config.kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise DapoError("vllm is not installed (pip install 'dapo[vllm]')")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the result
         from rollout.vllm_engine import VllmEngine
 
         return VllmEngine.from_config(model, config)
