@@ -42,6 +42,12 @@ class VllmEngineConfig(StrictModel):
         description="KV cache size in bytes; None = vLLM's default. Set it on CPU, where "
         "vLLM otherwise reserves a large share of RAM.",
     )
+    weight_bucket_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1,
+        description="Most weight bytes per RPC into vLLM's workers during a swap: the extra "
+        "memory a swap holds on each side at once.",
+    )
 
 
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]

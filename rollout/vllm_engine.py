@@ -32,13 +32,17 @@ Departures from the torch engine:
 - Samples are not bitwise independent of batch composition: vLLM's kernels may reduce
   in a different order for different batch shapes.
 
-Weights. `load_weights` checks names, shapes and dtypes against a meta-device copy of
-the Hugging Face model before anything is sent, waits for the requests in flight to
-finish (so every sample is produced by the version it is tagged with), stages the
-tensors as one safetensors file, and has the worker load it with vLLM's in-place
-`reload_weights` (through `collective_rpc` on the worker extension), then drops the
-prefix cache (its KV entries came from the old weights). On a failed check nothing is
-sent and the old weights stay; a failure inside vLLM after the checks is not rolled back.
+Weights. No file on the way: `load_weights` checks names, shapes and dtypes against a
+meta-device copy of the Hugging Face model before anything is sent, waits for the requests
+in flight to finish (so every sample is produced by the version it is tagged with), then
+sends the tensors' raw bytes bucket by bucket (`weight_bucket_bytes`) through vLLM's
+`collective_rpc` to the worker extension, which loads each bucket with vLLM's layer-wise
+in-place reload (a layer is re-packed for its kernels once all its weights arrived, so a
+bucket may split a fused q/k/v); then the prefix cache is dropped (its KV entries came
+from the old weights). The bytes travel as msgpack `bin` over vLLM's ZeroMQ IPC socket to
+the engine core (and over its shared-memory broadcast queue to workers when there are
+several): memory to memory on one host. On a failed check nothing is sent and the old
+weights stay; a failure inside vLLM after the checks is not rolled back.
 """
 
 from __future__ import annotations
@@ -47,10 +51,9 @@ import asyncio
 import importlib.util
 import queue
 import random
-import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,13 +62,13 @@ import torch
 from rollout.config import VllmEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
+from rollout.vllm_weights import DTYPES, buckets_of, decode_bucket, encode_bucket
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
 
 T = TypeVar("T")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises smaller positive temperatures to this
 WORKER_EXTENSION = "rollout.vllm_engine.DapoWorkerExtension"
 
@@ -78,7 +81,7 @@ class DapoWorkerExtension:
     """
 
     model_runner: Any
-    reload_weights: Callable[..., None]
+    vllm_config: Any
 
     def dapo_use_full_vocab_logprobs(self) -> None:
         """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
@@ -96,12 +99,30 @@ class DapoWorkerExtension:
         sampler.forward = forward
         sampler._dapo_full_vocab_logprobs = True
 
-    def dapo_reload_weights(self, path: str) -> None:
-        """Load a safetensors file of checkpoint-named weights with vLLM's in-place reload."""
-        from safetensors.torch import load_file
+    def dapo_begin_update(self) -> None:
+        """Start a layer-wise reload: each layer is re-processed once all its weights came."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self.reload_weights(weights_iterator=iter(load_file(path).items()))
-        _reprocess_tied_head(self.model_runner.get_model())
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def dapo_load_bucket(self, bucket: list[tuple[str, str, list[int], bytes]]) -> None:
+        """Load one bucket of checkpoint-named weights (`encode_bucket`) into the model."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(decode_bucket(bucket))
+
+    def dapo_finish_update(self) -> None:
+        """Re-process the layers left, rebuild the tied head; the update is then live."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        _reprocess_tied_head(model)
 
 
 def _reprocess_tied_head(model: torch.nn.Module) -> None:
@@ -158,20 +179,6 @@ def _generation_eos(model_path: str) -> int | list[int] | None:
         return None
 
 
-def _stage_weights(updates: Sequence[tuple[str, torch.Tensor]], path: Path) -> None:
-    """Write the update as one safetensors file (tensors sharing storage get copies)."""
-    from safetensors.torch import save_file
-
-    seen: set[int] = set()
-    flat: dict[str, torch.Tensor] = {}
-    for name, tensor in updates:
-        tensor = tensor.detach().cpu().contiguous()
-        storage = tensor.untyped_storage().data_ptr()
-        flat[name] = tensor.clone() if storage in seen else tensor
-        seen.add(storage)
-    save_file(flat, str(path))
-
-
 class VllmEngine(EngineBase):
     """A vLLM `AsyncLLM` behind the `RolloutEngine` protocol; thread-safe."""
 
@@ -223,10 +230,10 @@ class VllmEngine(EngineBase):
     def _resolve_dtype(self, hf_config: Any) -> torch.dtype:
         """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
         if self.config.dtype != "auto":
-            return _DTYPES[self.config.dtype]
+            return DTYPES[self.config.dtype]
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(dtype, str):
-            return _DTYPES.get(dtype, torch.float32)
+            return DTYPES.get(dtype, torch.float32)
         return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
     async def _start(self) -> Any:
@@ -327,12 +334,19 @@ class VllmEngine(EngineBase):
         sent = {name for name, _ in updates}
         refuse_missing(sorted(set(self._expected) - self._optional - sent), "vLLM")
         updates = [(n, t) for n, t in updates if n not in self._optional]
-        with self._swap_lock, tempfile.TemporaryDirectory(prefix="dapo-weights-") as tmp:
-            path = Path(tmp) / "update.safetensors"
-            _stage_weights(updates, path)
-            with self._swap(version):
-                self._run(self._llm.collective_rpc("dapo_reload_weights", args=(str(path),)))
-                self._run(self._llm.reset_prefix_cache())
+        with self._swap_lock, self._swap(version):
+            self._run(self._send_update(updates))
+
+    async def _send_update(self, updates: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Bucket by bucket into the worker over vLLM's RPC; then drop the prefix cache
+        (its KV entries came from the old weights)."""
+        await self._llm.collective_rpc("dapo_begin_update")
+        try:
+            for bucket in buckets_of(updates, self.config.weight_bucket_bytes):
+                await self._llm.collective_rpc("dapo_load_bucket", args=(encode_bucket(bucket),))
+        finally:  # also after a failure: unwraps vLLM's layer-wise loaders
+            await self._llm.collective_rpc("dapo_finish_update")
+        await self._llm.reset_prefix_cache()
 
     def close(self) -> None:
         """Shut vLLM's processes down and stop the loop thread."""

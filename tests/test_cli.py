@@ -104,4 +104,6 @@ def test_occupied_port(redis_server: RedisServer) -> None:
 
 
 def test_unknown_benchmark() -> None:
-    assert_one_line_error(dapo("bench", "nope"), "no benchmark 'nope'")
+    result = dapo("bench", "nope")
+    assert_one_line_error(result, "no benchmark 'nope'")
+    assert "learner_step" in result.stderr and "weights" in result.stderr  # found benchmarks/

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,4 +47,42 @@ def test_eval_on_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "model directory not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_engine_options_are_validated_by_the_engine_config() -> None:
+    from rollout.config import TorchEngineConfig, VllmEngineConfig
+    from services.common.errors import DapoError
+    from services.tools.evaluate import engine_config
+
+    config = engine_config("vllm", ["kv_cache_memory_bytes=67108864", "enforce_eager=true"])
+    assert config == VllmEngineConfig(kv_cache_memory_bytes=64 << 20, enforce_eager=True)
+    assert engine_config("torch") == TorchEngineConfig()
+    for bad in (["nope=1"], ["kv_cache_memory_bytes=-1"], ["enforce_eager"]):
+        with pytest.raises(DapoError):
+            engine_config("vllm", bad)
+
+
+def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
+    from rollout.config import VllmEngineConfig
+    from services.tools.config import load_config
+    from services.tools.evaluate import eval_engine_config
+
+    base = ["controller.eval.engine=vllm"]
+    assert eval_engine_config(load_config(env={}, overrides=base)) == VllmEngineConfig()
+    with_rollout = load_config(
+        env={}, overrides=[*base, "rollout.engine.kind=vllm", "rollout.engine.max_model_len=512"]
+    )
+    assert eval_engine_config(with_rollout) == VllmEngineConfig(max_model_len=512)
+    assert eval_engine_config(load_config(env={}, overrides=[])) is None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
+def test_eval_on_vllm_without_vllm_is_one_clear_line(tiny_model: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
+         "--data", "synthetic:max3", "--engine", "vllm"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2 and "vllm is not installed" in result.stderr
     assert "Traceback" not in result.stderr

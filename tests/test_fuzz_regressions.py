@@ -130,6 +130,23 @@ def test_weight_update_with_non_finite_values_is_refused(tiny_model: Path, value
     assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_check_finite_finds_one_bad_element_anywhere_in_a_large_tensor(dtype: torch.dtype) -> None:
+    """The check reduces with min/max (fast on bf16): one NaN or infinity at any position,
+    inside or at the end of a vectorised block, must still be found."""
+    from rollout.weights import check_finite
+
+    clean = torch.randn(1 << 20 | 13, generator=torch.Generator().manual_seed(0)).to(dtype)
+    check_finite("w", clean)
+    check_finite("empty", torch.zeros(0, 4, dtype=dtype))
+    for value in (math.nan, math.inf, -math.inf):
+        for at in (0, 31, 1 << 19, clean.numel() - 1):
+            bad = clean.clone()
+            bad[at] = value
+            with pytest.raises(ValueError, match="NaN or infinite"):
+                check_finite("w", bad)
+
+
 @pytest.mark.parametrize("keep", [0, 3])
 def test_incomplete_weight_update_is_refused(tiny_model: Path, keep: int) -> None:
     """Found by the UpdateWeights fuzzer: an update of no tensors (or only some) was

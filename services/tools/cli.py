@@ -114,6 +114,18 @@ def add_eval_parser(sub: Any) -> None:
     p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
     p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out", metavar="F", help="write the JSON result here")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="rollout engine that samples (vllm needs dapo[vllm])",
+    )
+    p.add_argument(
+        "--engine-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="engine setting, e.g. kv_cache_memory_bytes=67108864 (repeatable)",
+    )
     p.set_defaults(func=cmd_eval)
 
 

@@ -1,22 +1,30 @@
 """`dapo eval`: avg@K and pass@K of a model with the rollout engine and the reward verifiers.
 
-Runs in one process: the torch engine samples K responses per prompt (eval sampling:
-temperature 1.0, top-p 0.7 by default, as the paper's avg@32), and the reward service's
-worker pool verifies them with a hard per-item time limit.
+Runs in one process: a rollout engine samples K responses per prompt (`n = K`; eval
+sampling: temperature 1.0, top-p 0.7 by default, as the paper's avg@32), and the reward
+service's worker pool verifies them with a hard per-item time limit. The engine is the
+torch engine by default, or vLLM (`--engine vllm`, `controller.eval.engine: vllm`): the
+same `RolloutEngine` contract, so the numbers mean the same, vLLM only samples faster.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.data import PromptRecord, load_records, synthetic_records
 from services.common.errors import DapoError
+
+if TYPE_CHECKING:
+    from rollout.config import EngineConfig
 
 
 def load_eval_data(spec: str, limit: int | None) -> list[PromptRecord]:
@@ -120,6 +128,45 @@ def evaluate_engine(
     }
 
 
+def engine_config(kind: str, options: Sequence[str] = ()) -> EngineConfig:
+    """The engine `--engine KIND --engine-option KEY=VALUE ...` asks for, validated."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from rollout.config import EngineConfig
+
+    values: dict[str, str] = {"kind": kind}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise DapoError(f"--engine-option wants KEY=VALUE, got {option!r}")
+        values[key] = value
+    try:
+        return TypeAdapter(EngineConfig).validate_python(values)
+    except ValidationError as exc:
+        raise DapoError(f"invalid engine options: {exc}") from None
+
+
+def build_engine(model: str | Path, config: EngineConfig | None) -> Any:
+    """The engine that samples an evaluation: torch (the default) or vLLM."""
+    if config is not None and config.kind == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise DapoError("vllm is not installed (pip install 'dapo[vllm]')")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the result
+        from rollout.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(model, config)
+    from rollout.torch_engine import TorchEngine
+
+    return TorchEngine(model) if config is None else TorchEngine.from_config(model, config)
+
+
+def close_engine(engine: Any) -> None:
+    """Stop an engine's processes (vLLM's); the torch engine has none."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def evaluate(
     model: str | Path,
     records: list[PromptRecord],
@@ -129,23 +176,29 @@ def evaluate(
     top_p: float,
     verifier: str,
     chat: bool,
+    engine_config: EngineConfig | None = None,
 ) -> dict[str, Any]:
     """Evaluate the weights stored in a model directory."""
     from rollout.engine import SamplingParams
-    from rollout.torch_engine import TorchEngine
 
     if not Path(model).is_dir():
         raise DapoError(f"model directory not found: {model}")
-    engine = TorchEngine(model)
+    engine = build_engine(model, engine_config)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
-    return {**evaluate_engine(engine, records, params, verifier, chat), "model": str(model)}
+    try:
+        result = evaluate_engine(engine, records, params, verifier, chat)
+    finally:
+        close_engine(engine)
+    kind = "torch" if engine_config is None else engine_config.kind
+    return {**result, "model": str(model), "engine": kind}
 
 
 def run_eval(args: argparse.Namespace) -> int:
     records = load_eval_data(args.data, args.limit)
+    config = engine_config(args.engine, args.engine_option or ())
     result = evaluate(
         args.model, records, args.n, args.max_tokens, args.temperature, args.top_p,
-        args.verifier, args.chat_template,
+        args.verifier, args.chat_template, config,
     )  # fmt: skip
     summary = {k: v for k, v in result.items() if k != "per_prompt"}
     print(json.dumps(summary, indent=2))
@@ -166,6 +219,18 @@ class EvalPlan:
     top_p: float
     verifier: str
     chat: bool
+    engine: EngineConfig | None = None  # None: the torch engine's defaults
+
+
+def eval_engine_config(config: Any) -> EngineConfig | None:
+    """`controller.eval.engine: vllm` uses `rollout.engine` when that is vLLM (the same
+    settings as the run's rollout servers), else vLLM's defaults; torch: None."""
+    from rollout.config import VllmEngineConfig
+
+    if config.controller.eval.engine != "vllm":
+        return None
+    rollout_engine = config.rollout.engine
+    return rollout_engine if rollout_engine.kind == "vllm" else VllmEngineConfig()
 
 
 def eval_plan(config: Any) -> EvalPlan | None:
@@ -187,6 +252,7 @@ def eval_plan(config: Any) -> EvalPlan | None:
         top_p=cfg.top_p,
         verifier=config.reward.default_verifier if verifier == "default" else verifier,
         chat=config.controller.apply_chat_template,
+        engine=eval_engine_config(config),
     )
 
 
@@ -216,13 +282,15 @@ def fetch_latest_weights(config: Any, engine: Any) -> None:
 def run_eval_plan(plan: EvalPlan, config: Any, fetch_final: bool) -> dict[str, Any]:
     """Evaluate the initial model, or (fetch_final) the learner's latest weights."""
     from rollout.engine import SamplingParams
-    from rollout.torch_engine import TorchEngine
 
-    engine = TorchEngine(config.model_path)
-    if fetch_final:
-        fetch_latest_weights(config, engine)
-    params = SamplingParams(
-        n=plan.n, temperature=plan.temperature, top_p=plan.top_p, max_tokens=plan.max_tokens
-    )
-    result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
+    engine = build_engine(config.model_path, plan.engine)
+    try:
+        if fetch_final:
+            fetch_latest_weights(config, engine)
+        params = SamplingParams(
+            n=plan.n, temperature=plan.temperature, top_p=plan.top_p, max_tokens=plan.max_tokens
+        )
+        result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
+    finally:
+        close_engine(engine)
     return {k: v for k, v in result.items() if k != "per_prompt"}

@@ -1,0 +1,250 @@
+"""`dapo bench weights`: a new policy from the learner to 1 and to 4 rollout servers.
+
+Model: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV, FFN 4864, vocabulary
+151,936, tied embeddings), random weights, bf16: 494M parameters. The learner publishes
+its `state_dict`, as the learner's `live_views` does (the tied head included).
+
+Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
+on a real gRPC server, as benchmarks/_weight_publication.py) and R rollout servers, each a
+torch engine on the saved model behind the rollout server's own `WeightUpdater`, fetching
+with its own `fetch_buckets` (weight socket, FetchWeights as the fallback). Per version: a
+raw loopback TCP copy of the same bytes (the floor of moving them between two processes),
+then `publish`, then every server is told to fetch; the clock stops when the last one
+serves the new version (its polling interval, 0.2 s by default, is not counted).
+
+Reported per R: seconds from the start of `publish` to all servers serving, the bytes the
+learner sent (the streams it served × the version's serialized size, counted in the
+learner), and the ratio of model bytes/s to the raw copy's bytes/s.
+
+Checks: with 1 server, ≥ 0.5 × raw; the learner's bytes with 4 servers ≤ 1.1 × with 1.
+The second one fails today: every rollout server pulls from the learner (no relay or
+broadcast between rollout servers yet), so the learner sends R copies.
+
+Run as `python -m benchmarks.weights publisher|server ...` these are the child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "weights.json"
+QWEN25_05B = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def _publication() -> Any:
+    """benchmarks/_weight_publication.py, loaded by path as `dapo bench` loads benchmarks."""
+    path = Path(__file__).resolve().parent / "_weight_publication.py"
+    spec = importlib.util.spec_from_file_location("_weight_publication", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_model(out: Path) -> None:
+    """The random bf16 model and a tokenizer, saved where every process loads it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.init_model import build_small_tokenizer
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B)).to(torch.bfloat16)
+    model.save_pretrained(out)
+    build_small_tokenizer().save_pretrained(out)
+
+
+def serve_publisher(model_dir: str) -> None:
+    """The learner stand-in: `publish V` on stdin publishes; counts the streams it serves."""
+    import socket
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from learner.weights import WeightServicer, add_weight_service, live_views
+    from services.common.grpc_server import start_grpc_server
+    from services.common.security import TlsConfig
+    from services.common.server_config import ServerConfig
+    from services.common.weight_socket import WeightSocketServer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    tensors = live_views(model.state_dict().items())
+    streams = [0]
+
+    class CountingServicer(WeightServicer):
+        def OpenWeightSocket(self, request, context):  # noqa: N802 (gRPC's name)
+            streams[0] += 1
+            return super().OpenWeightSocket(request, context)
+
+        def fetch_serialized(self, request, context):  # FetchWeights' handler
+            streams[0] += 1
+            return super().fetch_serialized(request, context)
+
+    servicer = CountingServicer(4 << 20, WeightSocketServer("127.0.0.1", 0, TlsConfig()).start())
+    server, grpc_port = start_grpc_server(
+        ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
+    )
+    listener = socket.create_server(("127.0.0.1", 0))
+    send_all = _publication().send_all
+
+    def raw_sender() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                send_all(conn, tensors)
+
+    threading.Thread(target=raw_sender, daemon=True).start()
+    nbytes = sum(len(t.data) for t in tensors)
+    print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
+    for line in sys.stdin:
+        command, version = line.split()
+        if command == "publish":
+            servicer.publish(int(version), tensors)
+            wire = sum(len(b) for b in servicer._encoded)  # what one stream sends
+            print("published", version, wire, flush=True)
+        else:
+            print("streams", streams[0], flush=True)
+    server.stop(0)
+
+
+def serve_rollout(model_dir: str, grpc_port: str) -> None:
+    """One rollout server: a torch engine; `fetch` on stdin pulls and loads the latest."""
+    from rollout.metrics import RolloutMetrics
+    from rollout.torch_engine import TorchEngine
+    from rollout.weights import WeightStub, WeightUpdater, fetch_buckets
+    from services.common.grpc_server import insecure_channel
+    from services.common.malloc import keep_freed_memory
+    from services.tools.config import DapoConfig
+
+    keep_freed_memory()  # as `dapo rollout` does
+    engine = TorchEngine(model_dir, dtype="bfloat16", device="cpu")
+    updater, config = WeightUpdater(engine, RolloutMetrics()), DapoConfig()
+    address = f"127.0.0.1:{grpc_port}"
+    print("ready", flush=True)
+    with insecure_channel(address, config.shared.rpc.max_message_bytes) as channel:
+        for _ in sys.stdin:
+            transport, buckets = fetch_buckets(WeightStub(channel), address, config)
+            version = updater.apply(buckets)
+            print("served", version, transport, flush=True)
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "benchmarks.weights", *args]
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+
+
+def _ask(proc: subprocess.Popen[str], line: str) -> list[str]:
+    assert proc.stdin and proc.stdout
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline().split()
+
+
+def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str]],
+            version: int, tcp_port: int, nbytes: int) -> dict[str, Any]:  # fmt: skip
+    """One version: the raw copy, then publish → every server serving it."""
+    raw_bps = _publication().raw_tcp_bytes_per_s(tcp_port, nbytes)
+    streams_before = int(_ask(publisher, "streams 0")[1])
+    started = time.perf_counter()
+    wire = int(_ask(publisher, f"publish {version}")[2])
+    for proc in servers:
+        assert proc.stdin
+        proc.stdin.write("fetch\n")
+        proc.stdin.flush()
+    replies = [proc.stdout.readline().split() for proc in servers if proc.stdout]
+    seconds = time.perf_counter() - started
+    assert all(r[:2] == ["served", str(version)] for r in replies), replies
+    streams = int(_ask(publisher, "streams 0")[1]) - streams_before
+    transports = sorted({" ".join(r[2:]) for r in replies})
+    return {"seconds": seconds, "raw_bytes_per_s": raw_bps, "learner_bytes": streams * wire,
+            "ratio": nbytes / seconds / raw_bps, "transports": transports}  # fmt: skip
+
+
+def run(model_dir: Path, fan_outs: list[int], versions: int) -> dict[str, Any]:
+    publisher = _spawn("publisher", str(model_dir))
+    assert publisher.stdout
+    _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
+    results: dict[str, Any] = {"model_bytes": int(nbytes)}
+    version = 0
+    try:
+        for count in fan_outs:
+            servers = [_spawn("server", str(model_dir), grpc_port) for _ in range(count)]
+            try:
+                assert all(p.stdout and p.stdout.readline().strip() == "ready" for p in servers)
+                runs = []
+                for _ in range(versions):
+                    version += 1
+                    runs.append(fan_out(publisher, servers, version, int(tcp_port), int(nbytes)))
+                    print(f"{count} server(s), v{version}: {runs[-1]}", flush=True)
+            finally:
+                for p in servers:
+                    p.kill()
+                    p.wait()
+            results[f"servers_{count}"] = summary(runs)
+    finally:
+        publisher.kill()
+        publisher.wait()
+    return results
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the steady versions, each paired with the raw copy measured just before
+    it; the first version (fresh processes, every page new) is reported as `cold`."""
+    steady = runs[1:] or runs
+    return {"seconds": statistics.median(r["seconds"] for r in steady),
+            "raw_bytes_per_s": statistics.median(r["raw_bytes_per_s"] for r in steady),
+            "ratio": statistics.median(r["ratio"] for r in steady),
+            "learner_bytes": statistics.median(r["learner_bytes"] for r in steady),
+            "cold": runs[0], "runs": runs}  # fmt: skip
+
+
+def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    one, four = result["servers_1"], result.get("servers_4")
+    out = [{"name": "one_server_vs_raw_loopback", "value": round(one["ratio"], 3),
+            "target": ">= 0.5", "ok": one["ratio"] >= 0.5}]  # fmt: skip
+    if four is not None:
+        growth = four["learner_bytes"] / one["learner_bytes"]
+        out.append({"name": "learner_bytes_4_over_1", "value": round(growth, 3),
+                    "target": "<= 1.1", "ok": growth <= 1.1})  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default="1,4", help="fan-outs to measure")
+    parser.add_argument("--versions", type=int, default=4, help="versions per fan-out (1st: cold)")
+    args = parser.parse_args(argv or [])
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-weights-") as tmp:
+        save_model(Path(tmp))
+        result = run(Path(tmp), [int(n) for n in args.servers.split(",")], args.versions)
+    result |= {"total_s": time.perf_counter() - started, "load_avg_1m": os.getloadavg()[0],
+               "cpus": os.cpu_count(), "checks": checks(result)}  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "publisher":
+        serve_publisher(sys.argv[2])
+    else:
+        serve_rollout(sys.argv[2], sys.argv[3])
