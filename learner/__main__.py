@@ -11,8 +11,7 @@ from collections.abc import Sequence
 
 from learner.config import LearnerSettings
 from services.common.entry import role_main
-from services.common.lifecycle import announce, stop_event_on_signals
-from services.common.redis_server import connect_run
+from services.common.service import serve
 
 
 def run(config: LearnerSettings) -> None:
@@ -28,17 +27,9 @@ def run(config: LearnerSettings) -> None:
 
         Follower(config).run()
         return
-    from learner.server import LearnerServer
+    from learner.server import create_server
 
-    stop = stop_event_on_signals()
-    server = LearnerServer(config, connect_run(config))
-    announce("learner", grpc=server.grpc_port, http=server.http.port)
-    try:
-        server.learner.run(stop)
-        # Keep serving the final weights a while (evaluation, late rollout servers).
-        stop.wait(config.learner.linger_s)
-    finally:
-        server.stop()
+    serve("learner", create_server(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

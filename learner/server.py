@@ -26,10 +26,10 @@ import json
 import logging
 import struct
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
+import grpc
 import redis
 from prometheus_client import Counter, Gauge
 
@@ -46,8 +46,9 @@ from services.common.errors import DapoError
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
-from services.common.lifecycle import advertised_address
+from services.common.redis_server import connect_run
 from services.common.registry import Registration
+from services.common.service import register
 from services.common.streams import Entry, StreamConsumer
 from services.common.types import Group
 from services.common.weight_socket import WeightSocketServer
@@ -340,11 +341,24 @@ class Learner:
 
 
 class LearnerServer:
-    """Learner + gRPC WeightService + HTTP + registry entry."""
+    """The learner as a `Service`: the training loop plus gRPC WeightService, HTTP and a
+    registry entry; `wait` trains to the last step and serves the final weights for
+    `learner.linger_s` more."""
 
     def __init__(self, config: LearnerSettings, client: redis.Redis) -> None:
+        self.config, self.client = config, client
         self.learner = Learner(config, client, open_weight_socket(config))
-        server_cfg = config.learner.server
+        self.grpc_server: grpc.Server | None = None
+        self.grpc_port = 0
+        self.http: HttpServer | None = None
+        self.registration: Registration | None = None
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"grpc": self.grpc_port, "http": self.http.port if self.http else 0}
+
+    def start(self) -> LearnerServer:
+        server_cfg, config = self.config.learner.server, self.config
         self.grpc_server, self.grpc_port = start_grpc_server(
             server_cfg,
             lambda s: add_weight_service(self.learner.weights, s),
@@ -353,14 +367,26 @@ class LearnerServer:
             max_message_bytes=config.shared.rpc.max_message_bytes,
         )
         app = create_http_app("learner", status=self.learner.status, auth=config.security.auth)
-        self.http: HttpServer = serve_http(app, server_cfg.host, server_cfg.http_port)
-        self.registration = Registration(
-            client, self.learner.keys, "learner", f"learner-{uuid.uuid4().hex[:8]}",
-            {"address": advertised_address(server_cfg.host, self.grpc_port)},
-        ).start()  # fmt: skip
+        self.http = serve_http(app, server_cfg.host, server_cfg.http_port)
+        self.registration = register(
+            self.client, config, "learner", server_cfg.host, self.grpc_port
+        )
+        return self
+
+    def wait(self, stop: threading.Event) -> None:
+        self.learner.run(stop)
+        stop.wait(self.config.learner.linger_s)  # evaluation and late rollout servers
 
     def stop(self) -> None:
-        self.registration.stop()
-        self.grpc_server.stop(grace=2).wait()
+        if self.registration is not None:
+            self.registration.stop()
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=2).wait()
         self.learner.weights.close()
-        self.http.stop()
+        if self.http is not None:
+            self.http.stop()
+
+
+def create_server(config: LearnerSettings, client: redis.Redis | None = None) -> LearnerServer:
+    """The learner service (rank 0), not yet started."""
+    return LearnerServer(config, client or connect_run(config))

@@ -134,7 +134,7 @@ def test_stalled_weight_readers_never_block_the_learner(
     config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
     for group in make_groups(n_groups=BATCH * steps, seed=5):
         redis_client.xadd(RunKeys(run).train, {"group": encode_group(group)})
-    server = LearnerServer(config, redis_client)
+    server = LearnerServer(config, redis_client).start()
     address = f"127.0.0.1:{server.grpc_port}"
     stalled: list[StalledReader] = []
     try:
