@@ -6,11 +6,14 @@ import datetime as dt
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from services.common.security import TlsConfig
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,16 @@ def make_pki(root: Path) -> Pki:
         other_ca=other.cert,
         foreign_client=issue(root / "foreign", "intruder", other_key, other_name, server=False),
     )
+
+
+def server_tls(pki: Pki, mtls: bool = False) -> TlsConfig:
+    """The server side of TLS (mTLS when asked) with this PKI's server certificate."""
+    return TlsConfig(
+        enabled=True, cert=str(pki.server.cert), key=str(pki.server.key), ca=str(pki.ca), mtls=mtls
+    )
+
+
+def client_tls(pki: Pki, issued: Any = None, ca: Path | None = None, **kw: Any) -> TlsConfig:
+    """The client side: trust `ca` (this PKI's by default), present `issued` if given."""
+    cert = {"cert": str(issued.cert), "key": str(issued.key)} if issued else {}
+    return TlsConfig(enabled=True, ca=str(ca or pki.ca), **cert, **kw)

@@ -192,6 +192,15 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
 
 
 @pytest.mark.slow
+def start_rank(cmd: list[str], rank: int, world: int, port: str) -> subprocess.Popen:
+    """One rank of a torchrun-like launch on CPU (gloo), output captured."""
+    env = dict(
+        os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu",
+    )  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+
+
 def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     tiny_model: Path, redis_server, redis_client: redis.Redis
 ) -> None:
@@ -213,23 +222,7 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     cmd = [sys.executable, "-m", "services.tools.cli", "learner", "--redis-url", redis_server.url,
            "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
     cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env=dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                DS_ACCELERATOR="cpu",
-            ),
-        )  # fmt: skip
-        for rank in range(2)
-    ]
+    procs = [start_rank(cmd, rank, world=2, port=port) for rank in range(2)]
     try:
         deadline = time.monotonic() + 240
         while redis_client.get(keys.done) is None:
