@@ -17,6 +17,7 @@ from services.common.types import FinishReason
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 MIN_TEMPERATURE = 1e-5  # below it logits / T overflow float32 and log-probs come back NaN
@@ -86,6 +87,11 @@ class RolloutEngine(Protocol):
     @property
     def version(self) -> int:
         """Policy version of the weights currently in use."""
+        ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer: chat templates and decoding happen outside the engine."""
         ...
 
     def generate(

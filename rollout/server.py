@@ -232,7 +232,7 @@ class RolloutServer:
         self.metrics = RolloutMetrics()
         self.updater = WeightUpdater(engine, self.metrics)
         self.sync = WeightSync(config, client, self.updater) if client is not None else None
-        tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+        tokenizer = engine.tokenizer
         self.servicer = RolloutServicer(config, engine, tokenizer, self.updater, self.sync)
         self.stop_event = threading.Event()
         self.registration: Registration | None = None

@@ -24,7 +24,10 @@ from services.common.data import PromptRecord, load_records, synthetic_records
 from services.common.errors import DapoError
 
 if TYPE_CHECKING:
+    from reward.scoring import Scorer
     from rollout.config import EngineConfig
+    from rollout.engine import RolloutEngine, SamplingParams
+    from services.tools.config import DapoConfig
 
 
 def load_eval_data(spec: str, limit: int | None) -> list[PromptRecord]:
@@ -68,17 +71,17 @@ def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
 
 
 def sample_texts(
-    engine: Any, records: list[PromptRecord], params: Any, chat: bool
+    engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, chat: bool
 ) -> list[list[str]]:
     """`params.n` decoded responses per record, sampled in one batched call."""
     prompts = [prompt_ids(engine.tokenizer, r.prompt, chat) for r in records]
     outputs = engine.generate(prompts, params)
-    return [[engine.tokenizer.decode(o.token_ids, skip_special_tokens=True) for o in row]
-            for row in outputs]  # fmt: skip
+    decode = engine.tokenizer.decode
+    return [[str(decode(o.token_ids, skip_special_tokens=True)) for o in row] for row in outputs]
 
 
 def score_correct(
-    scorer: Any, records: list[PromptRecord], texts: list[list[str]], verifier: str
+    scorer: Scorer, records: list[PromptRecord], texts: list[list[str]], verifier: str
 ) -> list[list[bool]]:
     """Correctness per response, verified in the reward service's worker pool."""
     from reward.scoring import ScoreInput
@@ -89,7 +92,7 @@ def score_correct(
     return [[next(verdicts).correct for _ in row] for row in texts]
 
 
-def eval_scorer(num_workers: int | None = None) -> Any:
+def eval_scorer(num_workers: int | None = None) -> Scorer:
     """A reward scorer for evaluations: correctness only (no overlong shaping)."""
     from reward.server import create_scorer
     from services.tools.config import load_config
@@ -101,9 +104,9 @@ def eval_scorer(num_workers: int | None = None) -> Any:
 
 
 def evaluate_engine(
-    engine: Any,
+    engine: RolloutEngine,
     records: list[PromptRecord],
-    params: Any,
+    params: SamplingParams,
     verifier: str,
     chat: bool,
 ) -> dict[str, Any]:
@@ -146,7 +149,7 @@ def engine_config(kind: str, options: Sequence[str] = ()) -> EngineConfig:
         raise DapoError(f"invalid engine options: {exc}") from None
 
 
-def build_engine(model: str | Path, config: EngineConfig | None) -> Any:
+def build_engine(model: str | Path, config: EngineConfig | None) -> RolloutEngine:
     """The engine that samples an evaluation: torch (the default) or vLLM."""
     if config is not None and config.kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
@@ -160,7 +163,7 @@ def build_engine(model: str | Path, config: EngineConfig | None) -> Any:
     return TorchEngine(model) if config is None else TorchEngine.from_config(model, config)
 
 
-def close_engine(engine: Any) -> None:
+def close_engine(engine: RolloutEngine) -> None:
     """Stop an engine's processes (vLLM's); the torch engine has none."""
     close = getattr(engine, "close", None)
     if close is not None:
@@ -222,7 +225,7 @@ class EvalPlan:
     engine: EngineConfig | None = None  # None: the torch engine's defaults
 
 
-def eval_engine_config(config: Any) -> EngineConfig | None:
+def eval_engine_config(config: DapoConfig) -> EngineConfig | None:
     """`controller.eval.engine: vllm` uses `rollout.engine` when that is vLLM (the same
     settings as the run's rollout servers), else vLLM's defaults; torch: None."""
     from rollout.config import VllmEngineConfig
@@ -233,7 +236,7 @@ def eval_engine_config(config: Any) -> EngineConfig | None:
     return rollout_engine if rollout_engine.kind == "vllm" else VllmEngineConfig()
 
 
-def eval_plan(config: Any) -> EvalPlan | None:
+def eval_plan(config: DapoConfig) -> EvalPlan | None:
     """The held-out evaluation a run's config asks for (None when there is none)."""
     cfg, dataset = config.controller.eval, config.controller.dataset
     if not cfg.enabled:
@@ -256,7 +259,7 @@ def eval_plan(config: Any) -> EvalPlan | None:
     )
 
 
-def fetch_latest_weights(config: Any, engine: Any) -> None:
+def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
     from rollout.weights import WeightStub, fetch_buckets
     from services.common.grpc_server import channel as grpc_channel
@@ -279,10 +282,12 @@ def fetch_latest_weights(config: Any, engine: Any) -> None:
         channel.close()
 
 
-def run_eval_plan(plan: EvalPlan, config: Any, fetch_final: bool) -> dict[str, Any]:
+def run_eval_plan(plan: EvalPlan, config: DapoConfig, fetch_final: bool) -> dict[str, Any]:
     """Evaluate the initial model, or (fetch_final) the learner's latest weights."""
     from rollout.engine import SamplingParams
 
+    if config.model_path is None:
+        raise DapoError("no model to evaluate: set learner.model_path or shared.model_path")
     engine = build_engine(config.model_path, plan.engine)
     try:
         if fetch_final:
