@@ -71,9 +71,7 @@ def test_tis_scales_the_gradient_by_the_capped_ratio(
 @pytest.mark.parametrize(
     "correction", [TokenTIS(), SequenceTIS(), MaskedIS(level="sequence"), TwoSidedMask()]
 )
-def test_an_exact_engine_leaves_the_step_gradient_bit_for_bit(
-    tiny_model: Path, correction
-) -> None:
+def test_an_exact_engine_leaves_the_step_gradient_bit_for_bit(tiny_model: Path, correction) -> None:
     """π_behav == π_old (staleness 0, exact engine): the corrected gradient is DAPO's."""
     plain = _corrected_grads(tiny_model, None, 0.0)
     corrected = _corrected_grads(tiny_model, correction, 0.0)
