@@ -8,8 +8,10 @@ from pydantic import ValidationError
 from test_buffer_filters import make_group, run
 
 from learner.config import LearnerSettings, MaskedIS, NoCorrection, TokenTIS
+from services.common.ledger import Ledger
 from services.common.settings import SharedConfig
 from services.common.staleness import judge, staleness, too_stale
+from services.tools.report import staleness_line
 
 
 @pytest.mark.parametrize(
@@ -68,3 +70,19 @@ def test_correction_is_on_by_default_exactly_when_stale_groups_can_be_trained() 
     assert off.correction == NoCorrection()
     with pytest.raises(ValidationError):
         LearnerSettings.model_validate({"learner": {"correction": {"kind": "tis"}}})
+
+
+def test_ledger_and_report_count_informative_groups_dropped_as_stale() -> None:
+    ledger = Ledger(kept=96, filtered={"stale": 4, "all_correct": 50}, dropped={"stale": 1})
+    assert ledger.stale_dropped == 5 and ledger.stale_drop_rate == 0.05
+    report = {
+        "ledger": ledger.as_dict(),
+        "steps": [
+            {"beyond_soft": 2, "policy_lag_max": 3, "engine_mismatch": 0.02, "mismatch_tokens": 9},
+            {"beyond_soft": 1, "policy_lag_max": 1, "engine_mismatch": 0.5, "mismatch_tokens": 0},
+        ],
+    }
+    assert staleness_line(report) == (
+        "staleness: 5 informative groups dropped past the hard bound (5.00%), 3 trained past "
+        "the soft bound; policy lag up to 3; engine mismatch 2.00e-02 (mean |Δ log-prob|)"
+    )
