@@ -20,7 +20,7 @@ from learner_fixtures import make_groups
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
 from learner.weights import add_weight_service
-from services.common.adapters import encode_group
+from services.common.adapters import decode_group, encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
@@ -181,6 +181,17 @@ def test_groups_between_the_bounds_train_and_past_the_hard_bound_drop(
     assert [r["staleness"] for r in records] == [2, 2]
     assert [r["policy_lag_max"] for r in records] == [2, 2]
     assert records[0]["is_weight_mean"] != 1.0  # the correction is on (engine log-probs differ)
+    # A group held across a step that pushed it past the hard bound is dropped before training.
+    held = make_groups(n_groups=1, seed=12)[0]
+    for sample in held.samples:
+        sample.policy_version = 4  # lag 2 now (version 6); 3 after the next step
+    redis_client.xadd(RunKeys("h").train, {"group": encode_group(held)})
+    (entry,) = learner.consumer.read(1, block_ms=100)
+    learner._batch.append((entry, decode_group(entry.fields["group"])))
+    learner.version += 1
+    learner._recheck_held()
+    assert not learner._batch
+    assert int(redis_client.hget(RunKeys("h").ledger, "dropped:stale") or 0) == 2
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
