@@ -19,7 +19,7 @@ between the soft and the hard bound are trained, with the off-policy correction.
 
 With several data-parallel ranks (torchrun), rank 0 runs everything above and sends
 each command (train these groups / checkpoint / export / stop) to the other ranks as
-bytes; they follow (`Follower`).
+bytes; they follow (`learner.trainer.Follower`).
 """
 
 from __future__ import annotations
