@@ -23,7 +23,7 @@ def run(config: LearnerSettings) -> None:
         torch.set_num_threads(config.shared.torch_threads)
     keep_freed_memory()  # weight buckets reuse warm memory (services/common/malloc.py)
     if int(os.environ.get("RANK", "0")) > 0:
-        from learner.server import Follower
+        from learner.trainer import Follower
 
         Follower(config).run()
         return

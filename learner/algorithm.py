@@ -23,8 +23,8 @@ Departures from the paper, each chosen by an argument:
 - Dual-clip for negative advantages (`clip_ratio_c`, recipe 10.0) and the clamp of the
   log-ratio to ±`logratio_clamp` (recipe 20) before `exp` come from the reference recipe,
   not the paper. Outside the clamp the gradient is zero.
-- Truncated importance sampling (`tis_weights`) corrects for the gap between the rollout
-  engine's log-probs and the learner's π_old; it is not in the paper (which is synchronous).
+- Off-policy corrections (`learner.correction`: importance weights π_old / π_behav that
+  `per_token_loss` multiplies in) are for asynchrony; the paper is synchronous.
 - A k3 KL penalty to a reference model (`kl_k3`) exists for ablations; DAPO has none.
 - `agg_loss` also offers GRPO's per-sequence mean and Dr.GRPO's constant-normalised sum.
   Every divisor is explicit so that micro-batches and data-parallel ranks can use the
@@ -136,19 +136,6 @@ def _clip_stats(
     )
 
 
-def tis_weights(
-    old_logprobs: Tensor, rollout_logprobs: Tensor, cap: float, logratio_clamp: float = 20.0
-) -> Tensor:
-    """Truncated importance weights `min(π_old / π_rollout, cap)`, per token, no gradient.
-
-    Multiply the per-token policy loss by them: they correct for the rollout engine
-    sampling from a slightly different distribution (other kernels, older weights) than
-    the learner's π_old.
-    """
-    log_w = torch.clamp(old_logprobs - rollout_logprobs, -logratio_clamp, logratio_clamp)
-    return torch.exp(log_w).clamp(max=cap).detach()
-
-
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, logratio_clamp: float = 20.0) -> Tensor:
     """Per-token k3 estimator of KL(π_θ ‖ π_ref): `exp(ref − logp) − (ref − logp) − 1` ≥ 0."""
     log_ratio = torch.clamp(ref_logprobs - logprobs, -logratio_clamp, logratio_clamp)
@@ -248,9 +235,9 @@ def per_token_loss(
     kl: Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[Tensor, ClipStats]:
-    """The full per-token objective: policy loss · TIS weights + kl_coef · KL, `[B, T]`.
+    """The full per-token objective: policy loss · IS weights + kl_coef · KL, `[B, T]`.
 
-    Pass `is_weights` from `tis_weights` and `kl` from `kl_k3` when those options are on;
+    Pass `is_weights` from `learner.correction` and `kl` from `kl_k3` when those are on;
     DAPO itself uses neither. Aggregate the result with `agg_loss`.
     """
     loss, stats = policy_loss(

@@ -46,6 +46,7 @@ class TrainSequence:
     group_id: str = ""
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None  # π_ref per response token, set when a KL term is on
+    token_versions: list[int] | None = None  # behaviour version per response token
 
     @property
     def length(self) -> int:
@@ -94,6 +95,7 @@ def _sequence(group: Group, sample: Sample, advantage: float) -> TrainSequence:
         reward=sample.reward,
         policy_version=sample.policy_version,
         group_id=group.group_id,
+        token_versions=sample.versions(),
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -10,6 +10,50 @@ from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings
 
 LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class NoCorrection(StrictModel):
+    """Plain DAPO: the ratio is taken against the learner's recomputed π_old only."""
+
+    kind: Literal["none"] = "none"
+
+
+class TokenTIS(StrictModel):
+    """Token-level truncated IS: w_t = min(π_prox / π_behav, cap)."""
+
+    kind: Literal["token_tis"] = "token_tis"
+    cap: float = Field(2.0, gt=0, description="Upper bound of each token's weight.")
+
+
+class SequenceTIS(StrictModel):
+    """Sequence-level truncated IS: every token of a response weighs min(Π_t ρ_t, cap)."""
+
+    kind: Literal["seq_tis"] = "seq_tis"
+    cap: float = Field(2.0, gt=0, description="Upper bound of each sequence's weight.")
+
+
+class MaskedIS(StrictModel):
+    """Masked IS: weight ρ inside [low, high]; tokens (or whole sequences) outside get no loss."""
+
+    kind: Literal["mis"] = "mis"
+    level: Literal["token", "sequence"] = "token"
+    low: float = Field(0.5, ge=0, le=1, description="Smallest kept weight.")
+    high: float = Field(2.0, ge=1, description="Largest kept weight.")
+
+
+class TwoSidedMask(StrictModel):
+    """IcePop-style two-sided masking: tokens with ρ outside [low, high] get no loss, the
+    others weigh 1 (rejection only, no reweighting)."""
+
+    kind: Literal["mask"] = "mask"
+    low: float = Field(0.5, ge=0, le=1, description="Smallest kept ratio.")
+    high: float = Field(5.0, ge=1, description="Largest kept ratio.")
+
+
+Correction = Annotated[
+    NoCorrection | TokenTIS | SequenceTIS | MaskedIS | TwoSidedMask, Field(discriminator="kind")
+]
+DEFAULT_CORRECTION = TokenTIS()
 
 
 class LearnerConfig(StrictModel):
@@ -30,8 +74,11 @@ class LearnerConfig(StrictModel):
     norm_adv_by_std: bool = Field(True, description="Divide advantages by the group std.")
     adv_epsilon: float = Field(1e-6, ge=0)
     overlong_filtering: bool = Field(True, description="Mask truncated responses.")
-    tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling cap vs rollout log-probs."
+    correction: Correction | None = Field(
+        None,
+        description="Off-policy correction against the engine's log-probs (π_prox / "
+        "π_behav); None = token_tis (cap 2) when stale groups can be trained "
+        "(shared staleness hard bound > 0), none otherwise.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL to a reference model (DAPO: none).")
     # -- the optimiser --
@@ -102,6 +149,13 @@ class LearnerSettings(RoleSettings):
     """The learner's process: shared, security and its own section."""
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @property
+    def correction(self) -> Correction:
+        """The correction in effect: the configured one, else on iff groups may be stale."""
+        if self.learner.correction is not None:
+            return self.learner.correction
+        return DEFAULT_CORRECTION if self.shared.staleness_hard_bound > 0 else NoCorrection()
 
     @property
     def model_path(self) -> str | None:

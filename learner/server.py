@@ -13,11 +13,13 @@ acked (and counted `trained`)?
 
 Versions never go backwards for rollout servers: a learner restored to an older
 checkpoint than the version in Redis publishes its weights as that version + 1.
-Stale groups are acked and counted `dropped:stale` in one transaction at once.
+Groups past the hard staleness bound (`services/common/staleness.py`, the rule the buffer
+also applies) are acked and counted `dropped:stale` in one transaction at once; groups
+between the soft and the hard bound are trained, with the off-policy correction.
 
 With several data-parallel ranks (torchrun), rank 0 runs everything above and sends
 each command (train these groups / checkpoint / export / stop) to the other ranks as
-bytes; they follow (`Follower`).
+bytes; they follow (`learner.trainer.Follower`).
 """
 
 from __future__ import annotations
@@ -26,29 +28,26 @@ import json
 import logging
 import struct
 import threading
-from pathlib import Path
 from typing import Any
 
 import grpc
 import redis
 from prometheus_client import Counter, Gauge
 
-from learner.backends import build_policy
 from learner.config import LearnerSettings
-from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
-from learner.policy import Policy
-from learner.reference import Reference
-from learner.step import StepMetrics, train_step
+from learner.dist import pack_groups
+from learner.step import StepMetrics
+from learner.trainer import OP_CHECKPOINT, OP_EXPORT, OP_STOP, OP_TRAIN, Trainer
 from learner.weights import WeightServicer, add_weight_service, live_views, open_weight_socket
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
-from services.common.errors import DapoError
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
 from services.common.redis_server import connect_run
 from services.common.registry import Registration
 from services.common.service import register
+from services.common.staleness import judge, staleness
 from services.common.streams import Entry, StreamConsumer
 from services.common.types import Group
 from services.common.weight_socket import WeightSocketServer
@@ -62,102 +61,18 @@ STEP_GAUGES = {
 VERSION = Gauge("dapo_learner_policy_version", "Latest committed policy version")
 STALENESS = Gauge("dapo_learner_batch_max_staleness", "Max staleness of the last batch")
 GROUPS = Counter("dapo_learner_groups_total", "Groups consumed", ["outcome"])
+STALE_TRAINED = Counter(
+    "dapo_learner_stale_groups_trained_total",
+    "Groups trained past the soft staleness bound (within the hard one, corrected)",
+)
 CHECKPOINTS = Counter("dapo_learner_checkpoints_total", "Checkpoints written")
 CONSUMER_GROUP = "learner"
-OP_STOP, OP_TRAIN, OP_CHECKPOINT, OP_EXPORT = range(4)
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:
     """A Redis stream id as a comparable (ms, seq)."""
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-def model_dir(config: LearnerSettings) -> str:
-    path = config.model_path
-    if path is None:
-        raise DapoError("learner.model_path (or shared.model_path) is required")
-    if not Path(path).is_dir():
-        raise DapoError(f"model directory not found: {path}")
-    return path
-
-
-def pad_token_id(path: str) -> int:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-
-def export_dir(config: LearnerSettings) -> Path | None:
-    cfg = config.learner
-    if cfg.export_dir:
-        return Path(cfg.export_dir)
-    return Path(cfg.checkpoint_dir) / "final" if cfg.checkpoint_dir else None
-
-
-class Trainer:
-    """What every rank holds: the policy and how to run each command."""
-
-    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
-        self.config, self.model_path = config, model_dir(config)
-        self.pad_id = pad_token_id(self.model_path)
-        self.policy: Policy = build_policy(self.model_path, config.learner)
-        self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
-        kl_on = config.learner.kl_coef > 0
-        self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
-
-    def train(self, groups: list[Group], seed: int) -> StepMetrics:
-        cfg, shared = self.config.learner, self.config.shared
-        metrics = train_step(
-            self.policy, groups, cfg, self.pad_id, self.config.shared.sampling.temperature,
-            shared.max_response_length, seed=seed, dp=self.dp, reference=self.reference,
-        )  # fmt: skip
-        self.policy.advance_schedule()
-        return metrics
-
-    def checkpoint(self, tag: str, client_state: dict) -> None:
-        assert self.config.learner.checkpoint_dir
-        self.policy.save_checkpoint(self.config.learner.checkpoint_dir, tag, client_state)
-
-    def restore(self) -> dict | None:
-        cfg = self.config.learner
-        if not (cfg.resume and cfg.checkpoint_dir):
-            return None
-        return self.policy.load_checkpoint(cfg.checkpoint_dir)
-
-    def export(self) -> None:
-        out = export_dir(self.config)
-        if out is not None:
-            self.policy.save_pretrained(out, self.model_path)
-
-
-class Follower:
-    """A rank > 0: runs whatever rank 0 sends until told to stop."""
-
-    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
-        self.trainer = Trainer(config, dp)
-        self.trainer.restore()
-        self._gather()  # rank 0 snapshots the restored weights for its WeightService
-
-    def _gather(self) -> None:
-        for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
-            pass
-
-    def run(self) -> None:
-        while True:
-            msg = self.trainer.dp.broadcast_bytes(None)
-            op, arg = struct.unpack_from("<Bq", msg)
-            body = msg[9:]
-            if op == OP_STOP:
-                return
-            if op == OP_TRAIN:
-                self.trainer.train(unpack_groups(body), seed=arg)
-                self._gather()
-            elif op == OP_CHECKPOINT:
-                self.trainer.checkpoint(body.decode(), {})
-            elif op == OP_EXPORT:
-                self.trainer.export()
 
 
 class Learner:
@@ -212,17 +127,30 @@ class Learner:
         """Ack and count `trained`; entries already acked are not counted again."""
         ack_then(self.client, self.keys.train, CONSUMER_GROUP, ids, self.keys.ledger, ["trained"])
 
+    def _verdict(self, group: Group) -> str:
+        shared = self.config.shared
+        lag = staleness(group, self.version)
+        return judge(lag, shared.max_staleness, shared.staleness_hard_bound)
+
     def take(self, entries: list[Entry]) -> None:
-        """Add fresh groups to the batch being built; drop (and count) stale ones.
+        """Add groups within the hard staleness bound to the batch; drop (and count) others.
 
         Entries up to the checkpoint cursor were trained before a crash: ack them only.
         """
-        bound = self.config.shared.max_staleness
         done = stream_id(self.cursor)
         self._ack_trained([e.id for e in entries if stream_id(e.id) <= done])
         for entry in (e for e in entries if stream_id(e.id) > done):
             group = decode_group(entry.fields["group"])
-            if self.version - group.min_policy_version > bound:
+            if self._verdict(group) == "too_stale":
+                self._drop_stale(entry)
+            else:
+                self._batch.append((entry, group))
+
+    def _recheck_held(self) -> None:
+        """Drop held groups that the last step pushed past the hard bound."""
+        held, self._batch = self._batch, []
+        for entry, group in held:
+            if self._verdict(group) == "too_stale":
                 self._drop_stale(entry)
             else:
                 self._batch.append((entry, group))
@@ -240,6 +168,7 @@ class Learner:
     def fill_batch(self, stop: threading.Event) -> bool:
         """Block until train_batch_groups fresh groups are held (False if stopping)."""
         need = self.config.shared.train_batch_groups
+        self._recheck_held()
         while self._pending_after is not None and len(self._batch) < need:
             self.take(self._read_pending(need - len(self._batch)))
         while len(self._batch) < need:
@@ -259,14 +188,21 @@ class Learner:
         batch, self._batch = self._batch[:need], self._batch[need:]
         groups = [g for _, g in batch]
         seed = self.config.shared.seed + self.step
-        self._tell(OP_TRAIN, seed, pack_groups(groups))
-        metrics = self.trainer.train(groups, seed)
-        staleness = max(self.version - g.min_policy_version for g in groups)
-        self.commit([e.id for e, _ in batch], metrics, staleness, [g.group_id for g in groups])
+        self._tell(OP_TRAIN, seed, struct.pack("<q", self.version) + pack_groups(groups))
+        metrics = self.trainer.train(groups, seed, self.version)
+        lag = max(staleness(g, self.version) for g in groups)
+        beyond = sum(self._verdict(g) == "stale_trained" for g in groups)
+        STALE_TRAINED.inc(beyond)
+        self.commit([e.id for e, _ in batch], metrics, lag, [g.group_id for g in groups], beyond)
         return metrics
 
     def commit(
-        self, ids: list[str], metrics: StepMetrics, staleness: int, group_ids: list[str]
+        self,
+        ids: list[str],
+        metrics: StepMetrics,
+        staleness: int,
+        group_ids: list[str],
+        beyond_soft: int = 0,
     ) -> None:
         """Publish weights, then version + metrics + trace (+ acks without checkpoints).
 
@@ -276,7 +212,7 @@ class Learner:
         new_version = self.version + 1
         self.weights.publish(new_version, live_views(self.policy.named_weights()))
         step = self.step + 1
-        record = dict(metrics.as_dict(), step=step, staleness=staleness)
+        record = dict(metrics.as_dict(), step=step, staleness=staleness, beyond_soft=beyond_soft)
         trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}
         commit_step(
             self.client, self.keys, new_version, len(ids), json.dumps(record), json.dumps(trace),
@@ -316,9 +252,9 @@ class Learner:
             while self.step < total and self.fill_batch(stop):
                 m = self.train_once()
                 log.info(
-                    "step=%d loss=%.4f acc=%.3f entropy=%.3f grad_norm=%.3f gap=%.2e "
-                    "%.0f tok/s %.2fs", self.step, m.loss, m.accuracy, m.entropy, m.grad_norm,
-                    m.logprob_gap, m.tokens_per_s, m.seconds,
+                    "step=%d loss=%.4f acc=%.3f entropy=%.3f grad_norm=%.3f mismatch=%.2e "
+                    "lag=%.2f %.0f tok/s %.2fs", self.step, m.loss, m.accuracy, m.entropy,
+                    m.grad_norm, m.engine_mismatch, m.policy_lag, m.tokens_per_s, m.seconds,
                 )  # fmt: skip
             self.checkpoint()
             if self.step >= total:

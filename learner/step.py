@@ -6,7 +6,10 @@ One pass, top to bottom:
    update each, the same seeded split on every rank), deal each mini-batch to the
    data-parallel ranks by token count, cut a rank's share into micro-batches by budget;
 2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
-   response tokens without gradient (`learner.logprobs`); store them on the sequences;
+   response tokens without gradient (`learner.logprobs`); store them on the sequences.
+   π_old is the proximal policy of decoupled PPO: with an off-policy correction on
+   (`learner.correction`) each token's loss is weighted by π_old / π_behav, the engine's
+   log-prob being π_behav;
 3. per mini-batch: all-reduce its loss token and sequence counts, then per micro-batch
    collate → score → per-token DAPO loss divided by those global counts → backward, so
    gradient accumulation and data parallelism give exactly the full-batch gradient;
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor
 
-from learner.algorithm import ClipStats, agg_loss, kl_k3, masked_mean, per_token_loss, tis_weights
+from learner.algorithm import ClipStats, agg_loss, kl_k3, masked_mean, per_token_loss
 from learner.batching import (
     LossCounts,
     LossInputs,
@@ -38,7 +41,8 @@ from learner.batching import (
     plan_step,
     sequences_from_groups,
 )
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, NoCorrection
+from learner.correction import correction_weights, mismatch_and_lag_sums, weight_sums
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
 from learner.policy import CausalLM, Policy
@@ -60,7 +64,12 @@ class StepMetrics:
     response_length: float = 0.0
     reward_mean: float = 0.0
     accuracy: float = 0.0
-    logprob_gap: float = 0.0
+    engine_mismatch: float = 0.0  # mean |log π_behav − log π_old| over same-version tokens
+    mismatch_tokens: int = 0  # tokens the mismatch is over (sampled by the current version)
+    policy_lag: float = 0.0  # mean versions between a token's sampler and the learner
+    policy_lag_max: int = 0
+    is_weight_mean: float = 1.0  # mean off-policy weight over loss tokens (1: no correction)
+    is_masked_frac: float = 0.0  # loss tokens whose weight is 0 (masked by the correction)
     kl: float = 0.0
     updates: int = 0
     skipped_updates: int = 0  # mini-batches with no loss token left (all overlong-filtered)
@@ -80,19 +89,25 @@ def train_step(
     seed: int = 0,
     dp: DataParallel | None = None,
     reference: CausalLM | None = None,
+    version: int = 0,
 ) -> StepMetrics:
-    """Recompute π_old (and π_ref), then one optimizer update per mini-batch."""
+    """Recompute π_old (and π_ref), then one optimizer update per mini-batch.
+
+    `version` is the policy version of the weights being trained (for the lag metrics).
+    """
     started = time.monotonic()
     dp = dp or Single()
     seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
     plan = plan_step(seqs, cfg.mini_batch_responses, seed, dp)
     shares = [[seqs[i] for i in share] for share in plan]
     metrics = StepMetrics()
-    metrics.logprob_gap = recompute_old_logprobs(
-        policy, [s for share in shares for s in share], cfg, pad_id, temperature, dp,
-        fallback=seqs[0], reference=reference,
-    )  # fmt: skip
-    totals = torch.zeros(6, dtype=torch.float64)  # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok
+    rank_seqs = [s for share in shares for s in share]
+    recompute_old_logprobs(
+        policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
+    )
+    off_policy_metrics(metrics, rank_seqs, version, dp)
+    # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok, IS weight sum, IS-masked tokens
+    totals = torch.zeros(8, dtype=torch.float64)
     for mine in shares:
         counts = global_counts(mine, cfg.overlong_filtering, dp)
         if counts.tokens == 0:  # every response filtered: a step would only apply momentum
@@ -129,13 +144,9 @@ def recompute_old_logprobs(
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
     reference: CausalLM | None = None,
-) -> float:
-    """Fill each sequence's π_old (and π_ref when a reference is given).
-
-    Returns the mean |learner − rollout| log-prob gap.
-    """
+) -> None:
+    """Fill each sequence's π_old (and π_ref when a reference is given)."""
     dp = dp or Single()
-    sums = torch.zeros(2, dtype=torch.float64)  # |gap| sum, token count
     for batch, real in plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
         logprobs, _ = score(policy, inputs, cfg, temperature, dp)
@@ -145,12 +156,33 @@ def recompute_old_logprobs(
         if reference is not None:
             ref, _ = score(reference, inputs, cfg, 1.0, Single())
             assign_old_logprobs(batch, inputs, ref, attr="ref_logprobs")
-        if inputs.rollout_logprobs is not None:
-            mask = inputs.response_mask
-            diff = (logprobs.float().cpu() - inputs.rollout_logprobs).abs()
-            sums += torch.tensor([float(diff[mask].sum()), float(mask.sum())], dtype=torch.float64)
+
+
+def off_policy_metrics(
+    metrics: StepMetrics, seqs: list[TrainSequence], version: int, dp: DataParallel
+) -> None:
+    """Engine mismatch and policy lag over this rank's sequences (summed over ranks).
+
+    Only responses with engine log-probs count; run after `recompute_old_logprobs`.
+    """
+    known = [s for s in seqs if s.rollout_logprobs is not None and s.old_logprobs is not None]
+    sums = torch.zeros(4, dtype=torch.float64)
+    lag_max = 0
+    if known:
+        versions = torch.tensor([v for s in known for v in _versions(s)], dtype=torch.int64)
+        prox = torch.cat([s.old_logprobs for s in known if s.old_logprobs is not None])
+        behav = torch.tensor([x for s in known for x in s.rollout_logprobs or []])
+        sums = mismatch_and_lag_sums(prox, behav, versions, version)
+        lag_max = int((version - versions).max())
     sums = dp.all_reduce_sum(sums)
-    return float(sums[0]) / max(float(sums[1]), 1.0)
+    metrics.engine_mismatch = float(sums[0]) / max(float(sums[1]), 1.0)
+    metrics.mismatch_tokens = int(sums[1])
+    metrics.policy_lag = float(sums[2]) / max(float(sums[3]), 1.0)
+    metrics.policy_lag_max = dp.all_reduce_max(lag_max)
+
+
+def _versions(s: TrainSequence) -> list[int]:
+    return s.token_versions or [s.policy_version] * len(s.response_ids)
 
 
 def accumulate(
@@ -172,15 +204,17 @@ def accumulate(
     dp = dp or Single()
     counts = counts or global_counts(seqs, cfg.overlong_filtering, dp)
     plan = plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp)
-    sums = torch.zeros(6, dtype=torch.float64)
+    sums = torch.zeros(8, dtype=torch.float64)
     for k, (batch, real) in enumerate(plan):
         inputs = collate(batch, pad_id, cfg.overlong_filtering)
         logprobs, entropy = score(policy, inputs, cfg, temperature, dp)
         inputs = inputs.to(logprobs.device)
-        loss, stats, kl = micro_batch_loss(logprobs, inputs, cfg, counts, max_response_length)
+        loss, stats, kl, w = micro_batch_loss(logprobs, inputs, cfg, counts, max_response_length)
         policy.backward(loss if real else loss * 0.0, last=k == len(plan) - 1)
         if real:
-            sums += _micro_sums(float(loss.detach()), counts, stats, entropy, kl, inputs.loss_mask)
+            sums += _micro_sums(
+                float(loss.detach()), counts, stats, entropy, kl, w, inputs.loss_mask
+            )
     return sums
 
 
@@ -190,32 +224,37 @@ def micro_batch_loss(
     cfg: LearnerConfig,
     counts: LossCounts,
     max_response_length: int,
-) -> tuple[Tensor, ClipStats, Tensor | None]:
-    """The micro-batch's share of the mini-batch loss (divided by the global `counts`)."""
+) -> tuple[Tensor, ClipStats, Tensor | None, Tensor | None]:
+    """The micro-batch's share of the mini-batch loss (divided by the global `counts`),
+    its clip statistics, the KL term and the off-policy weights (None when off)."""
     if inputs.old_logprobs is None:
         raise ValueError("no π_old: run recompute_old_logprobs first")
     kl = kl_term(logprobs, inputs, cfg)
+    weights = importance_weights(inputs, cfg)
     loss_mat, stats = per_token_loss(
         logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask,
         cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.logratio_clamp,
-        is_weights=importance_weights(inputs, cfg), kl=kl, kl_coef=cfg.kl_coef,
+        is_weights=weights, kl=kl, kl_coef=cfg.kl_coef,
     )  # fmt: skip
     loss = agg_loss(
         loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
         max_response_length,
     )  # fmt: skip
-    return loss, stats, kl
+    return loss, stats, kl, weights
 
 
 def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
-    """Truncated IS weights π_old / π_rollout when `tis_cap` is set, else None."""
-    if cfg.tis_cap is None:
+    """The off-policy weights π_old / π_behav of `cfg.correction` (None when there is none)."""
+    if cfg.correction is None or isinstance(cfg.correction, NoCorrection):
         return None
     if inputs.rollout_logprobs is None or inputs.old_logprobs is None:
-        raise ValueError("tis_cap is set but some responses came without rollout log-probs")
-    return tis_weights(
-        inputs.old_logprobs, inputs.rollout_logprobs, cfg.tis_cap, cfg.logratio_clamp
-    )
+        raise ValueError(
+            f"correction {cfg.correction.kind!r} needs the engine's log-probs of every response"
+        )
+    return correction_weights(
+        cfg.correction, inputs.old_logprobs, inputs.rollout_logprobs, inputs.response_mask,
+        cfg.logratio_clamp,
+    )  # fmt: skip
 
 
 def kl_term(logprobs: Tensor, inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
@@ -233,13 +272,14 @@ def _micro_sums(
     stats: ClipStats,
     entropy: Tensor,
     kl: Tensor | None,
+    weights: Tensor | None,
     mask: Tensor,
 ) -> Tensor:
     n = float(stats.tokens)
     kl_mean = float(masked_mean(kl.detach(), mask)) if kl is not None else 0.0
     return torch.tensor(
         [loss * counts.tokens, float(stats.clipped_high), float(stats.clipped_low),
-         float(masked_mean(entropy, mask)) * n, n, kl_mean * n],
+         float(masked_mean(entropy, mask)) * n, n, kl_mean * n, *weight_sums(weights, mask)],
         dtype=torch.float64,
     )  # fmt: skip
 
@@ -253,6 +293,8 @@ def _fill_metrics(
     metrics.clip_frac_low = float(totals[2]) / tokens
     metrics.entropy = float(totals[3]) / tokens
     metrics.kl = float(totals[5]) / tokens
+    metrics.is_weight_mean = float(totals[6]) / tokens if totals[4] else 1.0
+    metrics.is_masked_frac = float(totals[7]) / tokens
     metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
     metrics.response_length = metrics.tokens / max(len(seqs), 1)
     metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)

@@ -16,7 +16,6 @@ from learner.algorithm import (
     overlong_filter_mask,
     per_token_loss,
     policy_loss,
-    tis_weights,
     token_logprobs,
 )
 
@@ -245,14 +244,6 @@ def test_token_logprobs_upcasts_bf16_and_gradcheck() -> None:
     torch.testing.assert_close(lp, token_logprobs(logits.float(), tokens)[0])
     x = torch.randn(2, 3, 7, dtype=F64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda z: token_logprobs(z, tokens, 0.7)[0], (x,))
-
-
-def test_tis_weights_truncate_at_cap_without_gradient() -> None:
-    old = torch.tensor([[math.log(3.0), math.log(0.5), 0.0]], dtype=F64, requires_grad=True)
-    rollout = torch.zeros(1, 3, dtype=F64)
-    w = tis_weights(old, rollout, cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 1.0]], dtype=F64), **EXACT)
-    assert not w.requires_grad
 
 
 def test_kl_k3_value_and_gradient() -> None:

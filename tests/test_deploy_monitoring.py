@@ -39,13 +39,15 @@ ISSUE_ALERTS = {  # issue 7: the situations the rules must cover
     "queue backlog growing": "DapoTrainBacklogGrowing",
     "reward timeouts rising": "DapoRewardTimeoutsRising",
     "staleness beyond bound": "DapoStalenessBeyondBound",
+    "engine mismatch": "DapoEngineMismatchHigh",
 }
 ISSUE_PANELS = [  # issue 7: the panels a DAPO user watches
     "Reward and accuracy", "Kept vs filtered groups by reason", "Response length",
     "Truncation rate", "Entropy", "Clip fractions", "Tokens/s per rollout server",
     "Learner step time", "Learner tokens/s", "Weight-sync seconds",
     "Staleness of trained batches", "Queue depths", "Reward latency",
-    "Reward timeouts and errors",
+    "Reward timeouts and errors", "Engine mismatch (same-version tokens)",
+    "Policy lag (versions behind)",
 ]  # fmt: skip
 
 
@@ -210,7 +212,7 @@ def test_alert_rules_pass_promtool_and_their_unit_tests() -> None:
 
 def test_alert_unit_tests_notice_a_wrong_expectation(tmp_path: Path) -> None:
     promtool = require_tool("promtool", "prometheus")
-    text = (PROM / "alerts_test.yml").read_text().replace("25% of groups", "20% of groups")
+    text = (PROM / "alerts_test.yml").read_text().replace("25% of inf", "20% of inf")
     (tmp_path / "alerts.yml").write_text((PROM / "alerts.yml").read_text())
     (tmp_path / "alerts_test.yml").write_text(text)
     done = run_tool(promtool, "test", "rules", "alerts_test.yml", cwd=tmp_path)

@@ -1,7 +1,7 @@
-"""The learner's optional corrections, wired into the step: truncated importance sampling
-against the rollout engine's log-probs (`tis_cap`) and a KL term to a frozen reference
+"""The learner's optional corrections, wired into the step: the off-policy correction
+against the rollout engine's log-probs (`correction`) and a KL term to a frozen reference
 (`kl_coef`). Both are off in DAPO; when on, they must change the gradient exactly as
-the algorithm module says.
+the algorithm and correction modules say.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from learner.algorithm import agg_loss, kl_k3
 from learner.batching import collate, loss_counts, sequences_from_groups
-from learner.config import LearnerConfig
+from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS, TwoSidedMask
 from learner.logprobs import sequence_logprobs
 from learner.model_io import load_model
 from learner.reference import Reference
@@ -44,7 +44,11 @@ def _grads(policy: TorchPolicy) -> dict[str, torch.Tensor]:
 
 
 def _tis_grads(model: Path, cap: float | None, log_ratio: float) -> dict[str, torch.Tensor]:
-    cfg = _cfg(tis_cap=cap)
+    return _corrected_grads(model, TokenTIS(cap=cap) if cap else None, log_ratio)
+
+
+def _corrected_grads(model: Path, correction, log_ratio: float) -> dict[str, torch.Tensor]:
+    cfg = _cfg(correction=correction)
     policy, seqs = _prepared(model, cfg)
     for s in seqs:  # the engine sampled with log π_rollout = log π_old − log_ratio
         s.rollout_logprobs = (s.old_logprobs - log_ratio).tolist()
@@ -64,12 +68,51 @@ def test_tis_scales_the_gradient_by_the_capped_ratio(
         torch.testing.assert_close(weighted[name], expected * g, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "correction", [TokenTIS(), SequenceTIS(), MaskedIS(level="sequence"), TwoSidedMask()]
+)
+def test_an_exact_engine_leaves_the_step_gradient_bit_for_bit(tiny_model: Path, correction) -> None:
+    """π_behav == π_old (staleness 0, exact engine): the corrected gradient is DAPO's."""
+    plain = _corrected_grads(tiny_model, None, 0.0)
+    corrected = _corrected_grads(tiny_model, correction, 0.0)
+    assert plain.keys() == corrected.keys() and plain
+    assert all(torch.equal(corrected[n], g) for n, g in plain.items())
+    moved = _corrected_grads(tiny_model, correction, -1.8)  # ρ ≈ 6: every variant acts
+    assert any(not torch.equal(moved[n], g) for n, g in plain.items())
+
+
 def test_tis_without_rollout_logprobs_is_a_clear_error(tiny_model: Path) -> None:
-    cfg = _cfg(tis_cap=2.0)
+    cfg = _cfg(correction=TokenTIS())
     policy, seqs = _prepared(tiny_model, cfg)
     seqs[0].rollout_logprobs = None
-    with pytest.raises(ValueError, match="tis_cap"):
+    with pytest.raises(ValueError, match="token_tis"):
         accumulate(policy, seqs, cfg, 0, 1.0, MAX_LEN)
+
+
+def test_step_reports_engine_mismatch_on_current_version_tokens_and_policy_lag(
+    tiny_model: Path,
+) -> None:
+    """Group 0 sampled by version 3 (the learner's), the rest by version 1: lag 2 there."""
+    cfg = _cfg()
+    groups = make_groups()
+    policy = TorchPolicy(load_model(tiny_model), cfg)
+    seqs = sequences_from_groups(groups)
+    recompute_old_logprobs(policy, seqs, cfg, 0, 1.0)
+    for k, group in enumerate(groups):
+        for sample in group.samples:
+            sample.policy_version = 3 if k == 0 else 1
+    gaps = [
+        abs(float(lp) - behav)
+        for s in seqs[: len(groups[0].samples)]
+        for lp, behav in zip(s.old_logprobs, s.rollout_logprobs or [], strict=True)
+    ]
+    tokens = [len(s.response_ids) for s in seqs]
+    metrics = train_step(policy, groups, cfg, 0, 1.0, MAX_LEN, version=3)
+    assert metrics.mismatch_tokens == len(gaps)
+    assert metrics.engine_mismatch == pytest.approx(sum(gaps) / len(gaps), rel=1e-5)
+    stale_tokens = sum(tokens[len(groups[0].samples) :])
+    assert metrics.policy_lag == pytest.approx(2 * stale_tokens / sum(tokens))
+    assert metrics.policy_lag_max == 2 and metrics.is_weight_mean == 1.0
 
 
 def _perturbed_reference(model: Path) -> Reference:

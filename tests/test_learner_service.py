@@ -3,6 +3,7 @@ resume, stop, the final export, and weights reaching a rollout engine bit for bi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from learner_fixtures import make_groups
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
 from learner.weights import add_weight_service
-from services.common.adapters import encode_group
+from services.common.adapters import decode_group, encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
@@ -154,6 +155,43 @@ def test_without_checkpoints_each_step_acks_its_entries(
     learner = Learner(_config(tiny_model, "n", None, engine="torch"), redis_client)
     _steps(learner, 1)
     assert _counts(redis_client, "n") == (BATCH, 0, 1)
+
+
+def test_groups_between_the_bounds_train_and_past_the_hard_bound_drop(
+    tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    """Soft bound 1, hard bound 2, learner at version 4: lag 2 trains (counted), lag 3 drops."""
+    cfg = _config(tiny_model, "h", None, engine="torch")
+    shared = cfg.shared.model_copy(update={"max_staleness": 1, "max_staleness_hard": 2})
+    cfg = cfg.model_copy(update={"shared": shared})
+    redis_client.set(RunKeys("h").version, 3)  # the learner publishes its weights as 4
+    groups = make_groups(n_groups=5, seed=11)
+    for group, version in zip(groups, [4, 2, 1, 4, 3], strict=True):
+        for sample in group.samples:
+            sample.policy_version = version
+    for g in groups:
+        redis_client.xadd(RunKeys("h").train, {"group": encode_group(g)})
+    learner = Learner(cfg, redis_client)
+    assert learner.version == 4
+    _steps(learner, 2)  # step 1: lags 0 and 2; step 2 (version 5): lag 4 dropped, 1 and 2
+    ledger = {k.decode(): int(v) for k, v in redis_client.hgetall(RunKeys("h").ledger).items()}
+    assert ledger["trained"] == 4 and ledger["dropped:stale"] == 1
+    records = [json.loads(f[b"json"]) for _, f in redis_client.xrange(RunKeys("h").metrics)]
+    assert [r["beyond_soft"] for r in records] == [1, 1]
+    assert [r["staleness"] for r in records] == [2, 2]
+    assert [r["policy_lag_max"] for r in records] == [2, 2]
+    assert records[0]["is_weight_mean"] != 1.0  # the correction is on (engine log-probs differ)
+    # A group held across a step that pushed it past the hard bound is dropped before training.
+    held = make_groups(n_groups=1, seed=12)[0]
+    for sample in held.samples:
+        sample.policy_version = 4  # lag 2 now (version 6); 3 after the next step
+    redis_client.xadd(RunKeys("h").train, {"group": encode_group(held)})
+    (entry,) = learner.consumer.read(1, block_ms=100)
+    learner._batch.append((entry, decode_group(entry.fields["group"])))
+    learner.version += 1
+    learner._recheck_held()
+    assert not learner._batch
+    assert int(redis_client.hget(RunKeys("h").ledger, "dropped:stale") or 0) == 2
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

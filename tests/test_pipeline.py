@@ -15,6 +15,7 @@ import yaml
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer
+from services.common.settings import SharedConfig
 
 pytestmark = pytest.mark.slow
 RETAIN = 4  # acked entries kept at the tail of each stream
@@ -56,8 +57,11 @@ def test_data_flows_through_every_service(
     assert ledger["ok"], ledger["problems"]
     assert ledger["version"] == 3 and [s["step"] for s in report["steps"]] == [1, 2, 3]
     assert ledger["trained"] == 3 * 16  # train_batch_groups of the tiny preset
-    # The staleness of every trained group respects the bound.
-    assert all(0 <= s["staleness"] <= max_staleness for s in report["steps"])
+    # The staleness of every trained group respects the hard bound, and the step's policy
+    # lag (per token, from the samples' versions) agrees.
+    hard = SharedConfig(max_staleness=max_staleness).staleness_hard_bound
+    assert all(0 <= s["staleness"] <= hard for s in report["steps"])
+    assert all(s["policy_lag_max"] == s["staleness"] for s in report["steps"])
 
     keys = RunKeys("pipeline")
     # Acked entries are trimmed: the streams hold the retained tail plus what is pending.

@@ -3,7 +3,8 @@
 Each filter looks at one group and returns a decision with a reason; the reason is the
 metric label and the ledger counter. DAPO keeps a group iff 0 < accuracy < 1, i.e. the
 chosen metric varies inside the group (otherwise every advantage is 0 and the group
-contributes no gradient).
+contributes no gradient). Informativeness is decided before staleness, so `stale` counts
+only informative groups lost to the hard staleness bound (`services/common/staleness.py`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Literal
 
+from services.common.staleness import too_stale
 from services.common.types import Group
 
 Reason = Literal["kept", "all_correct", "all_wrong", "no_variance", "stale", "malformed"]
@@ -38,9 +40,9 @@ def check_wellformed(group: Group, group_size: int) -> FilterDecision:
     return KEPT
 
 
-def check_fresh(group: Group, current_version: int, max_staleness: int) -> FilterDecision:
-    """Drop a group sampled more than max_staleness versions before current_version."""
-    if current_version - group.min_policy_version > max_staleness:
+def check_fresh(group: Group, current_version: int, soft: int, hard: int) -> FilterDecision:
+    """Drop a group past the hard staleness bound (past the soft one it is still trained)."""
+    if too_stale(group, current_version, soft, hard):
         return FilterDecision(False, "stale")
     return KEPT
 
@@ -67,12 +69,17 @@ def decide(
     max_staleness: int,
     metric: Literal["acc", "reward"],
     dynamic_sampling: bool = True,
+    max_staleness_hard: int | None = None,
 ) -> FilterDecision:
-    """Apply the filters in order; the first refusal is the reason."""
+    """Apply the filters in order; the first refusal is the reason.
+
+    `max_staleness_hard` defaults to the soft bound (every group past it dropped).
+    """
+    hard = max_staleness if max_staleness_hard is None else max_staleness_hard
     for decision in (
         check_wellformed(group, group_size),
-        check_fresh(group, current_version, max_staleness),
         check_informative(group, metric) if dynamic_sampling else KEPT,
+        check_fresh(group, current_version, max_staleness, hard),
     ):
         if not decision.keep:
             return decision

@@ -1,4 +1,5 @@
-"""The buffer service: reads `scored`, forwards informative fresh groups to `train`.
+"""The buffer service: reads `scored`, forwards informative groups within the hard
+staleness bound to `train`.
 
 Forwarding, acking and the ledger counter of an entry happen in one Redis script that
 does nothing if the entry was already acked, so every scored group is counted exactly
@@ -62,6 +63,7 @@ class Buffer:
             max_staleness=self.config.shared.max_staleness,
             metric=self.config.buffer.keep_metric,
             dynamic_sampling=self.config.buffer.dynamic_sampling,
+            max_staleness_hard=self.config.shared.staleness_hard_bound,
         )
         return decision, group
 

@@ -72,6 +72,17 @@ class Ledger:
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
 
+    @property
+    def stale_dropped(self) -> int:
+        """Informative groups lost past the hard staleness bound (buffer + learner)."""
+        return self.filtered.get("stale", 0) + self.dropped.get("stale", 0)
+
+    @property
+    def stale_drop_rate(self) -> float:
+        """`stale_dropped` over every informative group decided (kept or dropped stale)."""
+        informative = self.kept + self.filtered.get("stale", 0)
+        return self.stale_dropped / informative if informative else 0.0
+
     def problems(self) -> list[str]:
         """Every identity that does not hold, spelled out."""
         checks = [
@@ -90,7 +101,13 @@ class Ledger:
         return [f"{name}: {lhs} != {rhs}" for name, lhs, rhs in checks if lhs != rhs]
 
     def as_dict(self) -> dict:
-        return dict(asdict(self), ok=not self.problems(), problems=self.problems())
+        return dict(
+            asdict(self),
+            ok=not self.problems(),
+            problems=self.problems(),
+            stale_dropped=self.stale_dropped,
+            stale_drop_rate=self.stale_drop_rate,
+        )
 
 
 def read_ledger(client: redis.Redis, run: str) -> Ledger:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from services.common.security import SecurityConfig
 from services.common.server_config import RpcConfig, StrictModel
 
 # Every top-level section a config file may hold; a role validates its own and these names.
 SECTIONS = ("shared", "controller", "rollout", "reward", "buffer", "learner", "security")
+
+HARD_BOUND_FACTOR = 4
 
 VerifierName = Literal["dapo", "math_verify", "cascade", "first_integer"]
 
@@ -45,7 +47,17 @@ class SharedConfig(StrictModel):
     )
     overlong_penalty_factor: float = Field(1.0, ge=0, description="Scale of the soft penalty.")
     max_staleness: int = Field(
-        0, ge=0, description="Policy versions generation may run ahead (0 = on-policy)."
+        0,
+        ge=0,
+        description="Soft bound: policy versions generation may run ahead, what admission "
+        "paces for (0 = on-policy).",
+    )
+    max_staleness_hard: int | None = Field(
+        None,
+        ge=0,
+        description="Hard bound: groups up to this many versions behind are still trained "
+        "(with the learner's off-policy correction); older ones are dropped and counted. "
+        "None = 4 x max_staleness (0 stays synchronous).",
     )
     seed: int = Field(0, ge=0)
     redis_url: str | None = Field(
@@ -79,6 +91,19 @@ class SharedConfig(StrictModel):
         5.0, gt=0, description="Registry entry lifetime; a dead server vanishes after it."
     )
     rpc: RpcConfig = Field(default_factory=RpcConfig)
+
+    @property
+    def staleness_hard_bound(self) -> int:
+        """The hard bound in effect (decoupled PPO held accuracy to staleness 4-8 in AReaL)."""
+        if self.max_staleness_hard is not None:
+            return self.max_staleness_hard
+        return HARD_BOUND_FACTOR * self.max_staleness
+
+    @model_validator(mode="after")
+    def _hard_at_least_soft(self) -> SharedConfig:
+        if self.max_staleness_hard is not None and self.max_staleness_hard < self.max_staleness:
+            raise ValueError("shared.max_staleness_hard must be >= shared.max_staleness")
+        return self
 
 
 class RoleSettings(StrictModel):

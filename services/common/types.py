@@ -16,7 +16,12 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass
 class Sample:
-    """One sampled response, with its verdict once scored."""
+    """One sampled response, with its verdict once scored.
+
+    `policy_version` is the oldest version among its tokens; `token_versions` names the
+    version of each token when they differ (a partial rollout continued across a weight
+    update), and is empty when every token has `policy_version`.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
@@ -29,6 +34,11 @@ class Sample:
     truncated: bool = False
     overlong_penalty: float = 0.0
     error: str = ""
+    token_versions: list[int] = field(default_factory=list)
+
+    def versions(self) -> list[int]:
+        """The policy version of every token (the behaviour policy of its log-prob)."""
+        return list(self.token_versions) or [self.policy_version] * len(self.token_ids)
 
 
 @dataclass

@@ -23,6 +23,7 @@ def format_ledger(ledger: Ledger) -> str:
         ("pending in `train`", ledger.pending_train),
         *((f"dropped: {k}", v) for k, v in sorted(ledger.dropped.items())),
         ("trained", ledger.trained),
+        ("informative groups dropped as stale", ledger.stale_dropped),
         ("policy version", ledger.version),
     ]
     width = max(len(name) for name, _ in rows)

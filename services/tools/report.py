@@ -63,12 +63,27 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"groups: admitted {ledger['admitted']}, trained {ledger['trained']}, "
         f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}",
     ]
+    lines.append(staleness_line(report))
     before, after = report.get("eval_before"), report.get("eval_after")
     if before and after:
         key = next(k for k in before if k.startswith("avg@"))
         lines.append(f"held-out {key}: {before[key]:.3f} before → {after[key]:.3f} after "
                      f"(policy version {after.get('version')})")  # fmt: skip
     return lines
+
+
+def staleness_line(report: dict[str, Any]) -> str:
+    """Stale groups dropped (past the hard bound) and trained with the correction."""
+    ledger, steps = report["ledger"], report["steps"]
+    beyond = sum(int(s.get("beyond_soft", 0)) for s in steps)
+    lag = max((int(s.get("policy_lag_max", 0)) for s in steps), default=0)
+    mismatch = [s["engine_mismatch"] for s in steps if s.get("mismatch_tokens")]
+    mean = f"{sum(mismatch) / len(mismatch):.2e}" if mismatch else "n/a"
+    return (
+        f"staleness: {ledger.get('stale_dropped', 0)} informative groups dropped past the hard "
+        f"bound ({100 * ledger.get('stale_drop_rate', 0.0):.2f}%), {beyond} trained past the "
+        f"soft bound; policy lag up to {lag}; engine mismatch {mean} (mean |Δ log-prob|)"
+    )
 
 
 def save_report(report: dict[str, Any], run_dir: Path) -> Path:

@@ -1,0 +1,112 @@
+"""What every data-parallel rank holds (`Trainer`) and how ranks > 0 follow rank 0.
+
+Rank 0 (`learner.server`) sends each command as bytes: an op, an int64 argument and a
+body (for OP_TRAIN: the int64 policy version of the weights, then the packed groups).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from learner.backends import build_policy
+from learner.config import LearnerSettings
+from learner.dist import DataParallel, data_parallel, unpack_groups
+from learner.policy import Policy
+from learner.reference import Reference
+from learner.step import StepMetrics, train_step
+from services.common.errors import DapoError
+from services.common.types import Group
+
+OP_STOP, OP_TRAIN, OP_CHECKPOINT, OP_EXPORT = range(4)
+
+
+def model_dir(config: LearnerSettings) -> str:
+    path = config.model_path
+    if path is None:
+        raise DapoError("learner.model_path (or shared.model_path) is required")
+    if not Path(path).is_dir():
+        raise DapoError(f"model directory not found: {path}")
+    return path
+
+
+def pad_token_id(path: str) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def export_dir(config: LearnerSettings) -> Path | None:
+    cfg = config.learner
+    if cfg.export_dir:
+        return Path(cfg.export_dir)
+    return Path(cfg.checkpoint_dir) / "final" if cfg.checkpoint_dir else None
+
+
+class Trainer:
+    """What every rank holds: the policy and how to run each command."""
+
+    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
+        self.config, self.model_path = config, model_dir(config)
+        self.pad_id = pad_token_id(self.model_path)
+        self.policy: Policy = build_policy(self.model_path, config.learner)
+        self.learner_config = config.learner.model_copy(update={"correction": config.correction})
+        self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
+        kl_on = config.learner.kl_coef > 0
+        self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
+
+    def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
+        """One step on `groups` with the weights of policy `version`."""
+        cfg, shared = self.learner_config, self.config.shared
+        metrics = train_step(
+            self.policy, groups, cfg, self.pad_id, shared.sampling.temperature,
+            shared.max_response_length, seed=seed, dp=self.dp, reference=self.reference,
+            version=version,
+        )  # fmt: skip
+        self.policy.advance_schedule()
+        return metrics
+
+    def checkpoint(self, tag: str, client_state: dict) -> None:
+        assert self.config.learner.checkpoint_dir
+        self.policy.save_checkpoint(self.config.learner.checkpoint_dir, tag, client_state)
+
+    def restore(self) -> dict | None:
+        cfg = self.config.learner
+        if not (cfg.resume and cfg.checkpoint_dir):
+            return None
+        return self.policy.load_checkpoint(cfg.checkpoint_dir)
+
+    def export(self) -> None:
+        out = export_dir(self.config)
+        if out is not None:
+            self.policy.save_pretrained(out, self.model_path)
+
+
+class Follower:
+    """A rank > 0: runs whatever rank 0 sends until told to stop."""
+
+    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
+        self.trainer = Trainer(config, dp)
+        self.trainer.restore()
+        self._gather()  # rank 0 snapshots the restored weights for its WeightService
+
+    def _gather(self) -> None:
+        for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
+            pass
+
+    def run(self) -> None:
+        while True:
+            msg = self.trainer.dp.broadcast_bytes(None)
+            op, arg = struct.unpack_from("<Bq", msg)
+            body = msg[9:]
+            if op == OP_STOP:
+                return
+            if op == OP_TRAIN:
+                (version,) = struct.unpack_from("<q", body)
+                self.trainer.train(unpack_groups(body[8:]), seed=arg, version=version)
+                self._gather()
+            elif op == OP_CHECKPOINT:
+                self.trainer.checkpoint(body.decode(), {})
+            elif op == OP_EXPORT:
+                self.trainer.export()
