@@ -24,10 +24,13 @@ def sampling_params(
 
 
 def completion(output: SampleOutput, text: str) -> rollout_pb2.Completion:
+    """Per-token versions go on the wire only when they differ (empty = all the same)."""
+    mixed = len(set(output.token_versions)) > 1
     return rollout_pb2.Completion(
         token_ids=output.token_ids,
         logprobs=output.logprobs,
         text=text,
         finish_reason=FINISH_TO_PROTO[output.finish_reason],
-        policy_version=output.policy_version,
+        policy_version=min(output.token_versions, default=output.policy_version),
+        token_versions=output.token_versions if mixed else [],
     )

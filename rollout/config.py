@@ -74,6 +74,12 @@ class RolloutConfig(StrictModel):
         description="GenerateGroup calls served or queued at once; more get RESOURCE_EXHAUSTED, "
         "so GetStatus and health checks always find a free thread.",
     )
+    partial_rollouts: bool | None = Field(
+        None,
+        description="On new weights stop at a token boundary, swap, and continue unfinished "
+        "responses (each token tagged with the version that sampled it), so an update never "
+        "waits for the longest response. None = on when shared.max_staleness > 0.",
+    )
     weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")
     min_version_wait_s: float = Field(
         10.0,
@@ -87,3 +93,8 @@ class RolloutSettings(RoleSettings):
     """A rollout server's process: shared, security and its own section."""
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    def partial_rollouts(self) -> bool:
+        """The switch resolved: explicit, else on for asynchronous runs."""
+        explicit = self.rollout.partial_rollouts
+        return self.shared.max_staleness > 0 if explicit is None else explicit

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from services.common.types import FinishReason
@@ -59,12 +59,17 @@ class SamplingParams:
 
 @dataclass
 class SampleOutput:
-    """One generated response: token ids with the log-prob of each under the sampler."""
+    """One generated response: token ids with the log-prob of each under the sampler.
+
+    `policy_version` is the oldest version among its tokens; `token_versions` (empty, or
+    one per token) says which version sampled each token, for partial rollouts.
+    """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     policy_version: int
+    token_versions: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -80,8 +85,10 @@ class StreamedSample:
 class RolloutEngine(Protocol):
     """An inference engine that samples responses and takes new weights in place.
 
-    Implementations are thread-safe: weights are never swapped in the middle of a
-    batch, so every sample is produced by exactly the version it is tagged with.
+    Implementations are thread-safe. Without partial rollouts weights are never swapped
+    in the middle of a batch, so every sample is produced by exactly the version it is
+    tagged with; with them a swap happens between two tokens and every token is tagged
+    with the version that produced it (`SampleOutput.token_versions`).
     """
 
     @property

@@ -7,8 +7,17 @@ the other changes no sample's meaning: which prompts are refused, which tokens s
 sample, how an incoming weight set is checked.
 
 `Gate` is the one piece of concurrency: generation passes through it, and a weight swap
-waits until nothing is inside, so every sample is produced by the version it is tagged
+waits until nothing is inside, so every token is produced by the version it is tagged
 with.
+
+Partial rollouts (`EngineBase.partial_rollouts`): without them a swap waits for every
+response in flight, i.e. for the longest. With them an engine polls `_preempt_wanted()`
+at each token boundary and, when a swap waits, calls `_yield_to_swap()` (leave the gate,
+let the swap in, come back) and continues each unfinished response under the new
+weights from prompt + tokens so far, recomputing its context (the torch engine refills
+its KV cache; an engine with its own scheduler, such as vLLM, aborts and resubmits
+prompt + partial output with the remaining token budget). Every token then carries the
+version, and log-prob, of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -52,6 +61,16 @@ class Gate:
             self._paused = paused
             self._cond.notify_all()
 
+    def swap_waiting(self) -> bool:
+        """A swap is waiting for the work inside to leave."""
+        with self._cond:
+            return self._swapping
+
+    def yield_to_swap(self) -> None:
+        """Step out for a waiting swap and come back in once it is done."""
+        self.leave()
+        self.enter()
+
     def wait_idle(self) -> None:
         """Return once no work is inside."""
         with self._cond:
@@ -83,10 +102,11 @@ class EngineBase:
     (drawn here when the request has none), so engines never repeat either.
     """
 
-    def __init__(self, vocab_size: int, version: int = 0) -> None:
+    def __init__(self, vocab_size: int, version: int = 0, partial_rollouts: bool = False) -> None:
         self.vocab_size = vocab_size
         self._version = version
         self._gate = Gate()
+        self.partial_rollouts = partial_rollouts
 
     @property
     def version(self) -> int:
@@ -112,6 +132,14 @@ class EngineBase:
     ) -> Iterator[StreamedSample]:
         """The engine's own sampling; it runs its work inside `self._gate`."""
         raise NotImplementedError
+
+    def _preempt_wanted(self) -> bool:
+        """Partial rollouts are on and a weight swap waits: stop at this token boundary."""
+        return self.partial_rollouts and self._gate.swap_waiting()
+
+    def _yield_to_swap(self) -> None:
+        """Let the waiting swap in; the caller then continues under the new weights."""
+        self._gate.yield_to_swap()
 
     def pause(self) -> None:
         """Let the work in flight finish; hold new work until `resume()`."""

@@ -221,7 +221,7 @@ def build_engine(config: RolloutSettings) -> RolloutEngine:
 
     if config.rollout.engine.num_threads is not None:
         torch.set_num_threads(config.rollout.engine.num_threads)
-    return TorchEngine.from_config(model, config.rollout.engine)
+    return TorchEngine.from_config(model, config.rollout.engine, config.partial_rollouts())
 
 
 class RolloutServer:

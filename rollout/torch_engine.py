@@ -19,6 +19,10 @@ rounding; with truncation on, the values are the untruncated policy's log-probs 
 temperature (the learner's view), not those of the truncated sampler. Greedy decoding
 (T = 0) reports `log_softmax(logits)`, i.e. T = 1.
 
+Partial rollouts. Before each decode step a bucket looks for a waiting weight swap; it
+lets the swap in, refills its unfinished rows' KV cache from prompt + tokens so far under
+the new weights and goes on, each token tagged with the version that sampled it.
+
 Randomness. Each prompt's n × max_tokens uniforms come from its own `torch.Generator`
 seeded from (seed, prompt index); sampling inverts the CDF with them. A sample therefore
 depends only on the seed, its prompt index, its sample index and the weights, not on
@@ -156,6 +160,7 @@ class _BucketResult:
     logprobs: torch.Tensor
     lengths: torch.Tensor
     stopped: torch.Tensor
+    versions: torch.Tensor  # [R, max_tokens] policy version that sampled each token
 
 
 class TorchEngine(EngineBase):
@@ -170,6 +175,7 @@ class TorchEngine(EngineBase):
         max_batch_size: int = 256,
         eos_token_ids: Sequence[int] | None = None,
         version: int = 0,
+        partial_rollouts: bool = False,
     ) -> None:
         self.device = resolve_device(device)
         self.max_batch_size = max_batch_size
@@ -181,7 +187,7 @@ class TorchEngine(EngineBase):
         self.model.eval()
         embeddings = self.model.get_input_embeddings()
         assert isinstance(embeddings, torch.nn.Embedding)
-        super().__init__(embeddings.num_embeddings, version)
+        super().__init__(embeddings.num_embeddings, version, partial_rollouts)
         generation_eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = (
             list(eos_token_ids)
@@ -193,13 +199,16 @@ class TorchEngine(EngineBase):
         self._model_lock = threading.Lock()  # one bucket at a time on the model
 
     @classmethod
-    def from_config(cls, model_path: str | Path, config: TorchEngineConfig) -> TorchEngine:
+    def from_config(
+        cls, model_path: str | Path, config: TorchEngineConfig, partial_rollouts: bool = False
+    ) -> TorchEngine:
         """Build from the rollout server's engine config."""
         return cls(
             model_path,
             device=config.device,
             dtype=config.dtype,
             max_batch_size=config.max_batch_size,
+            partial_rollouts=partial_rollouts,
         )
 
     # -- generation -------------------------------------------------------------------
@@ -218,11 +227,6 @@ class TorchEngine(EngineBase):
                 self._gate.leave()
             yield from done
 
-    def _stop_ids(self, params: SamplingParams) -> torch.Tensor:
-        """EOS (unless ignored) plus the request's own stop tokens."""
-        ids = stop_ids(params, self.eos_token_ids)
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
-
     @torch.inference_mode()
     def _run_bucket(
         self,
@@ -233,7 +237,8 @@ class TorchEngine(EngineBase):
     ) -> list[StreamedSample]:
         """Prefill and decode one bucket; the caller holds the model lock."""
         state = self._prefill(bucket, prompts, params, seed)
-        result = self._decode(state, params, len(bucket))
+        contexts = [list(prompts[i]) for i, _ in bucket]
+        result = self._decode(state, params, contexts)
         return self._outputs(bucket, result)
 
     def _prefill(
@@ -246,17 +251,7 @@ class TorchEngine(EngineBase):
         """Run each distinct prompt once, then copy its cache to its sample rows."""
         distinct = list(dict.fromkeys(i for i, _ in bucket))
         slot = {i: k for k, i in enumerate(distinct)}
-        ids, mask = _left_pad([prompts[i] for i in distinct], self.pad_token_id, self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        logits, cache, mask, positions = self._forward_contexts([prompts[i] for i in distinct])
         expand = torch.tensor([slot[i] for i, _ in bucket], device=self.device)
         cache.batch_select_indices(expand)
         uniforms = {i: draw_uniforms(seed, i, params.n, params.max_tokens) for i in distinct}
@@ -267,33 +262,81 @@ class TorchEngine(EngineBase):
             mask=mask[expand],
             next_pos=positions[expand, -1] + 1,
             uniforms=torch.stack([uniforms[i][j] for i, j in bucket]).to(self.device),
-            logits=out.logits[expand, -1],
+            logits=logits[expand],
         )
 
-    def _decode(self, state: _DecodeState, params: SamplingParams, n_rows: int) -> _BucketResult:
-        """Sample until every row hit a stop token or max_tokens."""
-        shape = (n_rows, params.max_tokens)
+    def _forward_contexts(
+        self, contexts: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+        """Prefill left-padded contexts: next-token logits [B, V], cache, mask, positions."""
+        ids, mask = _left_pad(contexts, self.pad_token_id, self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1], cache, mask, positions
+
+    def _decode(
+        self, state: _DecodeState, params: SamplingParams, contexts: list[list[int]]
+    ) -> _BucketResult:
+        """Sample until every row hit a stop token or max_tokens (`contexts`: row prompts)."""
+        shape = (len(contexts), params.max_tokens)
         res = _BucketResult(
             tokens=torch.zeros(shape, dtype=torch.long, device=self.device),
             logprobs=torch.zeros(shape, dtype=torch.float32, device=self.device),
-            lengths=torch.zeros(n_rows, dtype=torch.long, device=self.device),
-            stopped=torch.zeros(n_rows, dtype=torch.bool, device=self.device),
+            lengths=torch.zeros(len(contexts), dtype=torch.long, device=self.device),
+            stopped=torch.zeros(len(contexts), dtype=torch.bool, device=self.device),
+            versions=torch.zeros(shape, dtype=torch.long, device=self.device),
         )
-        stop_ids = self._stop_ids(params)
+        stops = torch.tensor(stop_ids(params, self.eos_token_ids), device=self.device).long()
         for step in range(params.max_tokens):
             tokens, logprobs = sample_next(state.logits, params, state.uniforms[:, step])
             live, rows = state.live, state.rows[state.live]
             res.tokens[rows, step] = tokens[live]
             res.logprobs[rows, step] = logprobs[live]
+            res.versions[rows, step] = self._version
             res.lengths[rows] = step + 1
-            hit = torch.isin(tokens, stop_ids) & live
+            hit = torch.isin(tokens, stops) & live
             res.stopped[rows] = hit[live]
             state.live = live & ~hit
             if step + 1 == params.max_tokens or not bool(state.live.any()):
                 break
+            if self._preempt_wanted():
+                state = self._refill_after_swap(state, contexts, res, step + 1)
+                continue
             self._step(state, tokens)
             state.compact_if_sparse()
         return res
+
+    def _refill_after_swap(
+        self, state: _DecodeState, contexts: list[list[int]], res: _BucketResult, done: int
+    ) -> _DecodeState:
+        """Let the waiting swap in, then rebuild the live rows' KV cache from prompt + the
+        `done` tokens so far under the new weights (the old cache is the old policy's)."""
+        self._model_lock.release()
+        try:
+            self._yield_to_swap()
+        finally:
+            self._model_lock.acquire()
+        rows = state.rows[state.live]
+        sofar = res.tokens[rows, :done].tolist()
+        full = [contexts[r] + toks for r, toks in zip(rows.tolist(), sofar, strict=True)]
+        logits, cache, mask, positions = self._forward_contexts(full)
+        return _DecodeState(
+            rows=rows,
+            live=torch.ones(len(full), dtype=torch.bool, device=self.device),
+            cache=cache,
+            mask=mask,
+            next_pos=positions[:, -1] + 1,
+            uniforms=state.uniforms[state.live],
+            logits=logits,
+        )
 
     def _step(self, state: _DecodeState, tokens: torch.Tensor) -> None:
         """Feed the sampled tokens; leaves the next logits in `state`."""
@@ -313,7 +356,7 @@ class TorchEngine(EngineBase):
         """Turn the bucket's buffers into per-sample outputs (one device sync)."""
         tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
         lengths, stopped = res.lengths.tolist(), res.stopped.tolist()
-        version = self._version
+        versions = res.versions.tolist()
         return [
             StreamedSample(
                 request_index=i,
@@ -322,7 +365,8 @@ class TorchEngine(EngineBase):
                     token_ids=tokens[r][: lengths[r]],
                     logprobs=logprobs[r][: lengths[r]],
                     finish_reason="stop" if stopped[r] else "length",
-                    policy_version=version,
+                    policy_version=min(versions[r][: lengths[r]]),
+                    token_versions=versions[r][: lengths[r]],
                 ),
             )
             for r, (i, j) in enumerate(bucket)

@@ -24,6 +24,7 @@ def completion_to_proto(sample: Sample) -> rollout_pb2.Completion:
         text=sample.text,
         finish_reason=FINISH_TO_PROTO[sample.finish_reason],
         policy_version=sample.policy_version,
+        token_versions=sample.token_versions,
     )
 
 
@@ -31,12 +32,18 @@ def sample_from_completion(msg: rollout_pb2.Completion) -> Sample:
     """An unscored Sample from a rollout Completion."""
     if msg.finish_reason not in FINISH_FROM_PROTO:
         raise ValueError(f"completion has no finish reason ({msg.finish_reason})")
+    if msg.token_versions and len(msg.token_versions) != len(msg.token_ids):
+        raise ValueError(
+            f"completion has {len(msg.token_versions)} token versions for "
+            f"{len(msg.token_ids)} tokens"
+        )
     return Sample(
         token_ids=list(msg.token_ids),
         logprobs=list(msg.logprobs),
         text=msg.text,
         finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
-        policy_version=msg.policy_version,
+        policy_version=min(msg.token_versions, default=msg.policy_version),
+        token_versions=list(msg.token_versions),
         truncated=msg.finish_reason == rollout_pb2.FINISH_REASON_LENGTH,
     )
 
