@@ -83,10 +83,11 @@ class Learner:
         config: LearnerSettings,
         client: redis.Redis,
         weight_socket: WeightSocketServer | None = None,
+        trainer: Trainer | None = None,
     ) -> None:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
-        self.trainer = Trainer(config)
+        self.trainer = trainer or Trainer(config)
         self.policy = self.trainer.policy
         self.consumer = StreamConsumer(client, self.keys.train, CONSUMER_GROUP, "learner-0")
         self.weights = WeightServicer(config.learner.weight_bucket_bytes, weight_socket)
@@ -281,9 +282,11 @@ class LearnerServer:
     registry entry; `wait` trains to the last step and serves the final weights for
     `learner.linger_s` more."""
 
-    def __init__(self, config: LearnerSettings, client: redis.Redis) -> None:
+    def __init__(
+        self, config: LearnerSettings, client: redis.Redis, trainer: Trainer | None = None
+    ) -> None:
         self.config, self.client = config, client
-        self.learner = Learner(config, client, open_weight_socket(config))
+        self.learner = Learner(config, client, open_weight_socket(config), trainer)
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
         self.http: HttpServer | None = None

@@ -5,6 +5,11 @@ Samples are handed to their caller the moment the engine yields them (the engine
 each as soon as it is complete), not when the merged call ends. A request whose caller
 went away before its turn is skipped; one whose merged call fails before yielding
 anything is retried alone, so one bad prompt cannot fail its neighbours.
+
+An engine with its own scheduler (continuous batching) says how many calls it takes at
+once (`max_concurrent_calls`, 1 by default: the torch engine runs one bucket at a time);
+the batcher then runs up to that many merged calls side by side, so a call that waits
+for its longest response does not hold the next one back.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ class Batcher:
 
     def __init__(self, engine: RolloutEngine, max_sequences: int, wait_s: float = 0.005):
         self.engine, self.max_sequences, self.wait_s = engine, max_sequences, wait_s
-        self.running = 0  # sequences in the engine call now
+        self.running = 0  # sequences in engine calls now
+        self._calls = threading.Semaphore(max(1, getattr(engine, "max_concurrent_calls", 1)))
+        self._running_lock = threading.Lock()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._held: _Request | None = None
         self._closed = False
@@ -99,14 +106,25 @@ class Batcher:
                 first = self._next(None)
                 if first is None:
                     return
-            self._run(self._take_batch(first))
+            self._calls.acquire()
+            batch = self._take_batch(first)
+            threading.Thread(target=self._run_call, args=(batch,), daemon=True).start()
+
+    def _run_call(self, batch: list[_Request]) -> None:
+        try:
+            self._run(batch)
+        finally:
+            self._calls.release()
 
     def _run(self, batch: list[_Request]) -> None:
-        self.running = sum(r.params.n for r in batch)
+        n = sum(r.params.n for r in batch)
+        with self._running_lock:
+            self.running += n
         try:
             sent, error = self._deliver(batch)
         finally:
-            self.running = 0
+            with self._running_lock:
+                self.running -= n
         if error is not None and not sent and len(batch) > 1:
             for request in batch:  # nothing reached anyone yet: find the culprit alone
                 self._run([request])

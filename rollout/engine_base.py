@@ -102,6 +102,8 @@ class EngineBase:
     (drawn here when the request has none), so engines never repeat either.
     """
 
+    max_concurrent_calls = 1  # engine calls a server may run at once (rollout/batcher.py)
+
     def __init__(self, vocab_size: int, version: int = 0, partial_rollouts: bool = False) -> None:
         self.vocab_size = vocab_size
         self._version = version

@@ -1,0 +1,141 @@
+"""The pipeline's asynchrony on a simulated cluster: the real services, devices that cost time.
+
+The controller, buffer, reward service, Redis (streams, ledger), gRPC, the learner's
+consume/commit/version protocol and weight publication are the real code; the rollout
+engine and the trainer are stand-ins that sleep per decode step, per trained token and
+per published byte (benchmarks/_sim_standins.py), so the CPU of this box does not bound
+the overlap (docs/pipeline_performance.md). Response lengths are long-tailed as in
+DAPO: most short, a share at L_max.
+
+Four modes in one run, each against its ideal bound, with T_gen and T_train measured in
+the synchronous run and T_gen_full = the tokens generated per step at every slot busy:
+
+- synchronous (max_staleness 0): generate the batch, then train; the baseline;
+- one-step-off (max_staleness 1, no partial rollouts): ideal (T_gen + T_train) /
+  max(T_gen, T_train);
+- fully async (max_staleness K) without and with partial rollouts: ideal (T_gen +
+  T_train) / max(T_gen_full, T_train).
+
+Checks: one-step-off >= 0.9 of its bound; fully async with partial rollouts >= 2.5 x
+the synchronous trained tokens/s; every trained group within its staleness bound; the
+ledger exact in every mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks._sim_cluster import Mode, Shape, run_mode
+from benchmarks._sim_standins import TAIL, SimCosts, mean_length
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "pipeline_sim.json"
+ASYNC_STALENESS = 4
+
+
+def modes(k: int) -> list[Mode]:
+    return [
+        Mode("synchronous", 0, False),
+        Mode("one_step_off", 1, False),
+        Mode("async", k, False),
+        Mode("async_partial", k, True),
+    ]
+
+
+def check(name: str, value: float, target: float) -> dict[str, Any]:
+    return {"name": name, "value": round(value, 3), "target": target, "ok": value >= target}
+
+
+def bounds(results: dict[str, dict], costs: SimCosts) -> dict[str, Any]:
+    """T_gen, T_train and T_gen_full from the synchronous run; each mode's speedup over
+    it and the fraction of its ideal bound that speedup reaches."""
+    sync = results["synchronous"]
+    t_train = sync["t_train_s"]
+    t_gen = sync["step_s"] - t_train
+    t_full = sync["generated_tokens_per_step"] * costs.token_s / costs.slots
+    ideal = {
+        "synchronous": 1.0,
+        "one_step_off": (t_gen + t_train) / max(t_gen, t_train),
+        "async": (t_gen + t_train) / max(t_full, t_train),
+        "async_partial": (t_gen + t_train) / max(t_full, t_train),
+    }
+    per_mode = {}
+    for name, r in results.items():
+        speedup = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+        per_mode[name] = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal[name], 3),
+                          "fraction_of_ideal": round(speedup / ideal[name], 3)}  # fmt: skip
+    times = {"t_gen_s": t_gen, "t_train_s": t_train, "t_gen_full_s": t_full}
+    return {"times": {k: round(v, 4) for k, v in times.items()}, "modes": per_mode}
+
+
+def checks(results: dict[str, dict], summary: dict[str, Any]) -> list[dict[str, Any]]:
+    per_mode = summary["modes"]
+    within = all(r["staleness_max"] <= r["mode"]["staleness"] for r in results.values())
+    return [
+        check("one-step-off speedup / its ideal bound",
+              per_mode["one_step_off"]["fraction_of_ideal"], 0.9),
+        check("fully async + partial rollouts: trained tokens/s vs synchronous",
+              per_mode["async_partial"]["speedup"], 2.5),
+        check("every trained group within its staleness bound", float(within), 1.0),
+        check("ledger exact in every mode",
+              float(all(r["ledger"]["ok"] for r in results.values())), 1.0),
+    ]  # fmt: skip
+
+
+def measure(shape: Shape, costs: SimCosts, k: int) -> dict[str, dict]:
+    from learner.init_model import init_model
+    from services.common.redis_server import start_redis
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-sim-") as tmp:
+        model = init_model(Path(tmp) / "model", preset="tiny", seed=0)  # tokenizer only
+        redis_server = start_redis()
+        try:
+            for mode in modes(k):
+                started = time.monotonic()
+                results[mode.name] = run_mode(mode, model, redis_server.url, shape, costs)
+                results[mode.name]["wall_s"] = round(time.monotonic() - started, 2)
+                print(f"{mode.name}: {json.dumps(results[mode.name])}", flush=True)
+        finally:
+            redis_server.stop()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the four modes, write benchmarks/results/pipeline_sim.json; 0 if every check is ok."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=Shape.steps, help="steps per mode")
+    parser.add_argument("--staleness", type=int, default=ASYNC_STALENESS, help="fully async K")
+    args = parser.parse_args(argv)
+    shape, costs = Shape(steps=args.steps), SimCosts()
+    load_start = os.getloadavg()
+    results = measure(shape, costs, args.staleness)
+    summary = bounds(results, costs)
+    result = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "load_average_start": [round(x, 2) for x in load_start],
+                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "shape": asdict(shape),
+        "costs": asdict(costs),
+        "lengths": {"l_max": shape.l_max, "tail_at_l_max": TAIL,
+                    "mean": round(mean_length(shape.l_max), 1)},
+        **summary,
+        "runs": results,
+        "checks": checks(results, summary),
+    }  # fmt: skip
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2))
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
