@@ -9,7 +9,10 @@ The learner never calls a rollout server; rollout servers pull its weights
   threads come back when they disconnect;
 - a rollout server SIGKILLed and kept dead during a `dapo up` run: the learner keeps
   committing steps, the run finishes, the ledger holds, no group is trained twice, and
-  the controller re-routes the dead server's groups to the live one.
+  the controller re-routes the dead server's groups to the live one;
+- the same with partial rollouts and longer responses, the kill landing just after a
+  weight swap, i.e. while responses continued across versions are in flight: their
+  partial output dies with the server, the groups are generated again elsewhere.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from test_pipeline import children_of
 from dapo.v1 import learner_pb2
 from learner.server import LearnerServer
 from rollout.weights import WeightStub
-from services.common.adapters import encode_group
+from services.common.adapters import decode_group, encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
@@ -323,5 +326,58 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
           f"after); registry dropped it {f'{gone[0]:.1f} s after' if gone else 'after the run'}; "
           f"run {wall:.0f} s")  # fmt: skip
 
+    assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
+    assert not children_of(run_dir)
+
+
+class KillMidResponse(KeepDead):
+    """KeepDead whose kill waits `delay_s` after the step it follows: by then the servers
+    have pulled the new weights and swapped them in between two tokens of what they are
+    generating, so the victim dies holding partial rollouts."""
+
+    def __init__(self, client: redis.Redis, victim: str, after: int, delay_s: float) -> None:
+        super().__init__(client, victim, after)
+        self.delay_s = delay_s
+
+    def kill(self, launch: Launch) -> None:
+        time.sleep(self.delay_s)
+        super().kill(launch)
+
+
+@pytest.mark.slow
+def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
+    tmp_path: Path,
+    tiny_model: Path,
+    redis_server: RedisServer,
+    redis_client: redis.Redis,
+    killed_tree_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
+    config = load_config(preset="tiny", overrides=[
+        f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
+        f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
+        "learner.linger_s=0", "buffer.stream_retain=1000000", "shared.max_response_length=24",
+        "rollout.partial_rollouts=true", "rollout.weight_poll_s=0.05",
+    ])  # fmt: skip
+    hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert code == 0 and hook.exit_code == -signal.SIGKILL
+    assert not hook.problems_at_kill, hook.problems_at_kill
+
+    scored = [decode_group(f[b"group"]) for _, f in redis_client.xrange(KEYS.scored)]
+    spanning = [s for g in scored for s in g.samples if len(set(s.versions())) > 1]
+    assert spanning, "no response was continued across a weight update"
+    log = (run_dir / "logs" / "controller.log").read_text()[hook.log_offset :]
+    failed = failed_on(log, hook.dead["address"])
+    in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
+    assert failed and failed <= {g.group_id for g in scored} | in_flight
+    print(f"\n{len(spanning)} responses spanned versions; {len(failed)} groups cut off on the "
+          f"dead server, all generated again or in flight")  # fmt: skip
     assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)
