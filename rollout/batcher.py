@@ -98,17 +98,24 @@ class Batcher:
         return batch
 
     def _loop(self) -> None:
+        """Wait for a free call first: until then requests stay queued (`pending`)."""
         while True:
-            first, self._held = self._held, None
-            if first is None or first.cancelled:
-                if self._closed:
-                    return
-                first = self._next(None)
-                if first is None:
-                    return
             self._calls.acquire()
-            batch = self._take_batch(first)
+            batch = self._next_batch()
+            if batch is None:
+                return
             threading.Thread(target=self._run_call, args=(batch,), daemon=True).start()
+
+    def _next_batch(self) -> list[_Request] | None:
+        """The next merged call's requests (None once closed)."""
+        first, self._held = self._held, None
+        if first is None or first.cancelled:
+            if self._closed:
+                return None
+            first = self._next(None)
+            if first is None:
+                return None
+        return self._take_batch(first)
 
     def _run_call(self, batch: list[_Request]) -> None:
         try:
