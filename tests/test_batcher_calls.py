@@ -1,0 +1,64 @@
+"""The batcher runs as many engine calls at once as the engine takes (continuous
+batching engines take many; the torch engine one), and no more."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rollout.batcher import Batcher
+from rollout.engine import SampleOutput, SamplingParams, StreamedSample
+from rollout.engine_base import EngineBase
+
+
+class HeldEngine(EngineBase):
+    """Each call waits for `release`; `running` / `most` count calls inside at once."""
+
+    def __init__(self, max_calls: int) -> None:
+        super().__init__(vocab_size=16)
+        self.max_concurrent_calls = max_calls
+        self.release = threading.Event()
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def _samples(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.release.wait(10)
+        with self._lock:
+            self.running -= 1
+        for i in range(len(prompts)):
+            for j in range(params.n):
+                yield StreamedSample(i, j, SampleOutput([1], [-0.1], "stop", self.version))
+
+
+@pytest.mark.parametrize("max_calls", [1, 3])
+def test_engine_calls_run_side_by_side_up_to_the_engine_limit(max_calls: int) -> None:
+    engine = HeldEngine(max_calls)
+    batcher = Batcher(engine, max_sequences=8)
+    results: dict[int, int] = {}
+
+    def call(i: int) -> None:  # distinct seeds: never merged, one engine call each
+        params = SamplingParams(n=2, seed=i + 1)
+        results[i] = len(list(batcher.submit([i + 1], params)))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while engine.running < max_calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # a call beyond the limit would have started by now
+    assert engine.running == max_calls
+    assert batcher.pending() == 4 - max_calls
+    engine.release.set()
+    for t in threads:
+        t.join(10)
+    assert results == {0: 2, 1: 2, 2: 2, 3: 2} and engine.most == max_calls
+    batcher.close()
