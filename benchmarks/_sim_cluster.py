@@ -10,6 +10,9 @@ measured window can leave out the warm-up steps.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -22,6 +25,8 @@ from benchmarks._sim_standins import SimCosts, SimEngine, SimTrainer
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ def start_services(config: Any, client: redis.Redis, engine: SimEngine, trainer:
     from services.buffer.server import create_server as buffer_server
     from services.controller.server import create_server as controller_server
 
-    learner = LearnerServer(config, client, trainer)
+    learner = LearnerServer(config, client, trainer).start()
     reward = reward_server(config).start()
     rollout = RolloutServer(config, client, engine).start()
     loops = [buffer_server(config, client).start(), controller_server(config, client).start()]
@@ -187,3 +192,35 @@ def spanning(client: redis.Redis, keys: RunKeys) -> dict[str, int]:
         "samples": len(samples),
         "spanning_versions": sum(len(set(s.versions())) > 1 for s in samples),
     }
+
+
+def run_isolated(
+    mode: Mode, model: Path, redis_url: str, shape: Shape, costs: SimCosts, timeout_s: float = 300
+) -> dict:
+    """`run_mode` in a fresh process (arguments and result as JSON): the in-process
+    services share one interpreter, whose exit a leftover atexit hook could hold up."""
+    args = {"mode": asdict(mode), "model": str(model), "redis_url": redis_url,
+            "shape": asdict(shape), "costs": asdict(costs)}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks._sim_cluster", json.dumps(args)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{mode.name} failed ({out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def _child(raw: str) -> None:
+    args = json.loads(raw)
+    result = run_mode(
+        Mode(**args["mode"]), Path(args["model"]), args["redis_url"],
+        Shape(**args["shape"]), SimCosts(**args["costs"]),
+    )  # fmt: skip
+    print("RESULT " + json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # every service is stopped; skip the interpreter's exit hooks
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks._sim_cluster import Mode, Shape, run_mode
+from benchmarks._sim_cluster import Mode, Shape, run_isolated
 from benchmarks._sim_standins import TAIL, SimCosts, mean_length
 
 ROOT = Path(__file__).resolve().parent
@@ -100,9 +100,10 @@ def measure(shape: Shape, costs: SimCosts, k: int) -> dict[str, dict]:
         try:
             for mode in modes(k):
                 started = time.monotonic()
-                results[mode.name] = run_mode(mode, model, redis_server.url, shape, costs)
+                results[mode.name] = run_isolated(mode, model, redis_server.url, shape, costs)
                 results[mode.name]["wall_s"] = round(time.monotonic() - started, 2)
-                print(f"{mode.name}: {json.dumps(results[mode.name])}", flush=True)
+                summary = {k: v for k, v in results[mode.name].items() if k != "ledger"}
+                print(f"{mode.name}: {json.dumps(summary)}", flush=True)
         finally:
             redis_server.stop()
     return results
