@@ -31,9 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Mode:
+    """`staleness` paces admission; `hard` (None: the project's default, 4 x staleness)
+    is the bound past which groups are dropped; below it stale groups are corrected."""
+
     name: str
     staleness: int
     partial: bool
+    hard: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ def sim_config(mode: Mode, model: Path, redis_url: str, shape: Shape) -> Any:
             f"rollout.partial_rollouts={str(mode.partial).lower()}", "rollout.weight_poll_s=0.01",
             f"learner.total_steps={shape.steps}", "learner.linger_s=0",
             "controller.eval.enabled=false", *ports,
+            *([] if mode.hard is None else [f"shared.max_staleness_hard={mode.hard}"]),
         ],
     )  # fmt: skip
 
@@ -135,7 +140,8 @@ def run_mode(
         raise RuntimeError(
             f"{mode.name}: {learner.learner.step} of {shape.steps} steps in {deadline_s} s"
         )
-    return measure(mode, client, config.shared.run_name, shape, costs, trainer, sampler)
+    result = measure(mode, client, config.shared.run_name, shape, costs, trainer, sampler)
+    return {**result, "staleness_bound": config.shared.staleness_hard_bound}
 
 
 def measure(

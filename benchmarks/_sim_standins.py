@@ -31,8 +31,8 @@ import torch
 
 from learner.config import LearnerSettings
 from learner.dist import Single
-from learner.server import Trainer
 from learner.step import StepMetrics
+from learner.trainer import Trainer
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
 from services.common.types import Group
@@ -199,7 +199,7 @@ class SimTrainer(Trainer):
         self.dp, self.reference, self.costs = Single(), None, costs
         self.busy: list[tuple[float, float]] = []  # (start, end) of each step
 
-    def train(self, groups: list[Group], seed: int) -> StepMetrics:
+    def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
         started = time.time()  # wall clock, as the Redis stream ids it is compared with
         samples = [(g, s) for g in groups for s in g.samples]
         tokens = sum(len(g.prompt_token_ids) + len(s.token_ids) for g, s in samples)

@@ -13,12 +13,14 @@ the synchronous run and T_gen_full = the tokens generated per step at every slot
 - synchronous (max_staleness 0): generate the batch, then train; the baseline;
 - one-step-off (max_staleness 1, no partial rollouts): ideal (T_gen + T_train) /
   max(T_gen, T_train);
-- fully async (max_staleness K) without and with partial rollouts: ideal (T_gen +
-  T_train) / max(T_gen_full, T_train).
+- fully async (max_staleness K, admission's pace; groups up to the default hard bound
+  4 K are still trained with the learner's off-policy correction) without and with
+  partial rollouts: ideal (T_gen + T_train) / max(T_gen_full, T_train).
 
 Checks: one-step-off >= 0.9 of its bound; fully async with partial rollouts >= 2.5 x
 the synchronous trained tokens/s; every trained group within its staleness bound; the
-ledger exact in every mode.
+ledger exact in every mode. The one-step-off and synchronous modes set the hard
+bound to their staleness: that is what they mean.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ ASYNC_STALENESS = 4
 
 def modes(k: int) -> list[Mode]:
     return [
-        Mode("synchronous", 0, False),
-        Mode("one_step_off", 1, False),
+        Mode("synchronous", 0, False, hard=0),
+        Mode("one_step_off", 1, False, hard=1),
         Mode("async", k, False),
         Mode("async_partial", k, True),
     ]
@@ -77,7 +79,7 @@ def bounds(results: dict[str, dict], costs: SimCosts) -> dict[str, Any]:
 
 def checks(results: dict[str, dict], summary: dict[str, Any]) -> list[dict[str, Any]]:
     per_mode = summary["modes"]
-    within = all(r["staleness_max"] <= r["mode"]["staleness"] for r in results.values())
+    within = all(r["staleness_max"] <= r["staleness_bound"] for r in results.values())
     return [
         check("one-step-off speedup / its ideal bound",
               per_mode["one_step_off"]["fraction_of_ideal"], 0.9),
