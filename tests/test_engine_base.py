@@ -16,6 +16,8 @@ from rollout.weights import WeightSource, first_offered
 class EchoEngine(EngineBase):
     """Each sample is its prompt, tagged with the seed it was given and the version."""
 
+    tokenizer = None  # the protocol names one; nothing here decodes
+
     def __init__(self) -> None:
         super().__init__(vocab_size=10)
         self.seeds: list[int] = []
