@@ -55,7 +55,7 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     recompute_old_logprobs(policy, share, cfg, 0, 1.0, dp, fallback=seqs[0])
     for s in share:  # move π_old off π_θ so the clip branches matter
         s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
-    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp))
+    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp, packed=cfg.packing))
     accumulate(policy, share, cfg, 0, 1.0, 16, dp, fallback=seqs[0])
     grads = policy.full_gradients()
     if dp.rank == 0:

@@ -74,8 +74,8 @@ def test_deepspeed_stage0_fp32_matches_plain_torch(tiny_model: Path) -> None:
 
 
 def _reference_grads(model: Path, budget: int) -> dict[str, torch.Tensor]:
-    """One process, the whole mini-batch in one micro-batch."""
-    cfg = _cfg(micro_batch_tokens=budget)
+    """One process, the whole mini-batch in one padded micro-batch."""
+    cfg = _cfg(micro_batch_tokens=budget, packing=False)
     policy = DeepSpeedPolicy(load_model(model), cfg)
     seqs = sequences_from_groups(make_groups())
     recompute_old_logprobs(policy, seqs, cfg, 0, 1.0)
@@ -105,7 +105,8 @@ def _run_ranks(model: Path, out: Path, stages: str, budget: int) -> None:
 
 @pytest.mark.slow
 def test_world2_accumulation_gradients_equal_one_process(tiny_model: Path, tmp_path: Path) -> None:
-    """World size 2 × ≥ 2 micro-batches each (ZeRO 0 and 3) = one process, one micro-batch."""
+    """World size 2 × ≥ 2 packed micro-batches each (ZeRO 0 and 3) = one process, one
+    padded micro-batch."""
     _run_ranks(tiny_model, tmp_path / "grads", "0,3", 60)
     want = _reference_grads(tiny_model, 10_000)
     for stage in (0, 3):
