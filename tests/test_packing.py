@@ -76,7 +76,9 @@ def _padded_and_packed(impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor
         model.set_attn_implementation(impl)
         packed = collate_packed(seqs, 0)
         assign_old_logprobs(seqs, packed, sequence_logprobs(policy, packed, TEMPERATURE, 3)[0])
-    return [w for w in want if w is not None], [s.old_logprobs for s in seqs if s.old_logprobs is not None]
+    return [w for w in want if w is not None], [
+        s.old_logprobs for s in seqs if s.old_logprobs is not None
+    ]
 
 
 @pytest.mark.parametrize("impl", [VARLEN_SDPA, "sdpa", "eager"])
