@@ -51,15 +51,17 @@ TINY: dict[str, Any] = {
     },
 }
 
-# The tiny model (14-token vocabulary) with responses of up to 2048 tokens: a random
-# policy rarely stops, so most responses run to the limit. Overlong filtering stays off
-# (as in `tiny`), otherwise truncated responses would leave nothing to train. Packed
-# micro-batches of 4096 tokens hold two such sequences. Few, small steps: it is for
+# The tiny model (14-token vocabulary) with 2048-token responses: the `tiny_long` model
+# names no EOS, so every response runs to the limit. Overlong filtering stays off (as in
+# `tiny`), otherwise truncated responses would leave nothing to train. Packed
+# micro-batches of 8192 tokens hold three such sequences. Few, small steps: it is for
 # measuring (its report's `time_accounting`), not for learning.
 LONG: dict[str, Any] = {
     "shared": {
         **TINY["shared"],
         "run_name": "long",
+        "model_path": "runs/models/tiny_long",
+        "model_init": "tiny_long",
         "group_size": 4,
         "max_response_length": 2048,
         "train_batch_groups": 2,
@@ -71,7 +73,7 @@ LONG: dict[str, Any] = {
     "learner": {
         **TINY["learner"],
         "mini_batch_responses": 8,
-        "micro_batch_tokens": 4096,
+        "micro_batch_tokens": 8192,
         "total_steps": 4,
         "checkpoint_every": 4,
     },
