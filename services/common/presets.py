@@ -67,7 +67,8 @@ LONG: dict[str, Any] = {
         "train_batch_groups": 2,
         "max_staleness": 0,
     },
-    "controller": {**TINY["controller"], "max_groups_in_flight": 4},
+    # No held-out evaluation: 200 prompts × 4 samples × 2048 tokens would dwarf the run.
+    "controller": {**TINY["controller"], "eval": {"enabled": False}, "max_groups_in_flight": 4},
     "rollout": TINY["rollout"],
     "reward": TINY["reward"],
     "learner": {
