@@ -64,8 +64,9 @@ def time_accounting(
     learner's metrics (step, seconds, committed_at). For each group a step trained:
     generate (the GenerateGroup call, queueing in the rollout server included), score,
     controller (the rest of admission → scored: routing, retries, publishing), wait
-    (scored → the start of its step: buffer, and waiting for the batch to fill) and
-    train (its step's seconds over its groups). `overhead` is score + controller: time
+    (scored → its step's commit less the step's training seconds: the buffer, waiting
+    for the batch to fill, and the step's weight publication) and train (its step's
+    seconds over its groups). `overhead` is score + controller: time
     outside generation and training that is spent on the group itself.
     """
     by_id = {g["group_id"]: g for g in groups if "generate_s" in g}
