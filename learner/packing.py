@@ -10,9 +10,10 @@ Every per-token tensor keeps `learner.batching`'s layout: token t of the row is 
 by the hidden state at t − 1. A sequence's first token is a prompt token (prompts are
 never empty), so no scored token looks across a sequence boundary.
 
-`seq_mean_token_mean` (GRPO's per-sequence mean) reduces per row, so it keeps padded
-rows (`use_packing`); DAPO's token mean and Dr.GRPO's constant norm are sums over
-tokens and pack.
+What reduces per row needs one sequence per row, so it keeps padded rows (`use_packing`):
+`seq_mean_token_mean` (GRPO's per-sequence mean) and the sequence-level off-policy
+corrections (`seq_tis`, `mis` at sequence level). DAPO's token mean, Dr.GRPO's constant
+norm and the token-level corrections are sums over tokens and pack.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ from itertools import accumulate
 import torch
 
 from learner.batching import LossInputs, TrainSequence, collate
+from learner.config import LearnerConfig, MaskedIS, SequenceTIS
 
 
-def use_packing(packing: bool, loss_agg_mode: str) -> bool:
-    """Whether micro-batches are packed: asked for, and a loss that sums over tokens."""
-    return packing and loss_agg_mode != "seq_mean_token_mean"
+def use_packing(cfg: LearnerConfig) -> bool:
+    """Whether micro-batches are packed: asked for, and nothing in the loss reduces per row."""
+    c = cfg.correction
+    per_row_weights = isinstance(c, SequenceTIS) or (
+        isinstance(c, MaskedIS) and c.level == "sequence"
+    )
+    return cfg.packing and cfg.loss_agg_mode != "seq_mean_token_mean" and not per_row_weights
 
 
 def collate_packed(

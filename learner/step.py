@@ -133,13 +133,13 @@ def micro_plan(
     seqs: list[TrainSequence], fallback: TrainSequence, cfg: LearnerConfig, dp: DataParallel
 ) -> list[MicroBatch]:
     """This rank's micro-batches, cut for packing or for padding as configured."""
-    packed = use_packing(cfg.packing, cfg.loss_agg_mode)
+    packed = use_packing(cfg)
     return plan_micro_batches(seqs, fallback, cfg.micro_batch_tokens, dp, packed)
 
 
 def collate_micro(batch: list[TrainSequence], pad_id: int, cfg: LearnerConfig) -> LossInputs:
     """One micro-batch's tensors: one packed row, or rows padded to the longest."""
-    if use_packing(cfg.packing, cfg.loss_agg_mode):
+    if use_packing(cfg):
         return collate_packed(batch, pad_id, cfg.overlong_filtering)
     return collate(batch, pad_id, cfg.overlong_filtering)
 

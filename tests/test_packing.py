@@ -23,6 +23,7 @@ from learner.batching import (
     sequences_from_groups,
     token_budget_micro_batches,
 )
+from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS
 from learner.logprobs import sequence_logprobs
 from learner.packing import collate_packed, use_packing
 from learner.step import accumulate, recompute_old_logprobs
@@ -50,7 +51,17 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
     assign_old_logprobs(seqs, x, torch.arange(7.0).unsqueeze(0))
     assert [s.old_logprobs.tolist() for s in seqs] == [[2.0, 3.0, 4.0], [6.0]]  # type: ignore[union-attr]
     assert segment_bounds(x.position_ids[0]) == [(0, 5), (5, 7)]
-    assert use_packing(True, "token_mean") and not use_packing(True, "seq_mean_token_mean")
+
+
+@pytest.mark.parametrize(
+    ("kw", "packed"),
+    [({}, True), ({"packing": False}, False), ({"loss_agg_mode": "seq_mean_token_mean"}, False),
+     ({"correction": TokenTIS()}, True), ({"correction": SequenceTIS()}, False),
+     ({"correction": MaskedIS(level="token")}, True), ({"correction": MaskedIS()}, True),
+     ({"correction": MaskedIS(level="sequence")}, False)],
+)  # fmt: skip
+def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
+    assert use_packing(LearnerConfig(**kw)) is packed
 
 
 def test_packed_micro_batches_fill_the_budget() -> None:
