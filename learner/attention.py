@@ -13,8 +13,14 @@ sequence as if alone; attention is kept within a sequence:
   `sdpa` would also be exact given the same `position_ids` (it builds a block-diagonal
   mask from them), but that mask is a `[T, T]` tensor: 1 GiB of bool at T = 32k.
 
-Measured here (fp32, tiny Qwen2): packed log-probs and DAPO gradients equal padded ones
-to 1e-5 with both `sdpa_varlen` and transformers' `sdpa` (tests/test_packing.py).
+Both read the boundaries from the position ids in every layer (one host sync per layer
+on GPU); passing `cu_seq_lens_*` to the model would avoid it (not done).
+
+Measured here (fp32, tiny Qwen2): packed log-probs equal padded ones to 1e-5 with
+`sdpa_varlen`, `sdpa` and `eager`, and so does the DAPO gradient (tests/test_packing.py).
+One forward + backward of a 32k-token row of 16 × 2048 (2-layer, hidden 64, CPU under
+load 4–6): 9.3 s with `sdpa_varlen` against 22.7 s with `sdpa`'s block-diagonal mask,
+whose kernel visits all of the `[T, T]` blocks.
 """
 
 from __future__ import annotations
