@@ -3,13 +3,15 @@
 Everything here runs before (or after) the model: `sequences_from_groups` flattens
 groups with their advantages; `plan_step` splits the responses into mini-batches and
 deals each to the data-parallel ranks; `plan_micro_batches` cuts a rank's share by
-token budget; `collate` pads one micro-batch into `LossInputs`; `assign_old_logprobs`
-stores the learner's recomputed log-probs back on the sequences.
+token budget; `collate` pads one micro-batch into `LossInputs` (`learner.packing`
+packs it instead); `assign_old_logprobs` stores the learner's recomputed log-probs back
+on the sequences.
 
-Layout: each row is prompt + response, right-padded. Every per-token tensor is `[B, L]`
-and aligned with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`, so the
-log-prob of that token comes from the hidden state at `t - 1`. Micro-batches are padded,
-not packed; sorting by length keeps padding low.
+Layout: each padded row is prompt + response, right-padded; a packed row is several of
+those end to end (`learner.packing`). Every per-token tensor is `[B, L]` and aligned
+with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`, so the log-prob of
+that token comes from the hidden state at `t - 1`. Padded micro-batches are sorted by
+length, which keeps padding low; packed ones have none.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _sequence(group: Group, sample: Sample, advantage: float) -> TrainSequence:
 
 @dataclass
 class LossInputs:
-    """One micro-batch of B rows padded to length L; shapes are checked by `check()`."""
+    """One micro-batch of B rows of length L holding S sequences; `check()` checks shapes."""
 
     input_ids: Tensor  # [B, L] int64: prompt + response, right-padded with pad_token_id
     attention_mask: Tensor  # [B, L] int64: 1 on real tokens (Hugging Face convention)
@@ -111,13 +113,16 @@ class LossInputs:
     old_logprobs: Tensor | None  # [B, L] float32: π_old of input_ids[b, t] on responses, else 0
     rollout_logprobs: Tensor | None  # [B, L] float32: the engine's log-probs, same layout
     ref_logprobs: Tensor | None  # [B, L] float32: the reference model's, same layout (KL only)
-    truncated: Tensor  # [B] bool: response did not end on its own
-    response_lengths: Tensor  # [B] int64
-    index: Tensor  # [B] int64: position of each row in the list given to `collate`
+    truncated: Tensor  # [S] bool: response did not end on its own
+    response_lengths: Tensor  # [S] int64
+    index: Tensor  # [S] int64: position of each sequence in the list given to `collate`
+    starts: Tensor  # [S] int64: flat index (row · L + column) of each sequence's first token
+    position_ids: Tensor | None = None  # [B, L] int64: 0 at each packed sequence's start
 
     def check(self) -> None:
         """Raise ValueError unless every tensor has its declared shape and dtype."""
         b, length = self.input_ids.shape
+        s = self.index.shape[0]
         expect = {
             "input_ids": ((b, length), torch.int64),
             "attention_mask": ((b, length), torch.int64),
@@ -127,9 +132,11 @@ class LossInputs:
             "old_logprobs": ((b, length), torch.float32),
             "rollout_logprobs": ((b, length), torch.float32),
             "ref_logprobs": ((b, length), torch.float32),
-            "truncated": ((b,), torch.bool),
-            "response_lengths": ((b,), torch.int64),
-            "index": ((b,), torch.int64),
+            "truncated": ((s,), torch.bool),
+            "response_lengths": ((s,), torch.int64),
+            "index": ((s,), torch.int64),
+            "starts": ((s,), torch.int64),
+            "position_ids": ((b, length), torch.int64),
         }
         for name, (shape, dtype) in expect.items():
             t = getattr(self, name)
@@ -186,6 +193,7 @@ def collate(
         truncated=truncated,
         response_lengths=torch.tensor([len(s.response_ids) for s in seqs], dtype=torch.int64),
         index=torch.arange(b, dtype=torch.int64),
+        starts=torch.arange(b, dtype=torch.int64) * length,
     )
 
 
@@ -217,13 +225,14 @@ def assign_old_logprobs(
 ) -> None:
     """Store learner log-probs `[B, L]` (aligned with `input_ids`) on the sequences.
 
-    `seqs` is the list that was given to `collate` to build `inputs`; `attr` says whose
-    log-probs they are: π_old (the default) or the KL reference's.
+    `seqs` is the list that was given to `collate` (padded or packed) to build `inputs`;
+    `attr` says whose log-probs they are: π_old (the default) or the KL reference's.
     """
-    lp = logprobs.detach().float().cpu()
-    mask = inputs.response_mask.cpu()
-    for row, idx in enumerate(inputs.index.tolist()):
-        setattr(seqs[idx], attr, lp[row][mask[row]].clone())
+    flat = logprobs.detach().float().cpu().flatten()
+    for idx, start in zip(inputs.index.tolist(), inputs.starts.tolist(), strict=True):
+        s = seqs[idx]
+        begin = start + len(s.prompt_ids)
+        setattr(s, attr, flat[begin : begin + len(s.response_ids)].clone())
 
 
 class LossCounts(NamedTuple):
@@ -272,18 +281,39 @@ def token_budget_micro_batches(
             current.append(i)
         else:
             batches.append([i])
-    return _split_to_count(batches, lengths, min_count)
+    return _split_to_count(batches, lambda b: len(b) * lengths[b[0]], min_count)
+
+
+def packed_micro_batches(
+    lengths: Sequence[int], max_tokens: int, min_count: int = 1
+) -> list[list[int]]:
+    """Indices into `lengths` in bins of at most `max_tokens` tokens in all, for packing.
+
+    First-fit decreasing: each row, longest first, goes into the first bin with room; a
+    row longer than the budget gets a bin of its own. `min_count` as above.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
+        if k is None:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])
+        else:
+            bins[k].append(i)
+            room[k] -= lengths[i]
+    return _split_to_count(bins, lambda b: sum(lengths[i] for i in b), min_count)
 
 
 def _split_to_count(
-    batches: list[list[int]], lengths: Sequence[int], min_count: int
+    batches: list[list[int]], cost: Callable[[list[int]], int], min_count: int
 ) -> list[list[int]]:
     """Halve the costliest splittable micro-batch until there are `min_count` (if possible)."""
     while len(batches) < min_count:
         splittable = [b for b in batches if len(b) > 1]
         if not splittable:
             break
-        worst = max(splittable, key=lambda b: len(b) * lengths[b[0]])
+        worst = max(splittable, key=cost)
         k = batches.index(worst)
         half = len(worst) // 2
         batches[k : k + 1] = [worst[:half], worst[half:]]
@@ -338,17 +368,22 @@ def plan_step(
 
 
 def plan_micro_batches(
-    seqs: Sequence[TrainSequence], fallback: TrainSequence, budget: int, dp: DataParallel
+    seqs: Sequence[TrainSequence],
+    fallback: TrainSequence,
+    budget: int,
+    dp: DataParallel,
+    packed: bool = False,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches, padded with dummies to the largest count over ranks.
+    """This rank's micro-batches (rows to pad, or to pack), dummies up to the ranks' count.
 
     Ranks run the same number of forwards: ZeRO-3 gathers parameters in each one.
     """
     lengths = [s.length for s in seqs]
-    idx = token_budget_micro_batches(lengths, budget) if seqs else []
+    split = packed_micro_batches if packed else token_budget_micro_batches
+    idx = split(lengths, budget) if seqs else []
     target = dp.all_reduce_max(len(idx))
     if seqs and len(idx) < target:
-        idx = token_budget_micro_batches(lengths, budget, min_count=target)
+        idx = split(lengths, budget, min_count=target)
     batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
     batches += [([fallback], False)] * (target - len(batches))
     return batches

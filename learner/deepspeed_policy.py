@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states
 from learner.model_io import enable_activation_checkpointing, save_hf
@@ -78,6 +79,10 @@ class DeepSpeedPolicy:
         self.world_size = torch.distributed.get_world_size()
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
+        if cfg.packing:
+            from deepspeed.accelerator import get_accelerator
+
+            packed_attention(model, get_accelerator().device_name())
         self.optimizer = adamw(model.parameters(), cfg)
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, config=ds_config(cfg)
@@ -94,10 +99,12 @@ class DeepSpeedPolicy:
     def device(self) -> torch.device:
         return self.engine.device
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
         """Through the engine's forward: its hooks (ZeRO-3 gathers, backward prologue) run."""
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
-        return final_hidden_states(self.engine, ids, mask)
+        return final_hidden_states(self.engine, ids, mask, position_ids)
 
     @property
     def lm_head(self) -> torch.nn.Module:

@@ -12,6 +12,10 @@ Presets:
   (2 KV), FFN 256, tied embeddings (124,352 parameters). Its chat template renders only the
   message contents, so a prompt is `3,7,1=` and nothing more. Characters outside the
   alphabet are dropped when encoding (no unknown token: it would only be noise).
+- `tiny_long`: `tiny` that never stops: its generation config names no EOS, so every
+  response runs to `max_response_length` (the `long` run preset measures the system's
+  per-group costs beside long generations this way; a random model would stop after
+  about 14 tokens). 4096 positions.
 - `small`: a byte-level BPE tokenizer trained on a few thousand synthetic math lines (any
   text, AIME prompts included, encodes losslessly) with a ChatML template; Qwen2 with
   2 layers, hidden 128, 2 heads (head_dim 64, which vLLM's CPU kernels accept).
@@ -81,6 +85,7 @@ class Preset:
 
     shape: ModelShape
     build_tokenizer: Callable[[], PreTrainedTokenizerFast]
+    stops: bool = True  # False: the generation config names no EOS
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -219,6 +224,9 @@ def _answer_line(rng: random.Random) -> str:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(ModelShape(64, 256, 2, 4, 2, 256, True), build_tiny_tokenizer),
+    "tiny_long": Preset(
+        ModelShape(64, 256, 2, 4, 2, 4096, True), build_tiny_tokenizer, stops=False
+    ),
     "small": Preset(ModelShape(128, 512, 2, 2, 2, 4096, True), build_small_tokenizer),
 }
 
@@ -226,7 +234,9 @@ PRESETS: dict[str, Preset] = {
 # --------------------------------------------------------------------------- model
 
 
-def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int) -> Any:
+def build_model(
+    shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int, stops: bool = True
+) -> Any:
     """Random-weight Qwen2 sized for `tokenizer`, seeded without touching global RNG state."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -244,7 +254,7 @@ def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
         model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        eos_token_id=(eos_ids[0] if len(eos_ids) == 1 else eos_ids) if stops else [],
         pad_token_id=tokenizer.pad_token_id,
     )
     return model
@@ -258,7 +268,7 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = spec.build_tokenizer()
-    model: PreTrainedModel = build_model(spec.shape, tokenizer, seed)
+    model: PreTrainedModel = build_model(spec.shape, tokenizer, seed, spec.stops)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
     provenance = {

@@ -29,16 +29,24 @@ if TYPE_CHECKING:
 
 
 def final_hidden_states(
-    model: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor
+    model: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """The last layer's normed hidden states `[B, L, H]` of a transformers causal LM.
 
     The model is called whole (a DeepSpeed engine keeps its forward hooks), keeping the
-    logits of no position (an empty index): its head still runs, on zero rows.
+    logits of no position (an empty index): its head still runs, on zero rows. With
+    `position_ids` (packed rows) no mask is passed: transformers then reads the sequence
+    boundaries from the positions (`learner.attention`).
     """
+    if position_ids is not None:
+        position_ids = position_ids.to(input_ids.device)
     out = model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
+        attention_mask=None if position_ids is not None else attention_mask,
+        position_ids=position_ids,
         output_hidden_states=True,
         logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
         use_cache=False,
@@ -137,7 +145,7 @@ def sequence_logprobs(
     With `chunk` > 0 only response tokens are scored (0 elsewhere); `chunk = 0` scores
     every position from full `[B, L, V]` logits (the baseline).
     """
-    hidden = model.hidden_states(inputs.input_ids, inputs.attention_mask)
+    hidden = model.hidden_states(inputs.input_ids, inputs.attention_mask, inputs.position_ids)
     ids = inputs.input_ids.to(hidden.device)
     if chunk == 0:
         return logprobs_for_inputs(model.lm_head(hidden), ids, temperature)

@@ -21,8 +21,10 @@ from torch import Tensor
 class CausalLM(Protocol):
     """A causal LM cut before its output head: what log-prob scoring needs."""
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """The last layer's normed hidden states `[B, L, H]`."""
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """The last layer's normed hidden states `[B, L, H]` (`position_ids`: packed rows)."""
         ...
 
     @property

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner.attention import packed_attention
 from learner.logprobs import final_hidden_states
 from learner.model_io import load_model
 
@@ -24,6 +25,7 @@ class Reference:
 
     def __init__(self, model: PreTrainedModel, device: str = "cpu") -> None:
         torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
+        packed_attention(model, device)  # padded rows take plain SDPA through it too
         self.model = model.eval().requires_grad_(False)
 
     @classmethod
@@ -31,9 +33,12 @@ class Reference:
         return cls(load_model(model_path, dtype))
 
     @torch.no_grad()
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
         device = next(self.model.parameters()).device
-        return final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        return final_hidden_states(self.model, ids, mask, position_ids)
 
     @property
     def lm_head(self) -> torch.nn.Module:

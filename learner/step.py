@@ -4,7 +4,8 @@ One pass, top to bottom:
 
 1. plan (`learner.batching`): split the responses into mini-batches (one optimizer
    update each, the same seeded split on every rank), deal each mini-batch to the
-   data-parallel ranks by token count, cut a rank's share into micro-batches by budget;
+   data-parallel ranks by token count, cut a rank's share into micro-batches by budget
+   (each packed into one row, `learner.packing`, or padded to its longest row);
 2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
    response tokens without gradient (`learner.logprobs`); store them on the sequences.
    π_old is the proximal policy of decoupled PPO: with an off-policy correction on
@@ -33,6 +34,7 @@ from learner.algorithm import ClipStats, agg_loss, kl_k3, masked_mean, per_token
 from learner.batching import (
     LossCounts,
     LossInputs,
+    MicroBatch,
     TrainSequence,
     assign_old_logprobs,
     collate,
@@ -45,6 +47,7 @@ from learner.config import LearnerConfig, NoCorrection
 from learner.correction import correction_weights, mismatch_and_lag_sums, weight_sums
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
+from learner.packing import collate_packed, use_packing
 from learner.policy import CausalLM, Policy
 from services.common.types import Group
 
@@ -126,6 +129,21 @@ def train_step(
     return metrics
 
 
+def micro_plan(
+    seqs: list[TrainSequence], fallback: TrainSequence, cfg: LearnerConfig, dp: DataParallel
+) -> list[MicroBatch]:
+    """This rank's micro-batches, cut for packing or for padding as configured."""
+    packed = use_packing(cfg)
+    return plan_micro_batches(seqs, fallback, cfg.micro_batch_tokens, dp, packed)
+
+
+def collate_micro(batch: list[TrainSequence], pad_id: int, cfg: LearnerConfig) -> LossInputs:
+    """One micro-batch's tensors: one packed row, or rows padded to the longest."""
+    if use_packing(cfg):
+        return collate_packed(batch, pad_id, cfg.overlong_filtering)
+    return collate(batch, pad_id, cfg.overlong_filtering)
+
+
 def score(
     model: CausalLM, inputs: LossInputs, cfg: LearnerConfig, temperature: float, dp: DataParallel
 ) -> tuple[Tensor, Tensor]:
@@ -147,8 +165,8 @@ def recompute_old_logprobs(
 ) -> None:
     """Fill each sequence's π_old (and π_ref when a reference is given)."""
     dp = dp or Single()
-    for batch, real in plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp):
-        inputs = collate(batch, pad_id, cfg.overlong_filtering)
+    for batch, real in micro_plan(seqs, fallback or seqs[0], cfg, dp):
+        inputs = collate_micro(batch, pad_id, cfg)
         logprobs, _ = score(policy, inputs, cfg, temperature, dp)
         if not real:
             continue
@@ -203,10 +221,10 @@ def accumulate(
     """
     dp = dp or Single()
     counts = counts or global_counts(seqs, cfg.overlong_filtering, dp)
-    plan = plan_micro_batches(seqs, fallback or seqs[0], cfg.micro_batch_tokens, dp)
+    plan = micro_plan(seqs, fallback or seqs[0], cfg, dp)
     sums = torch.zeros(8, dtype=torch.float64)
     for k, (batch, real) in enumerate(plan):
-        inputs = collate(batch, pad_id, cfg.overlong_filtering)
+        inputs = collate_micro(batch, pad_id, cfg)
         logprobs, entropy = score(policy, inputs, cfg, temperature, dp)
         inputs = inputs.to(logprobs.device)
         loss, stats, kl, w = micro_batch_loss(logprobs, inputs, cfg, counts, max_response_length)

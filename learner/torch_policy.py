@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states
 from learner.model_io import enable_activation_checkpointing, load_state, save_hf, save_state
@@ -42,6 +43,8 @@ class TorchPolicy:
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
         torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
+        if cfg.packing:
+            packed_attention(model, device)
         self.model = model
         self.model.train()
         self.cfg = cfg
@@ -50,9 +53,12 @@ class TorchPolicy:
             self.optimizer, lambda s: warmup_factor(s, cfg.warmup_steps)
         )
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
         device = next(self.model.parameters()).device
-        return final_hidden_states(self.model, input_ids.to(device), attention_mask.to(device))
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        return final_hidden_states(self.model, ids, mask, position_ids)
 
     @property
     def lm_head(self) -> torch.nn.Module:

@@ -1,8 +1,12 @@
-"""Shared by the learner tests: a fixed, length-skewed batch and a data-parallel worker.
+"""Shared by the learner tests: a fixed, length-skewed batch and data-parallel workers.
 
-Run as a script (`python tests/learner_fixtures.py grads MODEL OUT STAGE GAS`) under
-RANK/WORLD_SIZE/MASTER_* it accumulates one mini-batch's gradient with DeepSpeed on its
-share of the batch and rank 0 writes the reduced gradients to OUT (safetensors).
+Run as a script under RANK/WORLD_SIZE/MASTER_*:
+
+- `python tests/learner_fixtures.py grads MODEL OUT STAGES BUDGET` accumulates one
+  mini-batch's gradient with DeepSpeed on this rank's share of the batch, per ZeRO stage;
+  rank 0 writes the reduced gradients to OUT (safetensors);
+- `python tests/learner_fixtures.py train MODEL OUT STAGES DTYPES` trains a few steps per
+  ZeRO stage and dtype; rank 0 writes the final weights and each step's loss.
 """
 
 from __future__ import annotations
@@ -55,11 +59,40 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     recompute_old_logprobs(policy, share, cfg, 0, 1.0, dp, fallback=seqs[0])
     for s in share:  # move π_old off π_θ so the clip branches matter
         s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
-    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp))
+    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp, packed=cfg.packing))
     accumulate(policy, share, cfg, 0, 1.0, 16, dp, fallback=seqs[0])
     grads = policy.full_gradients()
     if dp.rank == 0:
         save_file(grads, f"{out}.zero{stage}.safetensors", metadata={"micro_batches": str(micro)})
+
+
+TRAIN_STEPS = 3
+
+
+def train_worker(model: str, out: str, stage: int, dtype: str) -> None:
+    """TRAIN_STEPS steps of the learner's defaults, but for the stage, dtype and batch size."""
+    import json
+    import time
+
+    from safetensors.torch import save_file
+
+    from learner.config import LearnerConfig
+    from learner.deepspeed_policy import DeepSpeedPolicy
+    from learner.dist import data_parallel
+    from learner.model_io import load_model
+    from learner.step import train_step
+
+    cfg = LearnerConfig(zero_stage=stage, dtype=dtype, lr=1e-3, warmup_steps=0,
+                        mini_batch_responses=8, micro_batch_tokens=64)  # fmt: skip
+    started = time.monotonic()
+    policy = DeepSpeedPolicy(load_model(model), cfg)
+    dp, groups = data_parallel(), make_groups(seed=5)
+    losses = [train_step(policy, groups, cfg, 0, 1.0, 16, seed=k, dp=dp).loss
+              for k in range(TRAIN_STEPS)]  # fmt: skip
+    weights = {name: t.float().cpu().clone() for name, t in policy.named_weights()}
+    if dp.rank == 0:
+        meta = {"losses": json.dumps(losses), "seconds": f"{time.monotonic() - started:.2f}"}
+        save_file(weights, f"{out}.zero{stage}.{dtype}.safetensors", metadata=meta)
 
 
 def broadcast_check(out: str) -> None:
@@ -77,8 +110,12 @@ def broadcast_check(out: str) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _, cmd, model_dir, out_path, stages, budget = sys.argv
-    assert cmd == "grads"
+    _, cmd, model_dir, out_path, stages, last = sys.argv
     for zero in stages.split(","):
-        grads_worker(model_dir, out_path, int(zero), int(budget))
-    broadcast_check(out_path)
+        if cmd == "grads":
+            grads_worker(model_dir, out_path, int(zero), int(last))
+        else:
+            for dtype in last.split(","):
+                train_worker(model_dir, out_path, int(zero), dtype)
+    if cmd == "grads":
+        broadcast_check(out_path)

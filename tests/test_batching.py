@@ -18,11 +18,13 @@ from learner.batching import (
     fixed_size_micro_batches,
     loss_counts,
     mini_batches,
+    packed_micro_batches,
     padding_fraction,
     sequences_from_groups,
     token_budget_micro_batches,
 )
 from learner.logprobs import logprobs_for_inputs
+from learner.packing import collate_packed
 from services.common.types import Group, Sample
 
 PAD = 0
@@ -100,16 +102,25 @@ def test_collate_without_logprobs_and_shape_check() -> None:
 
 
 class TinyCausalLM(nn.Module):
-    """Causal by construction: position t sees the running mean of embeddings up to t."""
+    """Causal by construction: position t sees the running mean of embeddings up to t.
+
+    With `position_ids` (packed rows) the running mean restarts at each position 0.
+    """
 
     def __init__(self, vocab: int = 13, dim: int = 8) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        h = self.emb(input_ids).cumsum(dim=1)
-        h = h / torch.arange(1, input_ids.shape[1] + 1, dtype=h.dtype).view(1, -1, 1)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        total = self.emb(input_ids).cumsum(dim=1)
+        first = torch.cummax(torch.where(position_ids == 0, torch.arange(
+            input_ids.shape[1]), 0), dim=1).values  # fmt: skip
+        before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], dim=1)
+        h = total - before.gather(1, first.unsqueeze(-1).expand_as(total))
+        h = h / (position_ids + 1).to(h.dtype).unsqueeze(-1)
         return self.head(torch.tanh(h))
 
 
@@ -127,14 +138,17 @@ def _random_groups(seed: int, n_groups: int, g: int, max_len: int) -> list[Group
     return groups
 
 
-def _step_loss(model: nn.Module, seqs: list[TrainSequence], micro: list[list[int]], counts):
+def _step_loss(
+    model: nn.Module, seqs: list[TrainSequence], micro: list[list[int]], counts, packed=False
+):
     """Sum of micro-batch token_mean losses over the given global count; grads accumulate."""
     model.zero_grad()
     total = 0.0
     for idx in micro:
-        x = collate([seqs[i] for i in idx], PAD)
+        x = (collate_packed if packed else collate)([seqs[i] for i in idx], PAD)
         assert x.old_logprobs is not None
-        lp, _ = logprobs_for_inputs(model(x.input_ids), x.input_ids, temperature=0.9)
+        logits = model(x.input_ids, x.position_ids)
+        lp, _ = logprobs_for_inputs(logits, x.input_ids, temperature=0.9)
         adv, old = x.advantages.double(), x.old_logprobs.double()
         loss_mat, _ = policy_loss(lp, old, adv, x.loss_mask, 0.2, 0.28, clip_ratio_c=10.0)
         loss = agg_loss(loss_mat, x.loss_mask, "token_mean", global_token_count=counts)
@@ -143,16 +157,19 @@ def _step_loss(model: nn.Module, seqs: list[TrainSequence], micro: list[list[int
     return total, [p.grad.clone() for p in model.parameters()]
 
 
-def test_token_budget_micro_batches_give_the_full_batch_loss_and_gradient() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_budget_micro_batches_give_the_full_batch_loss_and_gradient(packed: bool) -> None:
+    """Padded or packed micro-batches = the whole batch in one padded micro-batch."""
     torch.manual_seed(0)
     model = TinyCausalLM().double()
     seqs = sequences_from_groups(_random_groups(1, n_groups=4, g=4, max_len=12))
     assert any(s.truncated for s in seqs)
     tokens = loss_counts(seqs).tokens
     full_loss, full_grads = _step_loss(model, seqs, [list(range(len(seqs)))], None)
-    micro = token_budget_micro_batches([s.length for s in seqs], max_tokens=40)
-    assert len(micro) > 3
-    micro_loss, micro_grads = _step_loss(model, seqs, micro, tokens)
+    split = packed_micro_batches if packed else token_budget_micro_batches
+    micro = split([s.length for s in seqs], max_tokens=24 if packed else 40)
+    assert len(micro) > 3 and (not packed or max(len(m) for m in micro) > 2)
+    micro_loss, micro_grads = _step_loss(model, seqs, micro, tokens, packed)
     assert micro_loss == pytest.approx(full_loss, rel=1e-12)
     for a, b in zip(micro_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

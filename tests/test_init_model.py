@@ -143,11 +143,20 @@ def test_init_leaves_global_rng_alone(tmp_path: Path) -> None:
 
 def test_unknown_preset_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(
-        ValueError, match=r"unknown model preset 'huge'; valid presets: tiny, small"
+        ValueError, match=r"unknown model preset 'huge'; valid presets: tiny, tiny_long, small"
     ):
         init_model(tmp_path / "out", "huge")
     assert not (tmp_path / "out").exists()
-    assert set(PRESETS) == {"tiny", "small"}
+    assert set(PRESETS) == {"tiny", "tiny_long", "small"}
+
+
+def test_tiny_long_names_no_eos(tmp_path: Path) -> None:
+    """The `long` run preset's model: same tokenizer as tiny, generation never stops."""
+    from transformers import GenerationConfig
+
+    init_model(tmp_path, "tiny_long", seed=0)
+    assert GenerationConfig.from_pretrained(tmp_path).eos_token_id == []
+    assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<eos>"
 
 
 # --------------------------------------------------------------------------- small

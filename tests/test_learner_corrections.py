@@ -17,6 +17,7 @@ from learner.batching import collate, loss_counts, sequences_from_groups
 from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS, TwoSidedMask
 from learner.logprobs import sequence_logprobs
 from learner.model_io import load_model
+from learner.packing import use_packing
 from learner.reference import Reference
 from learner.step import accumulate, recompute_old_logprobs, train_step
 from learner.torch_policy import TorchPolicy
@@ -47,8 +48,10 @@ def _tis_grads(model: Path, cap: float | None, log_ratio: float) -> dict[str, to
     return _corrected_grads(model, TokenTIS(cap=cap) if cap else None, log_ratio)
 
 
-def _corrected_grads(model: Path, correction, log_ratio: float) -> dict[str, torch.Tensor]:
-    cfg = _cfg(correction=correction)
+def _corrected_grads(
+    model: Path, correction, log_ratio: float, packing: bool = True
+) -> dict[str, torch.Tensor]:
+    cfg = _cfg(correction=correction, packing=packing)
     policy, seqs = _prepared(model, cfg)
     for s in seqs:  # the engine sampled with log π_rollout = log π_old − log_ratio
         s.rollout_logprobs = (s.old_logprobs - log_ratio).tolist()
@@ -72,8 +75,9 @@ def test_tis_scales_the_gradient_by_the_capped_ratio(
     "correction", [TokenTIS(), SequenceTIS(), MaskedIS(level="sequence"), TwoSidedMask()]
 )
 def test_an_exact_engine_leaves_the_step_gradient_bit_for_bit(tiny_model: Path, correction) -> None:
-    """π_behav == π_old (staleness 0, exact engine): the corrected gradient is DAPO's."""
-    plain = _corrected_grads(tiny_model, None, 0.0)
+    """π_behav == π_old (staleness 0, exact engine): the corrected gradient is DAPO's (in
+    the same row layout: sequence-level corrections keep padded rows, learner.packing)."""
+    plain = _corrected_grads(tiny_model, None, 0.0, use_packing(_cfg(correction=correction)))
     corrected = _corrected_grads(tiny_model, correction, 0.0)
     assert plain.keys() == corrected.keys() and plain
     assert all(torch.equal(corrected[n], g) for n, g in plain.items())

@@ -1,5 +1,6 @@
 """Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters);
-`tiny` trains on this CPU.
+`tiny` trains on this CPU; `long` is `tiny` with 2k-token responses, to see the
+system's per-group costs beside long generations on a CPU.
 
 The files in examples/ are these presets written out; a test keeps them equal.
 """
@@ -50,4 +51,33 @@ TINY: dict[str, Any] = {
     },
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER, "tiny": TINY}
+# The tiny model (14-token vocabulary) with 2048-token responses: the `tiny_long` model
+# names no EOS, so every response runs to the limit. Overlong filtering stays off (as in
+# `tiny`), otherwise truncated responses would leave nothing to train. Packed
+# micro-batches of 8192 tokens hold three such sequences. Few, small steps: it is for
+# measuring (its report's `time_accounting`), not for learning.
+LONG: dict[str, Any] = {
+    "shared": {
+        **TINY["shared"],
+        "run_name": "long",
+        "model_path": "runs/models/tiny_long",
+        "model_init": "tiny_long",
+        "group_size": 4,
+        "max_response_length": 2048,
+        "train_batch_groups": 2,
+        "max_staleness": 0,
+    },
+    # No held-out evaluation: 200 prompts × 4 samples × 2048 tokens would dwarf the run.
+    "controller": {**TINY["controller"], "eval": {"enabled": False}, "max_groups_in_flight": 4},
+    "rollout": TINY["rollout"],
+    "reward": TINY["reward"],
+    "learner": {
+        **TINY["learner"],
+        "mini_batch_responses": 8,
+        "micro_batch_tokens": 8192,
+        "total_steps": 4,
+        "checkpoint_every": 4,
+    },
+}
+
+PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER, "tiny": TINY, "long": LONG}

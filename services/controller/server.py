@@ -270,8 +270,11 @@ class Controller:
             if generated is None:
                 return  # stopping: the group stays in flight for the next start
             prompt_ids, samples = generated
+            generated_s = time.monotonic() - started
             if self.score(group_id, record, samples, stop) is None:
                 return
+            timing = {"generate_s": generated_s,
+                      "score_s": time.monotonic() - started - generated_s}  # fmt: skip
             group = Group(
                 group_id=group_id, prompt_id=record.prompt_id, prompt=record.prompt,
                 prompt_token_ids=prompt_ids, ground_truth=record.ground_truth,
@@ -279,7 +282,7 @@ class Controller:
                 admitted_version=version, admitted_at=time.time() - (time.monotonic() - started),
                 scored_at=time.time(), data_source=record.data_source,
             )  # fmt: skip
-            self.publish(group)
+            self.publish(group, timing)
             GROUP_SECONDS.observe(time.monotonic() - started)
         except Exception:
             log.exception("group %s failed; it stays in flight and is retried on restart", group_id)
@@ -289,12 +292,18 @@ class Controller:
                 INFLIGHT.set(self._inflight)
             self._group_done.set()
 
-    def publish(self, group: Group) -> None:
-        """Leave `inflight` and append to `scored`, atomically and once per group id."""
+    def publish(self, group: Group, timing: dict[str, float] | None = None) -> None:
+        """Leave `inflight` and append to `scored`, atomically and once per group id.
+
+        `timing` (seconds in the GenerateGroup and Score calls) rides beside the group as a
+        plain stream field, for the run report's time accounting (`services/tools/report.py`).
+        """
         fields: dict[str, bytes | str] = {
             "group": encode_group(group),
             "group_id": group.group_id,
         }
+        if timing is not None:
+            fields["timing"] = json.dumps(timing)
         k = self.keys
         if publish_inflight(self.client, k.inflight, k.scored, k.ledger, group.group_id, fields):
             SCORED.inc()

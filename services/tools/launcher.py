@@ -24,6 +24,7 @@ from typing import IO, Any
 
 import redis
 
+from services.common.adapters import decode_group
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
@@ -32,7 +33,13 @@ from services.common.redis_server import RedisServer, connect, connect_run, star
 from services.common.security import secret_env, without_secrets
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
-from services.tools.report import kept_ratios, save_report, summary_lines, write_plots
+from services.tools.report import (
+    kept_ratios,
+    save_report,
+    summary_lines,
+    time_accounting,
+    write_plots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +260,22 @@ def update_bar(
     )  # fmt: skip
 
 
+def scored_timings(client: Any, keys: RunKeys) -> list[dict[str, Any]]:
+    """Each scored group's id, admission and scoring times, and the controller's timing.
+
+    Read from the `scored` stream, whose acked entries the buffer trims beyond the newest
+    `buffer.stream_retain`: a long run's accounting covers its last groups only.
+    """
+    out = []
+    for _, fields in client.xrange(keys.scored):
+        if b"timing" not in fields:
+            continue
+        group = decode_group(fields[b"group"])
+        out.append({"group_id": group.group_id, "admitted_at": group.admitted_at,
+                    "scored_at": group.scored_at, **json.loads(fields[b"timing"])})  # fmt: skip
+    return out
+
+
 def write_report(launch: Launch, started: float, code: int) -> Path:
     config = launch.config
     client = connect_run(config)
@@ -261,6 +284,7 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
     steps = [dict(json.loads(f[b"json"]), committed_at=int(eid.split(b"-")[0]) / 1000)
              for eid, f in client.xrange(keys.metrics)]  # fmt: skip
     ledger = read_ledger(client, config.shared.run_name)
+    traces = [json.loads(f[b"json"]) for _, f in client.xrange(keys.steps)]
     report = {
         "run": config.shared.run_name,
         "exit_code": code,
@@ -268,6 +292,7 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "steps": steps,
         "kept_history": launch.history,
         "ledger": ledger.as_dict(),
+        "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         **launch.evals,
     }
     if steps:

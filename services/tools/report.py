@@ -54,6 +54,46 @@ def write_plots(steps: list[dict[str, Any]], ratios: dict[int, float], out_dir: 
     return written
 
 
+def time_accounting(
+    groups: list[dict[str, Any]], traces: list[dict[str, Any]], steps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Where a trained group's time went, in mean seconds per group.
+
+    `groups`: one per scored group (group_id, admitted_at, scored_at and the controller's
+    generate_s / score_s); `traces`: the `steps` stream (step, groups); `steps`: the
+    learner's metrics (step, seconds, committed_at). For each group a step trained:
+    generate (the GenerateGroup call, queueing in the rollout server included), score,
+    controller (the rest of admission → scored: routing, retries, publishing), wait
+    (scored → its step's commit less the step's training seconds: the buffer, waiting
+    for the batch to fill, and the step's weight publication) and train (its step's
+    seconds over its groups). `overhead` is score + controller: time
+    outside generation and training that is spent on the group itself.
+    """
+    by_id = {g["group_id"]: g for g in groups if "generate_s" in g}
+    by_step = {s["step"]: s for s in steps}
+    rows = []
+    for trace in traces:
+        step = by_step.get(trace["step"])
+        if step is None:
+            continue
+        start = step["committed_at"] - step["seconds"]
+        for gid in trace["groups"]:
+            if (g := by_id.get(gid)) is None:
+                continue
+            latency = g["scored_at"] - g["admitted_at"]
+            controller = latency - g["generate_s"] - g["score_s"]
+            rows.append({
+                "generate": g["generate_s"], "score": g["score_s"], "controller": controller,
+                "wait": start - g["scored_at"], "train": step["seconds"] / len(trace["groups"]),
+                "overhead": g["score_s"] + controller,
+            })  # fmt: skip
+    if not rows:
+        return {"groups": 0}
+    mean = {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in rows[0]}
+    return {"groups": len(rows), "mean_s": mean,
+            "overhead_max_s": round(max(r["overhead"] for r in rows), 4)}  # fmt: skip
+
+
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """The lines printed at the end of `dapo up`."""
     ledger = report["ledger"]
@@ -64,6 +104,14 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}",
     ]
     lines.append(staleness_line(report))
+    acc = report.get("time_accounting", {})
+    if acc.get("groups"):
+        m = acc["mean_s"]
+        lines.append(
+            f"per trained group (mean s): generate {m['generate']:.3f}, train "
+            f"{m['train']:.3f}, overhead {m['overhead']:.3f} (score {m['score']:.3f} + "
+            f"controller {m['controller']:.3f}), waiting for its batch {m['wait']:.3f}"
+        )
     before, after = report.get("eval_before"), report.get("eval_after")
     if before and after:
         key = next(k for k in before if k.startswith("avg@"))

@@ -1,0 +1,141 @@
+"""Packed micro-batches equal padded ones: layout, log-probs and the DAPO gradient.
+
+Random tiny Qwen2 models (fp32, temperature ≠ 1, chunked log-probs), the attention
+implementations that keep packed sequences apart, and a spy on SDPA showing that
+`sdpa_varlen` never attends across (or builds a mask over) the whole packed row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from learner_fixtures import make_groups
+from test_learner_logprobs import TEMPERATURE, _cfg, tiny_qwen
+
+from learner.attention import VARLEN_SDPA, packed_attention, segment_bounds
+from learner.batching import (
+    TrainSequence,
+    assign_old_logprobs,
+    collate,
+    packed_micro_batches,
+    sequences_from_groups,
+    token_budget_micro_batches,
+)
+from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS
+from learner.logprobs import sequence_logprobs
+from learner.packing import collate_packed, use_packing
+from learner.step import accumulate, recompute_old_logprobs
+from learner.torch_policy import TorchPolicy
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def test_collate_packed_lays_sequences_end_to_end() -> None:
+    seqs = [
+        TrainSequence([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], advantage=0.5, truncated=False),
+        TrainSequence([6], [7], [-0.4], advantage=-1.0, truncated=True),
+    ]
+    x = collate_packed(seqs, pad_token_id=0)
+    x.check()
+    assert x.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7]]
+    assert x.position_ids is not None and x.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert x.response_mask.int().tolist() == [[0, 0, 1, 1, 1, 0, 1]]
+    assert x.loss_mask.int().tolist() == [[0, 0, 1, 1, 1, 0, 0]]
+    assert x.advantages.tolist() == [[0, 0, 0.5, 0.5, 0.5, 0, -1.0]]
+    assert x.old_logprobs is not None
+    torch.testing.assert_close(x.old_logprobs, torch.tensor([[0, 0, -0.1, -0.2, -0.3, 0, -0.4]]))
+    assert x.starts.tolist() == [0, 5] and x.truncated.tolist() == [False, True]
+    assert x.num_loss_tokens == 3 and x.attention_mask.all()
+    assign_old_logprobs(seqs, x, torch.arange(7.0).unsqueeze(0))
+    assert [s.old_logprobs.tolist() for s in seqs] == [[2.0, 3.0, 4.0], [6.0]]  # type: ignore[union-attr]
+    assert segment_bounds(x.position_ids[0]) == [(0, 5), (5, 7)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "packed"),
+    [({}, True), ({"packing": False}, False), ({"loss_agg_mode": "seq_mean_token_mean"}, False),
+     ({"correction": TokenTIS()}, True), ({"correction": SequenceTIS()}, False),
+     ({"correction": MaskedIS(level="token")}, True), ({"correction": MaskedIS()}, True),
+     ({"correction": MaskedIS(level="sequence")}, False)],
+)  # fmt: skip
+def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
+    assert use_packing(LearnerConfig(**kw)) is packed
+
+
+def test_packed_micro_batches_fill_the_budget() -> None:
+    lengths = [30, 5, 25, 12, 8, 40, 3, 17, 9, 60]
+    bins = packed_micro_batches(lengths, max_tokens=40)
+    assert sorted(i for b in bins for i in b) == list(range(10))
+    assert all(sum(lengths[i] for i in b) <= 40 for b in bins if len(b) > 1)
+    assert [9] in bins  # longer than the budget: alone
+    assert len(bins) == 5 < len(token_budget_micro_batches(lengths, 40))  # 60 + ⌈149 / 40⌉
+    split = packed_micro_batches([5] * 8, max_tokens=40, min_count=3)
+    assert len(split) == 3 and sorted(i for b in split for i in b) == list(range(8))
+
+
+def _padded_and_packed(impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = tiny_qwen(False)
+    policy = TorchPolicy(model, _cfg(3, packing=False))
+    seqs = sequences_from_groups(make_groups(seed=1))
+    with torch.no_grad():
+        padded = collate(seqs, 0)
+        assert (padded.attention_mask == 0).any()
+        assign_old_logprobs(seqs, padded, sequence_logprobs(policy, padded, TEMPERATURE, 3)[0])
+        want = [s.old_logprobs for s in seqs]
+        model.set_attn_implementation(impl)
+        packed = collate_packed(seqs, 0)
+        assign_old_logprobs(seqs, packed, sequence_logprobs(policy, packed, TEMPERATURE, 3)[0])
+    return [w for w in want if w is not None], [
+        s.old_logprobs for s in seqs if s.old_logprobs is not None
+    ]
+
+
+@pytest.mark.parametrize("impl", [VARLEN_SDPA, "sdpa", "eager"])
+def test_packed_logprobs_equal_padded_rows(impl: str) -> None:
+    want, got = _padded_and_packed(impl)
+    assert len(got) == len(want) == 16
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _grads(packing: bool, checkpointing: bool) -> dict[str, torch.Tensor]:
+    cfg = _cfg(4, packing=packing, gradient_checkpointing=checkpointing)
+    policy = TorchPolicy(tiny_qwen(False), cfg)
+    seqs = sequences_from_groups(make_groups(seed=2))
+    recompute_old_logprobs(policy, seqs, cfg, 0, TEMPERATURE)
+    for s in seqs:  # move π_old off π_θ so the clip branches matter
+        s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
+    accumulate(policy, seqs, cfg, 0, TEMPERATURE, 16)
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_dapo_gradient_equals_padded(checkpointing: bool) -> None:
+    want, got = _grads(False, False), _grads(True, checkpointing)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=0, msg=name)
+
+
+def test_varlen_attention_stays_within_each_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No SDPA call spans more than one sequence, and none gets a mask."""
+    calls: list[tuple[int, bool]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):  # type: ignore[no-untyped-def]
+        calls.append((q.shape[-2], attn_mask is None))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    model = tiny_qwen(True)
+    assert packed_attention(model, "cpu") == VARLEN_SDPA
+    policy = TorchPolicy(model, _cfg(3))
+    seqs = sequences_from_groups(make_groups(seed=4))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        sequence_logprobs(policy, collate_packed(seqs, 0), TEMPERATURE, 3)
+    longest = max(s.length for s in seqs)
+    assert len(calls) == 2 * len(seqs)  # 2 layers × one call per sequence
+    assert max(q for q, _ in calls) == longest and all(no_mask for _, no_mask in calls)

@@ -1,0 +1,32 @@
+"""The run report's time accounting: where each trained group's seconds went."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.tools.report import summary_lines, time_accounting
+
+
+def test_time_accounting_splits_a_groups_time() -> None:
+    groups = [  # admitted → scored: 10 s, of which 7 generating and 1 scoring
+        {"group_id": "a", "admitted_at": 100.0, "scored_at": 110.0,
+         "generate_s": 7.0, "score_s": 1.0},
+        {"group_id": "b", "admitted_at": 104.0, "scored_at": 112.0,
+         "generate_s": 6.0, "score_s": 0.5},
+        {"group_id": "c", "admitted_at": 0.0, "scored_at": 1.0},  # no timing: not counted
+    ]  # fmt: skip
+    traces = [{"step": 0, "groups": ["a", "b"]}, {"step": 9, "groups": ["a"]}]  # 9: no metrics
+    steps = [{"step": 0, "seconds": 4.0, "committed_at": 120.0}]  # started at 116
+    acc = time_accounting(groups, traces, steps)
+    assert acc["groups"] == 2
+    assert acc["mean_s"] == pytest.approx({
+        "generate": 6.5, "score": 0.75, "controller": (2.0 + 1.5) / 2,
+        "wait": (6.0 + 4.0) / 2, "train": 2.0, "overhead": (3.0 + 2.0) / 2,
+    })  # fmt: skip
+    assert acc["overhead_max_s"] == 3.0
+    assert time_accounting([], traces, steps) == {"groups": 0}
+    ledger = {"ok": True, "admitted": 2, "trained": 2, "filtered": {}, "dropped": {}}
+    report = {"run": "r", "steps": steps, "wall_seconds": 30, "time_accounting": acc,
+              "ledger": ledger}  # fmt: skip
+    line = summary_lines(report)[-1]
+    assert "generate 6.500, train 2.000, overhead 2.500" in line and "batch 5.000" in line
