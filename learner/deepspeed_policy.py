@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
-from learner.logprobs import final_hidden_states
+from learner.logprobs import final_hidden_states, output_head
 from learner.model_io import enable_activation_checkpointing, save_hf
 from learner.optim import adamw, warmup_factor
 from services.common.net import free_port
@@ -109,9 +109,7 @@ class DeepSpeedPolicy:
     @property
     def lm_head(self) -> torch.nn.Module:
         """Called as a module, so ZeRO-3 gathers its (partitioned) weight in its hooks."""
-        head = self.module.get_output_embeddings()
-        assert isinstance(head, torch.nn.Module)
-        return head
+        return output_head(self.module)
 
     def backward(self, loss: Tensor, last: bool = True) -> None:
         """Accumulate `loss`'s gradient; `last` marks the mini-batch's last micro-batch."""

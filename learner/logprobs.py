@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 from learner.algorithm import token_logprobs
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from learner.batching import LossInputs
     from learner.policy import CausalLM
 
@@ -52,6 +54,31 @@ def final_hidden_states(
         use_cache=False,
     )
     return out.hidden_states[-1]
+
+
+def output_head(model: PreTrainedModel) -> torch.nn.Module:
+    """The output head, called as a module (ZeRO-3 gathers its weight in its hooks)."""
+    head = model.get_output_embeddings()
+    assert isinstance(head, torch.nn.Module)
+    return head
+
+
+class LocalCausalLM:
+    """The `CausalLM` side of a transformers model held in `self.model` in this process
+    (the plain-torch policy and the frozen reference)."""
+
+    model: PreTrainedModel
+
+    def hidden_states(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
+        device = next(self.model.parameters()).device
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        return final_hidden_states(self.model, ids, mask, position_ids)
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return output_head(self.model)
 
 
 def logits_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:

@@ -16,11 +16,11 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from learner.attention import packed_attention
-from learner.logprobs import final_hidden_states
+from learner.logprobs import LocalCausalLM
 from learner.model_io import load_model
 
 
-class Reference:
+class Reference(LocalCausalLM):
     """Forward-only hidden states and output head of the model the run started from."""
 
     def __init__(self, model: PreTrainedModel, device: str = "cpu") -> None:
@@ -36,12 +36,4 @@ class Reference:
     def hidden_states(
         self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
     ) -> Tensor:
-        device = next(self.model.parameters()).device
-        ids, mask = input_ids.to(device), attention_mask.to(device)
-        return final_hidden_states(self.model, ids, mask, position_ids)
-
-    @property
-    def lm_head(self) -> torch.nn.Module:
-        head = self.model.get_output_embeddings()
-        assert isinstance(head, torch.nn.Module)
-        return head
+        return super().hidden_states(input_ids, attention_mask, position_ids)

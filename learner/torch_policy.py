@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
-from learner.logprobs import final_hidden_states
+from learner.logprobs import LocalCausalLM
 from learner.model_io import enable_activation_checkpointing, load_state, save_hf, save_state
 from learner.optim import adamw, warmup_factor
 from services.common.errors import DapoError
@@ -30,7 +30,7 @@ def launched_world_size() -> int:
     return max(group, int(os.environ.get("WORLD_SIZE", "1")))
 
 
-class TorchPolicy:
+class TorchPolicy(LocalCausalLM):
     """Single-process torch training (CPU or one GPU)."""
 
     def __init__(self, model: PreTrainedModel, cfg: LearnerConfig, device: str = "cpu"):
@@ -52,19 +52,6 @@ class TorchPolicy:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: warmup_factor(s, cfg.warmup_steps)
         )
-
-    def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None
-    ) -> Tensor:
-        device = next(self.model.parameters()).device
-        ids, mask = input_ids.to(device), attention_mask.to(device)
-        return final_hidden_states(self.model, ids, mask, position_ids)
-
-    @property
-    def lm_head(self) -> torch.nn.Module:
-        head = self.model.get_output_embeddings()
-        assert isinstance(head, torch.nn.Module)
-        return head
 
     def backward(self, loss: Tensor, last: bool = True) -> None:
         loss.backward()
