@@ -83,6 +83,28 @@ def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
     assert not set(PROFILES[other][1].values()) & set(services)
     gpu_services = {n for n, s in services.items() if "deploy" in s and "resources" in s["deploy"]}
     assert gpu_services == ({"learner", "rollout"} if profile == "gpu" else set())
+    # memlock only where NCCL/RDMA pin memory: a host with a low hard limit refuses it
+    assert {n for n, s in services.items() if "memlock" in s.get("ulimits", {})} == gpu_services
+    images = {services[n]["image"].split(":")[0] for n in roles.values()}
+    assert images == {f"dapo-{profile}"}  # the CPU profile runs the CPU image
+    build = {services[n]["build"]["dockerfile"] for n in roles.values()}
+    assert build == {f"deploy/docker/Dockerfile.{profile}"}
+
+
+def test_a_finished_run_stays_down_and_the_learner_keeps_its_checkpoints(resolved) -> None:
+    """`dapo` services exit 0 after "run done": on-failure leaves them down (unless-stopped
+    would start the run again); the learner's checkpoints are on a volume it resumes from."""
+    profile, config = resolved
+    services = config["services"]
+    for role in DAPO_HTTP:
+        service = services[PROFILES[profile][1].get(role, role)]
+        assert service["restart"] == "on-failure", role
+    learner = services[PROFILES[profile][1]["learner"]]
+    env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
+    run = load_config(mounts(learner)["/etc/dapo/run.yaml"], env=env)
+    assert (
+        run.learner.checkpoint_dir and mounts(learner)[run.learner.checkpoint_dir] == "checkpoints"
+    )
 
 
 def test_redis_is_durable_and_password_protected(resolved) -> None:
@@ -208,7 +230,7 @@ def dockerignored(relative: str) -> bool:
     return any(fnmatch.fnmatch(relative, p) or relative.startswith(p + "/") for p in patterns)
 
 
-@pytest.mark.parametrize("name", ["Dockerfile.slim", "Dockerfile.gpu"])
+@pytest.mark.parametrize("name", ["Dockerfile.slim", "Dockerfile.gpu", "Dockerfile.cpu"])
 def test_dockerfile_is_pinned_multistage_nonroot_and_healthchecked(name: str) -> None:
     path = DEPLOY / "docker" / name
     args = dict(a.split("=", 1) for w, a in instructions(path) if w == "ARG" and "=" in a)

@@ -1,0 +1,95 @@
+"""The images build anywhere and the GPU image's CUDA matches the torch vLLM pins.
+
+- Every Dockerfile is one the legacy builder accepts: BuildKit fetches the frontend a
+  `# syntax=` line names (impossible offline) and the legacy builder rejects `COPY --chmod`
+  and `RUN --mount`.
+- The GPU image's CUDA bases carry the CUDA major of the pinned torch wheel, or DeepSpeed
+  refuses to build its CUDA ops there. That major is read from the wheel's metadata
+  (docs/deploy.md, "CUDA alignment") and recorded below; no network in tests.
+- The CPU image installs the same torch from the CPU index, no vLLM, no CUDA op builds.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+import pytest
+from test_deploy_compose import instructions
+from test_deploy_tools import DEPLOY, ROOT
+
+DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
+TORCH_PIN = "2.13.0"  # Makefile, constraints-cpu.txt, Dockerfile.cpu; vllm 0.32 pins it
+# PyPI's torch 2.13.0 (linux x86_64), as `pip install --dry-run --report` showed on
+# 2026-11-25: the Requires-Dist lines that name its CUDA.
+TORCH_REQUIRES = [
+    'cuda-toolkit[cublas,cudart,cufft]==13.0.3; platform_system == "Linux"',
+    'nvidia-cudnn-cu13==9.20.0.48; platform_system == "Linux"',
+    'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"',
+]
+
+
+def cuda_major_of(requires: list[str]) -> int | None:
+    """The CUDA major a torch wheel needs, from its Requires-Dist (None: a CPU build)."""
+    majors = {int(m) for r in requires for m in re.findall(r"^nvidia-[a-z-]+-cu(\d+)\b", r)}
+    majors |= {int(m) for r in requires for m in re.findall(r"^cuda-toolkit\S*==(\d+)\.", r)}
+    assert len(majors) <= 1, f"a torch wheel with several CUDA majors: {majors}"
+    return majors.pop() if majors else None
+
+
+def base_cuda_majors() -> dict[str, int]:
+    """ARG name → CUDA major of the GPU Dockerfile's nvidia/cuda base images."""
+    path = DEPLOY / "docker" / "Dockerfile.gpu"
+    args = dict(a.split("=", 1) for w, a in instructions(path) if w == "ARG" and "=" in a)
+    found = {k: re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-\S+", v) for k, v in args.items()}
+    return {k: int(m.group(1)) for k, m in found.items() if m}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_legacy_builder_accepts_every_dockerfile(path) -> None:
+    text = path.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I), "BuildKit frontend line"
+    for word, args in instructions(path):
+        assert not re.search(r"--(chmod|mount|link|checksum|exclude)\b", args), (word, args)
+        assert "<<" not in args, f"heredoc: {word} {args}"
+    froms = [a for w, a in instructions(path) if w == "FROM"]
+    assert all(a.split()[0].startswith("${") for a in froms), "base images are build args"
+
+
+def test_the_recorded_requires_give_cuda_13() -> None:
+    assert cuda_major_of(TORCH_REQUIRES) == 13
+    assert cuda_major_of(["numpy", "filelock"]) is None  # the CPU wheel names no CUDA
+    with pytest.raises(AssertionError):
+        cuda_major_of(["nvidia-nccl-cu12==2.1", "nvidia-cudnn-cu13==9.1"])
+
+
+def test_gpu_image_cuda_matches_the_pinned_torch() -> None:
+    bases = base_cuda_majors()
+    assert set(bases) == {"CUDA_DEVEL_IMAGE", "CUDA_RUNTIME_IMAGE"}, bases
+    assert set(bases.values()) == {cuda_major_of(TORCH_REQUIRES)}, bases
+    installed = metadata.distribution("torch")
+    if installed.version.split("+")[0] == TORCH_PIN:  # a CUDA build here checks it too
+        major = cuda_major_of(installed.requires or [])
+        assert major is None or {major} == set(bases.values()), (major, bases)
+
+
+def test_torch_is_pinned_to_the_same_version_everywhere() -> None:
+    make = (ROOT / "Makefile").read_text()
+    assert set(re.findall(r"torch==([\d.]+)", make)) == {TORCH_PIN}
+    assert f"torch=={TORCH_PIN}" in (ROOT / "constraints-cpu.txt").read_text().split()
+    cpu = dict(a.split("=", 1) for w, a in instructions(DEPLOY / "docker" / "Dockerfile.cpu")
+               if w == "ARG" and "=" in a)  # fmt: skip
+    assert cpu["TORCH_VERSION"] == TORCH_PIN
+
+
+def test_cpu_image_has_cpu_torch_no_vllm_and_no_cuda_ops() -> None:
+    path = DEPLOY / "docker" / "Dockerfile.cpu"
+    ins = instructions(path)
+    args = dict(a.split("=", 1) for w, a in ins if w == "ARG" and "=" in a)
+    assert args["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    runs = " ".join(a for w, a in ins if w == "RUN")
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in runs
+    assert "vllm==" not in runs and '".[rollout,learner,reward]"' in runs
+    assert "-c constraints-cpu.txt" in runs and "grep -iE '^(nvidia-|vllm )'" in runs
+    env = " ".join(a for w, a in ins if w == "ENV")
+    assert "DS_BUILD_OPS=0" in env
