@@ -104,14 +104,19 @@ class Learner:
         return self.config.learner.checkpoint_dir is not None
 
     def _restore(self) -> None:
-        """Checkpoint state, then a version newer than anything rollout servers hold."""
-        state = self.trainer.restore()
+        """Checkpoint state, then a version newer than anything rollout servers hold.
+        Once the run has a version, restore even without `resume` (compose and Kubernetes
+        restart the learner with the same command: never publish the base model anew)."""
+        published = int(self.client.get(self.keys.version) or 0)
+        resume = self.config.learner.resume or published > 0
+        if self.trainer.dp.world_size > 1:
+            self.trainer.dp.broadcast_bytes(b"\x01" if resume else b"\x00")
+        state = self.trainer.restore(resume)
         if state is not None:
             self.step, self.version = int(state["step"]), int(state["version"])
             self.cursor = str(state["cursor"])
             self.last_checkpoint_step = self.step
             log.info("resumed step=%d version=%d cursor=%s", self.step, self.version, self.cursor)
-        published = int(self.client.get(self.keys.version) or 0)
         if published > self.version:  # a lost learner got further: its weights are gone
             self.version = published + 1
             self.client.set(self.keys.version, self.version)

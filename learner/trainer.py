@@ -71,9 +71,9 @@ class Trainer:
         assert self.config.learner.checkpoint_dir
         self.policy.save_checkpoint(self.config.learner.checkpoint_dir, tag, client_state)
 
-    def restore(self) -> dict | None:
+    def restore(self, resume: bool) -> dict | None:
         cfg = self.config.learner
-        if not (cfg.resume and cfg.checkpoint_dir):
+        if not (resume and cfg.checkpoint_dir):
             return None
         return self.policy.load_checkpoint(cfg.checkpoint_dir)
 
@@ -88,7 +88,8 @@ class Follower:
 
     def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
         self.trainer = Trainer(config, dp)
-        self.trainer.restore()
+        resume = self.trainer.dp.broadcast_bytes(None) == b"\x01"  # Learner._restore decides
+        self.trainer.restore(resume)
         self._gather()  # rank 0 snapshots the restored weights for its WeightService
 
     def _gather(self) -> None:
