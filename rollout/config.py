@@ -87,6 +87,13 @@ class RolloutConfig(StrictModel):
         description="How long GenerateGroup waits for weights of the request's min_version "
         "(pulled at once) before refusing with UNAVAILABLE.",
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: stop taking calls, then let the ones held finish for at most "
+        "this long; the rest are cut off and the controller re-routes them. Keep it below "
+        "the pod's terminationGracePeriodSeconds and compose's stop_grace_period.",
+    )
 
 
 class RolloutSettings(RoleSettings):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,6 +63,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         max_sequences = getattr(config.rollout.engine, "max_batch_size", 256)
         self.batcher = Batcher(engine, max(max_sequences, config.rollout.max_n))
         self.in_flight = 0
+        self.draining = threading.Event()  # set on SIGTERM: refuse new calls (drain)
         self._lock = threading.Lock()
         self._watch_metrics()
 
@@ -78,7 +80,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return self.sync is None or self.sync.ready()
 
     def accepting(self) -> bool:
-        """Takes GenerateGroup calls: caught up with the learner at least once."""
+        """Takes GenerateGroup calls: caught up with the learner at least once, not draining."""
+        if self.draining.is_set():
+            return False
         return self.sync is None or self.sync.caught_up.is_set()
 
     # -- GenerateGroup ----------------------------------------------------------------
@@ -95,6 +99,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> tuple[list[int], SamplingParams]:
         """Parse, admit and bring the weights to min_version, or abort the call."""
+        if self.draining.is_set():  # UNAVAILABLE: the controller re-routes the group
+            self._refuse(context, "draining", grpc.StatusCode.UNAVAILABLE,
+                         "rollout server is shutting down")  # fmt: skip
         if self.sync is not None and not self.sync.caught_up.is_set():
             self._refuse(context, "catching_up", grpc.StatusCode.UNAVAILABLE,
                          "rollout server is catching up to the published weights")  # fmt: skip
@@ -241,6 +248,7 @@ class RolloutServer:
         self.grpc_server: grpc.Server | None = None
         self.grpc_port = 0
         self.http: HttpServer | None = None
+        self.run_done = False
 
     @property
     def ports(self) -> dict[str, int]:
@@ -320,9 +328,26 @@ class RolloutServer:
         """Serve until a signal, or until the run's learner marked the run done."""
         while not stop.wait(0.5):
             if self.client is not None and run_is_done(self.client, self.config):
+                self.run_done = True
                 return
 
+    def drain(self) -> None:
+        """Stop taking work (registry `accepting=False`, new calls UNAVAILABLE), then let
+        the calls held finish, for at most rollout.drain_timeout_s: a scale-down loses
+        no generation it can still finish, and no group waits on a server going away."""
+        self.servicer.draining.set()
+        self._announce()
+        started = time.monotonic()
+        deadline = started + self.config.rollout.drain_timeout_s
+        held = self.servicer.in_flight
+        while self.servicer.in_flight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.info("drained in %.2fs: %d calls held, %d cut off (re-routed by the controller)",
+                 time.monotonic() - started, held, self.servicer.in_flight)  # fmt: skip
+
     def stop(self) -> None:
+        if not self.run_done and self.registration is not None:
+            self.drain()
         self.stop_event.set()
         if self.sync is not None:
             self.sync.wake()  # leave the poll wait now
