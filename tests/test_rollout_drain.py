@@ -47,8 +47,10 @@ class Drain:
         self.addresses: set[str] = set()
         self.exits: dict[str, tuple[int, float]] = {}  # name → (code, seconds after SIGTERM)
         self.accepting_seen: list[float] = []  # seconds after SIGTERM a victim still accepted
+        self.backlog: list[int] = []  # XLEN of `generating`: what KEDA scales on
 
     def __call__(self, launch: Launch, step: int, done: bool) -> None:
+        self.backlog.append(self.client.xlen(KEYS.generating))
         if self.termed_at is None and step >= TERM_AFTER and self.busy(launch):
             self.term(launch)
         elif self.termed_at is not None:
@@ -111,7 +113,7 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
         f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
         "learner.linger_s=0", "buffer.stream_retain=1000000", "rollout.engine.num_threads=1",
-        f"rollout.drain_timeout_s={DRAIN_S}", "shared.max_response_length=32",
+        f"rollout.drain_timeout_s={DRAIN_S}", "shared.max_response_length=96",
     ])  # fmt: skip
     hook = Drain(redis_client)
     sigterm = signal.getsignal(signal.SIGTERM)
@@ -141,6 +143,10 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
           f"{ {n: round(s, 2) for n, (_, s) in hook.exits.items()} } s after; drains "
           f"{[float(m.group(1)) for m in drains if m]} s, {held} calls held, {cut} cut off; "
           f"{refused} calls refused while draining and re-routed; {admitted} groups admitted, "
-          f"{in_flight} in flight at the end; run {wall:.0f} s")  # fmt: skip
+          f"{in_flight} in flight at the end; `generating` backlog up to {max(hook.backlog)}; "
+          f"run {wall:.0f} s")  # fmt: skip
     assert held > 0 and cut == 0  # held calls finished, well within the deadline
+    # KEDA's backlog: groups waiting for or in generation, bounded by the admission cap
+    assert 0 < max(hook.backlog) <= config.controller.max_groups_in_flight
+    assert redis_client.xlen(KEYS.generating) == 0  # the controller removed its entries
     assert not children_of(run_dir)

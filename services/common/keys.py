@@ -64,6 +64,12 @@ class RunKeys:
         return self._key("cursor")
 
     @property
+    def generating(self) -> str:
+        """Stream, one entry per group waiting for or in GenerateGroup: its length is the
+        generation backlog that KEDA scales rollout servers on (deploy/k8s/autoscaling)."""
+        return self._key("generating")
+
+    @property
     def inflight(self) -> str:
         """Hash group_id → prompt of groups admitted but not yet in `scored`."""
         return self._key("inflight")

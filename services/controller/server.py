@@ -16,7 +16,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import grpc
@@ -266,7 +266,8 @@ class Controller:
                 stop: threading.Event) -> None:  # fmt: skip
         started = time.monotonic()
         try:
-            generated = self.generate(group_id, record, version, stop)
+            with self._generating(group_id):
+                generated = self.generate(group_id, record, version, stop)
             if generated is None:
                 return  # stopping: the group stays in flight for the next start
             prompt_ids, samples = generated
@@ -291,6 +292,20 @@ class Controller:
                 self._inflight -= 1
                 INFLIGHT.set(self._inflight)
             self._group_done.set()
+
+    @contextmanager
+    def _generating(self, group_id: str) -> Iterator[None]:
+        """An entry in the `generating` stream while the group waits for or is in
+        generation (KEDA's backlog); best effort: a Redis blip never fails the group."""
+        entry = None
+        with suppress(redis.RedisError):
+            entry = self.client.xadd(self.keys.generating, {"group_id": group_id})
+        try:
+            yield
+        finally:
+            if entry is not None:
+                with suppress(redis.RedisError):
+                    self.client.xdel(self.keys.generating, entry)
 
     def publish(self, group: Group, timing: dict[str, float] | None = None) -> None:
         """Leave `inflight` and append to `scored`, atomically and once per group id.
@@ -339,6 +354,7 @@ class Controller:
         cfg, shared = self.config.controller, self.config.shared
         start = Cursor.decode(self.client.get(self.keys.cursor))
         prompts = iterate(self.records, start, shared.seed, cfg.dataset.shuffle)
+        self.client.delete(self.keys.generating)  # a previous controller's entries
         with ThreadPoolExecutor(cfg.max_groups_in_flight + 1, "group") as pool:
             resumed = self.resume_inflight(pool, stop)
             log.info("controller starts at %s with %d groups resumed", start.encode(), resumed)
