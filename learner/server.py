@@ -319,6 +319,8 @@ class LearnerServer:
 
     def wait(self, stop: threading.Event) -> None:
         self.learner.run(stop)
+        if self.learner.step < self.config.learner.total_steps:  # stopped: not a success
+            raise SystemExit(143)  # so a Kubernetes Job or `restart: on-failure` resumes it
         stop.wait(self.config.learner.linger_s)  # evaluation and late rollout servers
 
     def stop(self) -> None:

@@ -28,6 +28,8 @@ DAPO_ROLES = {"controller": 8004, "buffer": 8005, "reward": 8001, "rollout": 800
 GPU_ROLES = {"learner", "rollout"}
 WEIGHT_SOCKET_PORT = 50054  # learner.weight_socket_port: NetworkPolicies name the port
 SECRET = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
+# The oldest and newest APIs kubernetes-validate knows, and the one the docs name.
+K8S_VERSIONS = ("1.25.0", K8S_VERSION, "1.37.0")
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -69,12 +71,13 @@ def probe_target(probe: dict[str, Any]) -> str:
     return f"{port}{path}"
 
 
-def test_every_object_is_valid_for_the_named_kubernetes_version(rendered) -> None:
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_object_is_valid_for_the_named_kubernetes_version(rendered, version: str) -> None:
     name, objects = rendered
     assert len(objects) >= 20
     for obj in [*objects, SECRET]:
         try:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
             where = f"{name}: {obj['kind']}/{obj['metadata']['name']}"
             raise AssertionError(f"{where}: {exc}") from None
