@@ -345,8 +345,17 @@ class RolloutServer:
         log.info("drained in %.2fs: %d calls held, %d cut off (re-routed by the controller)",
                  time.monotonic() - started, held, self.servicer.in_flight)  # fmt: skip
 
+    def _should_drain(self) -> bool:
+        """Only mid-run: once the run is done there is no one to hand work back to."""
+        if self.run_done or self.registration is None or self.client is None:
+            return False
+        try:
+            return not run_is_done(self.client, self.config)
+        except redis.RedisError:
+            return True
+
     def stop(self) -> None:
-        if not self.run_done and self.registration is not None:
+        if self._should_drain():
             self.drain()
         self.stop_event.set()
         if self.sync is not None:
