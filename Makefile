@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format proto bench test-vllm clean
+.PHONY: install demo test lint format proto bench test-vllm test-containers clean
 
 install: $(STAMP)
 
@@ -83,6 +83,12 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 # `dapo eval` on vLLM. DAPO_REQUIRE_VLLM turns the tests' skip-without-vllm into failures.
 test-vllm: $(VLLM_STAMP)
 	DAPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
+
+# The CPU compose stack in real containers (Debian's docker.io + docker-compose 1.29, base
+# images from mmdebstrap): builds dapo-slim and dapo-cpu, runs the tiny preset to its last
+# step. Needs root and network to Debian and PyPI; not part of `make test`.
+test-containers:
+	./scripts/test_containers.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache
