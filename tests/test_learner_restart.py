@@ -23,7 +23,7 @@ import redis
 import torch
 from learner_fixtures import make_groups
 from safetensors.torch import load_file
-from test_dead_rollout import fetch
+from test_dead_rollout import fetch, listening_ports
 
 from services.common.adapters import encode_group
 from services.common.keys import RunKeys
@@ -73,6 +73,13 @@ def _until(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _registered(client: redis.Redis, keys: RunKeys, pid: int) -> dict | None:
+    """This process's registry entry (not one an earlier learner left behind)."""
+    ports = listening_ports(pid)
+    entries = discover(client, keys, "learner")
+    return next((e for e in entries if int(e["address"].rsplit(":", 1)[1]) in ports), None)
+
+
 def _steps(client: redis.Redis, run: str) -> list[int]:
     import json
 
@@ -93,8 +100,8 @@ def test_a_finished_run_restarted_publishes_no_new_version(
 
     again = _learner(config, log, "learner.linger_s=60")
     try:
-        entry = _until(lambda: discover(redis_client, keys, "learner"), 120, "registration")
-        offered, version, served = fetch(entry[0]["address"], timeout=30)
+        entry = _until(lambda: _registered(redis_client, keys, again.pid), 120, "registration")
+        offered, version, served = fetch(entry["address"], timeout=30)
         again.send_signal(signal.SIGTERM)
         assert again.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:
