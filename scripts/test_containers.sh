@@ -58,7 +58,7 @@ if [ -n "${DAPO_CT_WHEELS:-}" ]; then
     python3 -m http.server 8765 --bind "$gateway" --directory "$DAPO_CT_WHEELS" \
         >"$WORK/wheels.log" 2>&1 &
     WHEELS_PID=$!
-    TORCH_ARGS="--find-links http://$gateway:8765/"
+    TORCH_ARGS="--find-links http://$gateway:8765/ --trusted-host $gateway"
 fi
 for kind in slim cpu; do
     say "docker build dapo-$kind (legacy builder)"
