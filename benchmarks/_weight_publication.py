@@ -60,6 +60,20 @@ def raw_tcp_bytes_per_s(port: int, nbytes: int) -> float:
     return nbytes / seconds
 
 
+def serve_raw(tensors: list[Any]) -> socket.socket:
+    """A listener that sends the tensors' raw bytes to every connection (the baseline)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def raw_sender() -> None:
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                send_all(conn, tensors)
+
+    threading.Thread(target=raw_sender, daemon=True, name="raw-sender").start()
+    return listener
+
+
 def serve_publication(bucket_bytes: int) -> None:
     """The publisher process (this module's __main__), a learner stand-in: the WeightService
     and a raw TCP sender of the same bytes; `publish V` on stdin publishes a version."""
@@ -77,15 +91,7 @@ def serve_publication(bucket_bytes: int) -> None:
     server, grpc_port = start_grpc_server(
         ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
     )
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def raw_sender() -> None:
-        while True:
-            conn, _ = listener.accept()
-            with conn:
-                send_all(conn, tensors)
-
-    threading.Thread(target=raw_sender, daemon=True).start()
+    listener = serve_raw(tensors)
     print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
     for line in sys.stdin:
         version = int(line.split()[1])

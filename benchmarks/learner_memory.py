@@ -230,8 +230,6 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    for c in result["checks"]:
-        print(f"{'ok ' if c['ok'] else 'MISS'} {c['name']}: {c['value']} (target {c['target']})")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -182,14 +181,9 @@ def half_trivial_dataset(path: Path, n: int = 200) -> Path:
 
 
 def plain_rate(model: Path, steps: int) -> dict[str, Any]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_plain_dapo", ROOT / "_plain_dapo.py")
-    assert spec and spec.loader
-    plain = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = plain  # dataclasses look their module up there
-    spec.loader.exec_module(plain)
     import torch
+
+    from benchmarks import _plain_dapo as plain
 
     torch.set_num_threads(1)
     result = plain.run_plain(tiny_config("plain", model, steps), steps)

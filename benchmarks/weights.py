@@ -26,17 +26,17 @@ Run as `python -m benchmarks.weights publisher|server ...` these are the child p
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import _weight_publication
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "weights.json"
@@ -44,16 +44,6 @@ QWEN25_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
 )  # fmt: skip
-
-
-def _publication() -> Any:
-    """benchmarks/_weight_publication.py, loaded by path as `dapo bench` loads benchmarks."""
-    path = Path(__file__).resolve().parent / "_weight_publication.py"
-    spec = importlib.util.spec_from_file_location("_weight_publication", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def save_model(out: Path) -> None:
@@ -72,7 +62,6 @@ def save_model(out: Path) -> None:
 
 def serve_publisher(model_dir: str) -> None:
     """The learner stand-in: `publish V` on stdin publishes; counts the streams it serves."""
-    import socket
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -100,16 +89,7 @@ def serve_publisher(model_dir: str) -> None:
     server, grpc_port = start_grpc_server(
         ServerConfig(), lambda s: add_weight_service(servicer, s), ["dapo.v1.WeightService"]
     )
-    listener = socket.create_server(("127.0.0.1", 0))
-    send_all = _publication().send_all
-
-    def raw_sender() -> None:
-        while True:
-            conn, _ = listener.accept()
-            with conn:
-                send_all(conn, tensors)
-
-    threading.Thread(target=raw_sender, daemon=True).start()
+    listener = _weight_publication.serve_raw(tensors)
     nbytes = sum(len(t.data) for t in tensors)
     print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
     for line in sys.stdin:
@@ -161,7 +141,7 @@ def _ask(proc: subprocess.Popen[str], line: str) -> list[str]:
 def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str]],
             version: int, tcp_port: int, nbytes: int) -> dict[str, Any]:  # fmt: skip
     """One version: the raw copy, then publish → every server serving it."""
-    raw_bps = _publication().raw_tcp_bytes_per_s(tcp_port, nbytes)
+    raw_bps = _weight_publication.raw_tcp_bytes_per_s(tcp_port, nbytes)
     streams_before = int(_ask(publisher, "streams 0")[1])
     started = time.perf_counter()
     wire = int(_ask(publisher, f"publish {version}")[2])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import sys
 from pathlib import Path
 
 from services.common.errors import DapoError
@@ -18,10 +19,9 @@ def run_benchmark(name: str, argv: list[str] | None = None) -> int:
     if not path.is_file():
         available = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
         raise DapoError(f"no benchmark {name!r}; available: {', '.join(available) or 'none'}")
-    spec = importlib.util.spec_from_file_location(f"benchmarks.{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    if str(ROOT) not in sys.path:  # benchmarks import their helpers as `benchmarks._x`
+        sys.path.insert(0, str(ROOT))
+    module = importlib.import_module(f"benchmarks.{name}")
     module.main(list(argv or []))
     result_path = BENCH_DIR / "results" / f"{name}.json"
     if not result_path.is_file():
