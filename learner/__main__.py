@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 from learner.config import LearnerSettings
 from services.common.entry import role_main
-from services.common.service import serve
 
 
 def run(config: LearnerSettings) -> None:
     from services.common.malloc import keep_freed_memory
+    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
     if config.shared.torch_threads:  # several torch processes must not oversubscribe
         import torch

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from reward.config import RewardSettings
 from services.common.entry import role_main
-from services.common.service import serve
 
 
 def run(config: RewardSettings) -> None:
     from reward.server import create_server
+    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
     serve("reward", create_server(config))
 

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from rollout.config import RolloutSettings
 from services.common.entry import role_main
-from services.common.service import serve
 
 
 def run(config: RolloutSettings) -> None:
     from rollout.server import create_server
     from services.common.malloc import keep_freed_memory
+    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
     if config.shared.torch_threads:  # several torch processes must not oversubscribe
         import torch

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from services.buffer.config import BufferSettings
 from services.common.entry import role_main
-from services.common.service import serve
 
 
 def run(config: BufferSettings) -> None:
     from services.buffer.server import create_server
+    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
     serve("buffer", create_server(config))
 

@@ -6,11 +6,11 @@ import sys
 from collections.abc import Sequence
 
 from services.common.entry import role_main
-from services.common.service import serve
 from services.controller.config import ControllerSettings
 
 
 def run(config: ControllerSettings) -> None:
+    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
     from services.controller.server import create_server
 
     serve("controller", create_server(config))
