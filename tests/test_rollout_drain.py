@@ -5,7 +5,8 @@ A server told to stop says `accepting=False` in the registry, refuses new calls 
 UNAVAILABLE (the controller re-routes them), lets the calls it holds finish within
 rollout.drain_timeout_s and exits 0. Under `dapo up` with 4 servers: the victims exit
 within the deadline, no group is lost or trained twice, no call hits its deadline, the
-run finishes.
+run finishes. That a held call finishes while new ones are refused is shown without the
+race of a live run in test_rollout_service.py (test_drain_refuses_new_calls_and_...).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
           f"{refused} calls refused while draining and re-routed; {admitted} groups admitted, "
           f"{in_flight} in flight at the end; `generating` backlog up to {max(hook.backlog)}; "
           f"run {wall:.0f} s")  # fmt: skip
-    assert held > 0 and cut == 0  # held calls finished, well within the deadline
+    # calls held at SIGTERM finish well within the deadline; whether any were still held
+    # when the signal landed is a race here (the deterministic case: test_rollout_service.py)
+    assert cut == 0
     # KEDA's backlog: groups waiting for or in generation, bounded by the admission cap
     assert 0 < max(hook.backlog) <= config.controller.max_groups_in_flight
     assert redis_client.xlen(KEYS.generating) == 0  # the controller removed its entries

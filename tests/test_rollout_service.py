@@ -208,3 +208,32 @@ def test_removed_rpcs_are_unimplemented(limited: Served, method: str) -> None:
     with pytest.raises(grpc.RpcError) as err:
         call(b"", timeout=10)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+# -- draining (the scale-down under `dapo up`: tests/test_rollout_drain.py) ---------------
+
+
+@pytest.mark.parametrize(("release", "held", "cut"), [(True, 1, 0), (False, 1, 1)])
+def test_drain_refuses_new_calls_and_waits_for_the_held_one(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture, release: bool, held: int, cut: int
+) -> None:
+    """A call held when draining starts finishes (or, past the deadline, is counted cut
+    off); calls after it get UNAVAILABLE, which the controller re-routes."""
+    with serve(tiny_model, make_config(drain_timeout_s=1.5), wrap=Recording) as s:
+        s.engine.gate = threading.Event()
+        call = s.stub.GenerateGroup.future(_request(n=2), timeout=60)
+        wait_for(lambda: s.server.servicer.in_flight == 1)
+        drain = threading.Thread(target=s.server.drain)
+        with caplog.at_level("INFO", logger="rollout.server"):
+            drain.start()
+            wait_for(s.server.servicer.draining.is_set)
+            with pytest.raises(grpc.RpcError) as refused:
+                s.generate()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert drain.is_alive()  # still waiting for the held call
+            if release:
+                s.engine.gate.set()
+            drain.join(timeout=10)
+        s.engine.gate.set()
+        assert len(call.result().completions) == 2 and not s.engine.gate_timed_out
+        assert f"{held} calls held, {cut} cut off" in caplog.text
