@@ -21,12 +21,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from learner.algorithm import group_advantages
 from learner.dist import DataParallel
-from services.common.types import Group, Sample
+from services.common.types import (
+    FloatArray,
+    Group,
+    IntArray,
+    Sample,
+    logprob_array,
+    token_array,
+)
 
 
 @dataclass
@@ -38,9 +46,9 @@ class TrainSequence:
     log-probs stand in for it.
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float] | None
+    prompt_ids: IntArray
+    response_ids: IntArray
+    rollout_logprobs: FloatArray | None
     advantage: float
     truncated: bool
     reward: float = 0.0
@@ -48,7 +56,15 @@ class TrainSequence:
     group_id: str = ""
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None  # π_ref per response token, set when a KL term is on
-    token_versions: list[int] | None = None  # behaviour version per response token
+    token_versions: IntArray | None = None  # behaviour version per response token
+
+    def __post_init__(self) -> None:  # arrays end to end; lists (tests) converted once
+        self.prompt_ids = token_array(self.prompt_ids)
+        self.response_ids = token_array(self.response_ids)
+        if self.rollout_logprobs is not None:
+            self.rollout_logprobs = logprob_array(self.rollout_logprobs)
+        if self.token_versions is not None:
+            self.token_versions = token_array(self.token_versions)
 
     @property
     def length(self) -> int:
@@ -82,15 +98,15 @@ def sequences_from_groups(
 def _sequence(group: Group, sample: Sample, advantage: float) -> TrainSequence:
     if not group.prompt_token_ids:
         raise ValueError(f"group {group.group_id}: empty prompt (no logits for token 0)")
-    logprobs = list(sample.logprobs) if sample.logprobs else None
+    logprobs = sample.logprobs if len(sample.logprobs) else None
     if logprobs is not None and len(logprobs) != len(sample.token_ids):
         raise ValueError(
             f"group {group.group_id}: {len(logprobs)} log-probs for "
             f"{len(sample.token_ids)} response tokens"
         )
     return TrainSequence(
-        prompt_ids=list(group.prompt_token_ids),
-        response_ids=list(sample.token_ids),
+        prompt_ids=token_array(group.prompt_token_ids),
+        response_ids=sample.token_ids,
         rollout_logprobs=logprobs,
         advantage=float(advantage),
         truncated=is_truncated(sample),
@@ -175,7 +191,7 @@ def collate(
     advantages = torch.zeros((b, length), dtype=torch.float32)
     for row, s in enumerate(seqs):
         p, n = len(s.prompt_ids), s.length
-        input_ids[row, :n] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.int64)
+        input_ids[row, :n] = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]))
         attention[row, :n] = 1
         response[row, p:n] = True
         advantages[row, p:n] = s.advantage
@@ -197,14 +213,14 @@ def collate(
     )
 
 
-def _old_or_rollout(s: TrainSequence) -> Tensor | list[float] | None:
+def _old_or_rollout(s: TrainSequence) -> Tensor | FloatArray | None:
     return s.old_logprobs if s.old_logprobs is not None else s.rollout_logprobs
 
 
 def _response_values(
     seqs: Sequence[TrainSequence],
     length: int,
-    get: Callable[[TrainSequence], Tensor | list[float] | None],
+    get: Callable[[TrainSequence], Tensor | FloatArray | None],
 ) -> Tensor | None:
     """`[B, L]` float32 with each row's per-response-token values placed after its prompt."""
     out = torch.zeros((len(seqs), length), dtype=torch.float32)
@@ -244,7 +260,7 @@ class LossCounts(NamedTuple):
 
 def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) -> LossCounts:
     """Loss tokens and sequences with at least one loss token, known before any forward."""
-    kept = [s for s in seqs if not (overlong_filtering and s.truncated) and s.response_ids]
+    kept = [s for s in seqs if not (overlong_filtering and s.truncated) and len(s.response_ids)]
     return LossCounts(tokens=sum(len(s.response_ids) for s in kept), sequences=len(kept))
 
 

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,7 +50,7 @@ from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
 from learner.packing import collate_packed, use_packing
 from learner.policy import CausalLM, Policy
-from services.common.types import Group
+from services.common.types import Group, IntArray
 
 
 @dataclass
@@ -187,9 +188,10 @@ def off_policy_metrics(
     sums = torch.zeros(4, dtype=torch.float64)
     lag_max = 0
     if known:
-        versions = torch.tensor([v for s in known for v in _versions(s)], dtype=torch.int64)
+        versions = torch.from_numpy(np.concatenate([_versions(s) for s in known]))
         prox = torch.cat([s.old_logprobs for s in known if s.old_logprobs is not None])
-        behav = torch.tensor([x for s in known for x in s.rollout_logprobs or []])
+        engine = [s.rollout_logprobs for s in known if s.rollout_logprobs is not None]
+        behav = torch.from_numpy(np.concatenate(engine))
         sums = mismatch_and_lag_sums(prox, behav, versions, version)
         lag_max = int((version - versions).max())
     sums = dp.all_reduce_sum(sums)
@@ -199,8 +201,10 @@ def off_policy_metrics(
     metrics.policy_lag_max = dp.all_reduce_max(lag_max)
 
 
-def _versions(s: TrainSequence) -> list[int]:
-    return s.token_versions or [s.policy_version] * len(s.response_ids)
+def _versions(s: TrainSequence) -> IntArray:
+    if s.token_versions is not None and len(s.token_versions):
+        return s.token_versions
+    return np.full(len(s.response_ids), s.policy_version, dtype=np.int64)
 
 
 def accumulate(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dapo.v1 import rollout_pb2
 from rollout.engine import SampleOutput, SamplingParams
-from services.common.adapters import FINISH_TO_PROTO
+from services.common.adapters import FINISH_TO_PROTO, packed_tokens
 from services.common.settings import SamplingConfig
 
 
@@ -25,12 +25,11 @@ def sampling_params(
 
 def completion(output: SampleOutput, text: str) -> rollout_pb2.Completion:
     """Per-token versions go on the wire only when they differ (empty = all the same)."""
-    mixed = len(set(output.token_versions)) > 1
+    versions = output.token_versions
+    mixed = len(versions) > 1 and bool((versions != versions[0]).any())
     return rollout_pb2.Completion(
-        token_ids=output.token_ids,
-        logprobs=output.logprobs,
         text=text,
         finish_reason=FINISH_TO_PROTO[output.finish_reason],
-        policy_version=min(output.token_versions, default=output.policy_version),
-        token_versions=output.token_versions if mixed else [],
+        policy_version=int(versions.min()) if len(versions) else output.policy_version,
+        **packed_tokens(output.token_ids, output.logprobs, versions if mixed else versions[:0]),
     )

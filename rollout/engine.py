@@ -13,7 +13,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from services.common.types import FinishReason
+from services.common.types import (
+    FinishReason,
+    FloatArray,
+    IntArray,
+    arrays_equal,
+    logprob_array,
+    token_array,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +64,7 @@ class SamplingParams:
                 raise ValueError(f"{message}, got {self}")
 
 
-@dataclass
+@dataclass(eq=False)
 class SampleOutput:
     """One generated response: token ids with the log-prob of each under the sampler.
 
@@ -65,11 +72,21 @@ class SampleOutput:
     one per token) says which version sampled each token, for partial rollouts.
     """
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: IntArray
+    logprobs: FloatArray
     finish_reason: FinishReason
     policy_version: int
-    token_versions: list[int] = field(default_factory=list)
+    token_versions: IntArray = field(default_factory=lambda: token_array(()))
+
+    def __post_init__(self) -> None:  # engines may hand lists (vLLM does): arrays, once
+        self.token_ids = token_array(self.token_ids)
+        self.logprobs = logprob_array(self.logprobs)
+        self.token_versions = token_array(self.token_versions)
+
+    def __eq__(self, other: object) -> bool:
+        return arrays_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
 
 @dataclass(frozen=True)

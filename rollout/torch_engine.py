@@ -354,19 +354,19 @@ class TorchEngine(EngineBase):
 
     def _outputs(self, bucket: list[tuple[int, int]], res: _BucketResult) -> list[StreamedSample]:
         """Turn the bucket's buffers into per-sample outputs (one device sync)."""
-        tokens, logprobs = res.tokens.tolist(), res.logprobs.tolist()
+        tokens, logprobs = res.tokens.cpu().numpy(), res.logprobs.cpu().numpy()
+        versions = res.versions.cpu().numpy()
         lengths, stopped = res.lengths.tolist(), res.stopped.tolist()
-        versions = res.versions.tolist()
         return [
             StreamedSample(
                 request_index=i,
                 sample_index=j,
                 output=SampleOutput(
-                    token_ids=tokens[r][: lengths[r]],
-                    logprobs=logprobs[r][: lengths[r]],
+                    token_ids=tokens[r, : lengths[r]].copy(),
+                    logprobs=logprobs[r, : lengths[r]].copy(),
                     finish_reason="stop" if stopped[r] else "length",
-                    policy_version=min(versions[r][: lengths[r]]),
-                    token_versions=versions[r][: lengths[r]],
+                    policy_version=int(versions[r, : lengths[r]].min(initial=self._version)),
+                    token_versions=versions[r, : lengths[r]].copy(),
                 ),
             )
             for r, (i, j) in enumerate(bucket)

@@ -63,6 +63,7 @@ from rollout.config import VllmEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
 from rollout.vllm_weights import DTYPES, buckets_of, decode_bucket, encode_bucket
+from services.common.types import logprob_array, token_array
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -160,10 +161,10 @@ def to_sample_output(completion: CompletionOutput, version: int) -> SampleOutput
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended a sample with {completion.finish_reason!r}")
     tokens = list(completion.token_ids)
-    steps = completion.logprobs or []
+    steps = completion.logprobs or []  # vLLM's per-token dicts: one pass, then arrays
     return SampleOutput(
-        token_ids=tokens,
-        logprobs=[float(step[t].logprob) for step, t in zip(steps, tokens, strict=True)],
+        token_ids=token_array(tokens),
+        logprobs=logprob_array([step[t].logprob for step, t in zip(steps, tokens, strict=True)]),
         finish_reason=completion.finish_reason,
         policy_version=version,
     )

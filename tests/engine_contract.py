@@ -58,7 +58,7 @@ def greedy_reference(model: torch.nn.Module, prompt: Sequence[int], steps: int) 
 
 def tokens_of(outputs: list[list[SampleOutput]]) -> list[list[list[int]]]:
     """Just the token ids, for comparing whole generations."""
-    return [[s.token_ids for s in samples] for samples in outputs]
+    return [[s.token_ids.tolist() for s in samples] for samples in outputs]
 
 
 def perturbed(
@@ -109,14 +109,14 @@ class EngineContract:
     def test_stop_token_ends_sample_with_stop(self, harness: EngineHarness) -> None:
         free = harness.engine.generate(PROMPTS, GREEDY)
         for prompt, [sample] in zip(PROMPTS, free, strict=True):
-            stop = sample.token_ids[2]
-            cut = sample.token_ids.index(stop) + 1
+            stop = int(sample.token_ids[2])
+            cut = sample.token_ids.tolist().index(stop) + 1
             params = SamplingParams(
                 n=1, temperature=0.0, max_tokens=6, stop_token_ids=(stop,), ignore_eos=True
             )
             [[stopped]] = harness.engine.generate([prompt], params)
             assert stopped.finish_reason == "stop"
-            assert stopped.token_ids == sample.token_ids[:cut]  # stop kept, nothing after
+            assert stopped.token_ids.tolist() == sample.token_ids[:cut].tolist()  # stop kept
             assert len(stopped.logprobs) == cut
 
     def test_logprobs_match_teacher_forcing(
@@ -151,8 +151,8 @@ class EngineContract:
         greedy = harness.engine.generate(PROMPTS, GREEDY)
         for prompt, samples, [g] in zip(PROMPTS, out, greedy, strict=True):
             want = greedy_reference(reference, prompt, 6)
-            assert g.token_ids == want
-            assert all(s.token_ids == want for s in samples)
+            assert g.token_ids.tolist() == want
+            assert all(s.token_ids.tolist() == want for s in samples)
 
     def test_load_weights_changes_generation_and_version(
         self, harness: EngineHarness, reference: torch.nn.Module

@@ -169,7 +169,7 @@ FOREIGN_MESSAGES = st.one_of(
     st.builds(rollout_pb2.GenerateGroupResponse, request_id=st.text(max_size=8),
               prompt_token_ids=st.lists(_INT32, max_size=8),
               completions=st.lists(st.builds(rollout_pb2.Completion,
-                                             token_ids=st.lists(_INT32, max_size=4),
+                                             token_ids_i32=st.binary(max_size=16),
                                              text=st.text(max_size=8)), max_size=3)),
     st.builds(tensor_pb2.WeightBucket, version=st.integers(0, 2**64 - 1),
               index=st.integers(0, 2**32 - 1), last=st.booleans(),

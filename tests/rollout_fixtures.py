@@ -17,6 +17,7 @@ from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from learner.weights import WeightServicer, add_weight_service
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
+from services.common.adapters import sample_from_completion
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
@@ -68,7 +69,10 @@ class Served:
 
     def fingerprint(self) -> list[tuple[list[int], list[float]]]:
         """A seeded generation: equal iff the weights are equal."""
-        return [(list(c.token_ids), [round(x, 4) for x in c.logprobs]) for c in self.generate(n=1)]
+        return [
+            (s.token_ids.tolist(), [round(x, 4) for x in s.logprobs.tolist()])
+            for s in map(sample_from_completion, self.generate(n=1))
+        ]
 
     def readyz(self) -> int:
         return HTTP.get(f"{self.url}/readyz").status_code

@@ -50,7 +50,7 @@ def test_skeleton_checks_prompts_seeds_and_collects() -> None:
         engine.stream([[1, 10]], SamplingParams())
     assert engine.seeds == []  # refused before the engine's own sampling runs
     out = engine.generate([[1, 2], [3]], SamplingParams(n=2, seed=42))
-    assert [[s.token_ids for s in row] for row in out] == [[[1, 2], [1, 2]], [[3], [3]]]
+    assert [[s.token_ids.tolist() for s in row] for row in out] == [[[1, 2], [1, 2]], [[3], [3]]]
     engine.generate([[1]], SamplingParams())
     assert engine.seeds[0] == 42 and 0 <= engine.seeds[1] < 2**31
 

@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 from dapo.v1 import rollout_pb2
 from rollout.engine import MIN_TEMPERATURE
 from rollout.server import RolloutServer
+from services.common.adapters import sample_from_completion
 
 SERVICE = "/dapo.v1.RolloutService"
 INVALID, UNAVAILABLE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE
@@ -127,12 +128,13 @@ def call(channel: Any, data: bytes) -> tuple[str, list[int], list[Any]]:
 
 def check_completion(c: Any, request: rollout_pb2.GenerateRequest, stops: set[int]) -> None:
     limit = request.sampling.max_tokens or ROLLOUT_MAX_RESPONSE
-    assert 1 <= len(c.token_ids) == len(c.logprobs) <= limit, c
-    assert all(math.isfinite(lp) and lp <= 1e-6 for lp in c.logprobs), c
+    s = sample_from_completion(c)
+    assert 1 <= len(s.token_ids) == len(s.logprobs) <= limit, c
+    assert all(math.isfinite(lp) and lp <= 1e-6 for lp in s.logprobs.tolist()), c
     if c.finish_reason == rollout_pb2.FINISH_REASON_STOP:
-        assert c.token_ids[-1] in stops | set(request.sampling.stop_token_ids), c
+        assert int(s.token_ids[-1]) in stops | set(request.sampling.stop_token_ids), c
     else:
-        assert c.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and len(c.token_ids) == limit
+        assert c.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and len(s.token_ids) == limit
 
 
 class Verdicts:

@@ -108,7 +108,8 @@ def test_step_reports_engine_mismatch_on_current_version_tokens_and_policy_lag(
     gaps = [
         abs(float(lp) - behav)
         for s in seqs[: len(groups[0].samples)]
-        for lp, behav in zip(s.old_logprobs, s.rollout_logprobs or [], strict=True)
+        if s.rollout_logprobs is not None
+        for lp, behav in zip(s.old_logprobs, s.rollout_logprobs.tolist(), strict=True)
     ]
     tokens = [len(s.response_ids) for s in seqs]
     metrics = train_step(policy, groups, cfg, 0, 1.0, MAX_LEN, version=3)

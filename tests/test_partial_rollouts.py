@@ -20,8 +20,13 @@ from rollout.adapter import completion
 from rollout.config import RolloutSettings
 from rollout.engine import SampleOutput, SamplingParams
 from rollout.torch_engine import TorchEngine
-from services.common.adapters import group_from_proto, group_to_proto, sample_from_completion
-from services.common.types import Group
+from services.common.adapters import (
+    completion_to_proto,
+    group_from_proto,
+    group_to_proto,
+    sample_from_completion,
+)
+from services.common.types import Group, Sample
 
 PROMPTS = [[3, 5, 7, 9], [4, 6]]
 PARAMS = SamplingParams(n=3, temperature=1.0, max_tokens=12, ignore_eos=True, seed=11)
@@ -98,7 +103,7 @@ def test_every_token_matches_the_learner_under_its_own_version(tiny_model: Path)
     outputs, v1 = generate_across_swap(tiny_model, partial=True)
     groups = through_the_wire(outputs)
     seqs = sequences_from_groups(groups)
-    assert any(s.token_versions and len(set(s.token_versions)) == 2 for s in seqs)
+    assert any(s.token_versions is not None and len(set(s.token_versions)) == 2 for s in seqs)
     assert [g.min_policy_version for g in groups] == [0, 0]
     learner = {
         0: learner_logprobs(tiny_model, None, groups),
@@ -130,14 +135,25 @@ def test_a_swap_waits_for_the_batch_without_partial_rollouts(tiny_model: Path) -
 
 def test_uniform_versions_stay_off_the_wire() -> None:
     out = SampleOutput([1, 2], [-0.1, -0.2], "stop", 3, token_versions=[3, 3])
-    assert list(completion(out, "").token_versions) == []
+    assert completion(out, "").token_versions_i64 == b""
     mixed = completion(SampleOutput([1, 2], [-0.1, -0.2], "stop", 3, [3, 4]), "")
-    assert mixed.policy_version == 3 and list(mixed.token_versions) == [3, 4]
-    assert sample_from_completion(mixed).versions() == [3, 4]
+    assert mixed.policy_version == 3 and len(mixed.token_versions_i64) == 16
+    assert sample_from_completion(mixed).versions().tolist() == [3, 4]
 
 
 def test_mismatched_versions_are_refused() -> None:
-    bad = rollout_pb2.Completion(token_ids=[1, 2], logprobs=[0.0, 0.0], token_versions=[1],
+    sample = Sample([1, 2], [0.0, 0.0], "", "stop", 1, token_versions=[1])
+    bad = completion_to_proto(sample)
+    with pytest.raises(ValueError, match="1 token versions for 2 tokens"):
+        sample_from_completion(bad)
+    bad.token_ids_i32 += b"\x00"  # not a whole number of int32s
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        sample_from_completion(bad)
+    bad.token_ids_i32 = bad.token_ids_i32[:-1]
+    bad.token_versions_i64 = b""
+    assert sample_from_completion(bad).token_ids.tolist() == [1, 2]
+    bad = rollout_pb2.Completion(token_ids_i32=bytes(8), logprobs_f32=bytes(8),
+                                 token_versions_i64=bytes(8),
                                  finish_reason=rollout_pb2.FINISH_REASON_STOP)  # fmt: skip
     with pytest.raises(ValueError, match="1 token versions for 2 tokens"):
         sample_from_completion(bad)

@@ -30,6 +30,7 @@ from rollout_fixtures import (
 
 from dapo.v1 import rollout_pb2
 from rollout.torch_engine import TorchEngine
+from services.common.adapters import sample_from_completion
 
 # -- generation ------------------------------------------------------------------------
 
@@ -43,13 +44,14 @@ def test_generate_group_returns_n_tagged_samples_and_counts_them(tiny_model: Pat
         assert len(group.completions) == 3
         tokens = 0
         for c in group.completions:
-            assert 1 <= len(c.token_ids) == len(c.logprobs) <= MAX_RESPONSE
-            assert c.policy_version == 0 and all(lp <= 0 for lp in c.logprobs)
+            out = sample_from_completion(c)
+            assert 1 <= len(out.token_ids) == len(out.logprobs) <= MAX_RESPONSE
+            assert c.policy_version == 0 and (out.logprobs <= 0).all()
             assert c.finish_reason in (
                 rollout_pb2.FINISH_REASON_STOP,
                 rollout_pb2.FINISH_REASON_LENGTH,
             )
-            tokens += len(c.token_ids)
+            tokens += len(out.token_ids)
         assert metric(s, "dapo_rollout_tokens_generated_total") == tokens
         assert metric(s, "dapo_rollout_tokens_per_second") > 0
         assert metric(s, "dapo_rollout_requests_in_flight") == 0
@@ -70,7 +72,7 @@ def test_generate_group_is_seeded_and_ordered(tiny_model: Path) -> None:
         assert first.request_id == "v" and list(first.prompt_token_ids) == PROMPT
         assert len(first.completions) == 3 and first == again  # seeded: the same samples
         # The sampler's seed advances per sample: the n samples differ from one another.
-        assert len({tuple(c.token_ids) for c in first.completions} | {()}) > 2
+        assert len({c.token_ids_i32 for c in first.completions} | {b""}) > 2
         assert s.server.servicer.in_flight == 0
 
 

@@ -132,4 +132,4 @@ def test_weight_swaps_never_happen_mid_batch(model_dir: Path) -> None:
     worker.join()
     assert len(seen) >= 15 * len(PROMPTS) and len(seen) % len(PROMPTS) == 0
     assert len({v % 2 for v, _, _ in seen}) == 2, "weights never changed during generation"
-    assert all(tokens == expected[v % 2][i][0] for v, i, tokens in seen)
+    assert all(list(tokens) == expected[v % 2][i][0] for v, i, tokens in seen)

@@ -6,8 +6,18 @@ Completion message.
 
 from __future__ import annotations
 
+import numpy as np
+
 from dapo.v1 import records_pb2, rollout_pb2
-from services.common.types import FinishReason, Group, Sample
+from services.common.types import (
+    FinishReason,
+    FloatArray,
+    Group,
+    IntArray,
+    Sample,
+    logprob_array,
+    token_array,
+)
 
 FINISH_TO_PROTO: dict[str, int] = {
     "stop": rollout_pb2.FINISH_REASON_STOP,
@@ -17,33 +27,51 @@ FINISH_TO_PROTO: dict[str, int] = {
 FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.items()}  # type: ignore[misc]
 
 
+def packed_tokens(
+    token_ids: IntArray, logprobs: FloatArray, token_versions: IntArray
+) -> dict[str, bytes]:
+    """The Completion's packed little-endian array fields (see rollout.proto)."""
+    return {
+        "token_ids_i32": token_ids.astype("<i4", copy=False).tobytes(),
+        "logprobs_f32": logprobs.astype("<f4", copy=False).tobytes(),
+        "token_versions_i64": token_versions.astype("<i8", copy=False).tobytes(),
+    }
+
+
 def completion_to_proto(sample: Sample) -> rollout_pb2.Completion:
     return rollout_pb2.Completion(
-        token_ids=sample.token_ids,
-        logprobs=sample.logprobs,
         text=sample.text,
         finish_reason=FINISH_TO_PROTO[sample.finish_reason],
         policy_version=sample.policy_version,
-        token_versions=sample.token_versions,
+        **packed_tokens(sample.token_ids, sample.logprobs, sample.token_versions),
     )
+
+
+def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(data) % size:
+        raise ValueError(f"completion {what}: {len(data)} bytes, not a multiple of {size}")
+    return np.frombuffer(data, dtype=dtype).copy()  # writable: torch.from_numpy shares it
 
 
 def sample_from_completion(msg: rollout_pb2.Completion) -> Sample:
     """An unscored Sample from a rollout Completion."""
     if msg.finish_reason not in FINISH_FROM_PROTO:
         raise ValueError(f"completion has no finish reason ({msg.finish_reason})")
-    if msg.token_versions and len(msg.token_versions) != len(msg.token_ids):
+    token_ids = token_array(_unpack(msg.token_ids_i32, "<i4", "token ids"))
+    logprobs = logprob_array(_unpack(msg.logprobs_f32, "<f4", "log-probs"))
+    versions = token_array(_unpack(msg.token_versions_i64, "<i8", "token versions"))
+    if len(versions) and len(versions) != len(token_ids):
         raise ValueError(
-            f"completion has {len(msg.token_versions)} token versions for "
-            f"{len(msg.token_ids)} tokens"
+            f"completion has {len(versions)} token versions for {len(token_ids)} tokens"
         )
     return Sample(
-        token_ids=list(msg.token_ids),
-        logprobs=list(msg.logprobs),
+        token_ids=token_ids,
+        logprobs=logprobs,
         text=msg.text,
         finish_reason=FINISH_FROM_PROTO[msg.finish_reason],
-        policy_version=min(msg.token_versions, default=msg.policy_version),
-        token_versions=list(msg.token_versions),
+        policy_version=int(versions.min()) if len(versions) else msg.policy_version,
+        token_versions=versions,
         truncated=msg.finish_reason == rollout_pb2.FINISH_REASON_LENGTH,
     )
 

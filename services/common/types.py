@@ -8,13 +8,48 @@ no record type (limits, versions, weight buckets).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
 
 FinishReason = Literal["stop", "length", "abort"]
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float32]
 
 
-@dataclass
+def token_array(values: Iterable[int] | npt.ArrayLike) -> IntArray:
+    """Token ids or versions as one int64 array (no copy when already one): responses of
+    16k tokens stay one object from the engine to the learner's tensors."""
+    return np.asarray(_materialised(values), dtype=np.int64).reshape(-1)
+
+
+def logprob_array(values: Iterable[float] | npt.ArrayLike) -> FloatArray:
+    """Per-token log-probs as one float32 array (the engines' and the wire's precision)."""
+    return np.asarray(_materialised(values), dtype=np.float32).reshape(-1)
+
+
+def arrays_equal(a: Any, b: Any) -> bool:
+    """Dataclass equality for records holding arrays (the generated `==` can't compare
+    them): same type and every field equal, arrays element-wise."""
+    if type(a) is not type(b):
+        return False
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        same = np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+        if not same:
+            return False
+    return True
+
+
+def _materialised(values: Any) -> Any:
+    """Arrays, lists and tuples as they are; any other iterable (a generator) as a list."""
+    return values if isinstance(values, np.ndarray | list | tuple) else list(values)
+
+
+@dataclass(eq=False)
 class Sample:
     """One sampled response, with its verdict once scored.
 
@@ -23,8 +58,8 @@ class Sample:
     update), and is empty when every token has `policy_version`.
     """
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: IntArray
+    logprobs: FloatArray
     text: str
     finish_reason: FinishReason
     policy_version: int
@@ -34,11 +69,23 @@ class Sample:
     truncated: bool = False
     overlong_penalty: float = 0.0
     error: str = ""
-    token_versions: list[int] = field(default_factory=list)
+    token_versions: IntArray = field(default_factory=lambda: token_array(()))
 
-    def versions(self) -> list[int]:
+    def __post_init__(self) -> None:  # lists (tests, JSON) become arrays once, here
+        self.token_ids = token_array(self.token_ids)
+        self.logprobs = logprob_array(self.logprobs)
+        self.token_versions = token_array(self.token_versions)
+
+    def __eq__(self, other: object) -> bool:
+        return arrays_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
+
+    def versions(self) -> IntArray:
         """The policy version of every token (the behaviour policy of its log-prob)."""
-        return list(self.token_versions) or [self.policy_version] * len(self.token_ids)
+        if len(self.token_versions):
+            return self.token_versions
+        return np.full(len(self.token_ids), self.policy_version, dtype=np.int64)
 
 
 @dataclass

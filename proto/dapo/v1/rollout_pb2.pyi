@@ -35,20 +35,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "policy_version", "token_versions")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("token_ids_i32", "logprobs_f32", "text", "finish_reason", "policy_version", "token_versions_i64")
+    TOKEN_IDS_I32_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_F32_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    TOKEN_VERSIONS_I64_FIELD_NUMBER: _ClassVar[int]
+    token_ids_i32: bytes
+    logprobs_f32: bytes
     text: str
     finish_reason: FinishReason
     policy_version: int
-    token_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., token_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_versions_i64: bytes
+    def __init__(self, token_ids_i32: _Optional[bytes] = ..., logprobs_f32: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., token_versions_i64: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "apply_chat_template", "n", "sampling", "min_version")
