@@ -17,8 +17,7 @@ from services.common.types import (
     FinishReason,
     FloatArray,
     IntArray,
-    arrays_equal,
-    logprob_array,
+    TokenArrays,
     token_array,
 )
 
@@ -65,7 +64,7 @@ class SamplingParams:
 
 
 @dataclass(eq=False)
-class SampleOutput:
+class SampleOutput(TokenArrays):
     """One generated response: token ids with the log-prob of each under the sampler.
 
     `policy_version` is the oldest version among its tokens; `token_versions` (empty, or
@@ -77,16 +76,6 @@ class SampleOutput:
     finish_reason: FinishReason
     policy_version: int
     token_versions: IntArray = field(default_factory=lambda: token_array(()))
-
-    def __post_init__(self) -> None:  # engines may hand lists (vLLM does): arrays, once
-        self.token_ids = token_array(self.token_ids)
-        self.logprobs = logprob_array(self.logprobs)
-        self.token_versions = token_array(self.token_versions)
-
-    def __eq__(self, other: object) -> bool:
-        return arrays_equal(self, other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,28 @@ def _materialised(values: Any) -> Any:
     return values if isinstance(values, np.ndarray | list | tuple) else list(values)
 
 
+class TokenArrays:
+    """Base of the records that hold a response's per-token arrays (`token_ids`,
+    `logprobs`, `token_versions`): lists given to the constructor (engines, tests) become
+    arrays once, and `==` compares the arrays element-wise."""
+
+    token_ids: IntArray
+    logprobs: FloatArray
+    token_versions: IntArray
+
+    def __post_init__(self) -> None:
+        self.token_ids = token_array(self.token_ids)
+        self.logprobs = logprob_array(self.logprobs)
+        self.token_versions = token_array(self.token_versions)
+
+    def __eq__(self, other: object) -> bool:
+        return arrays_equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
+
+
 @dataclass(eq=False)
-class Sample:
+class Sample(TokenArrays):
     """One sampled response, with its verdict once scored.
 
     `policy_version` is the oldest version among its tokens; `token_versions` names the
@@ -70,16 +90,6 @@ class Sample:
     overlong_penalty: float = 0.0
     error: str = ""
     token_versions: IntArray = field(default_factory=lambda: token_array(()))
-
-    def __post_init__(self) -> None:  # lists (tests, JSON) become arrays once, here
-        self.token_ids = token_array(self.token_ids)
-        self.logprobs = logprob_array(self.logprobs)
-        self.token_versions = token_array(self.token_versions)
-
-    def __eq__(self, other: object) -> bool:
-        return arrays_equal(self, other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def versions(self) -> IntArray:
         """The policy version of every token (the behaviour policy of its log-prob)."""
