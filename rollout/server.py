@@ -221,7 +221,7 @@ def build_engine(config: RolloutSettings) -> RolloutEngine:
             from rollout.vllm_engine import VllmEngine
         except ImportError as exc:
             raise DapoError(f"the vLLM engine needs the extra dapo[vllm]: {exc}") from exc
-        return VllmEngine.from_config(model, config.rollout.engine)
+        return VllmEngine.from_config(model, config.rollout.engine, config.partial_rollouts())
     import torch
 
     from rollout.torch_engine import TorchEngine

@@ -34,15 +34,37 @@ Departures from the torch engine:
 
 Weights. No file on the way: `load_weights` checks names, shapes and dtypes against a
 meta-device copy of the Hugging Face model before anything is sent, waits for the requests
-in flight to finish (so every sample is produced by the version it is tagged with), then
-sends the tensors' raw bytes bucket by bucket (`weight_bucket_bytes`) through vLLM's
-`collective_rpc` to the worker extension, which loads each bucket with vLLM's layer-wise
-in-place reload (a layer is re-packed for its kernels once all its weights arrived, so a
-bucket may split a fused q/k/v); then the prefix cache is dropped (its KV entries came
-from the old weights). The bytes travel as msgpack `bin` over vLLM's ZeroMQ IPC socket to
-the engine core (and over its shared-memory broadcast queue to workers when there are
+in flight to finish (so every sample is produced by the version it is tagged with) or,
+with partial rollouts, preempts them (below), then sends the tensors' raw bytes bucket by
+bucket (`weight_bucket_bytes`) through vLLM's `collective_rpc` to the worker extension
+(`rollout/vllm_worker.py`), which loads each bucket with vLLM's layer-wise in-place
+reload (a layer is re-packed for its kernels once all its weights arrived, so a bucket
+may split a fused q/k/v); then the prefix cache is dropped (its KV entries came from the
+old weights). The bytes travel as msgpack `bin` over vLLM's ZeroMQ IPC socket to the
+engine core (and over its shared-memory broadcast queue to workers when there are
 several): memory to memory on one host. On a failed check nothing is sent and the old
 weights stay; a failure inside vLLM after the checks is not rolled back.
+
+Partial rollouts (`partial_rollouts`, `rollout.partial_rollouts`). A swap does not wait
+for the requests in flight: it holds new requests, aborts all that vLLM holds at their
+current token boundary (`AsyncLLM.pause_generation(mode="abort")`), loads the weights,
+resets the prefix cache and resumes; each cut response is then resubmitted as prompt +
+its tokens so far with the budget left (`max_tokens` minus those tokens, same stop
+tokens), and the segments are stitched: tokens, log-probs, and per token the version
+that sampled it (`rollout/vllm_partial.py`; a segment's version is exact because no
+request is half-added while a swap runs). A response cut right at a stop token or its
+last token is finished, not continued, so `finish_reason` ("stop" / "length") and the
+budget hold across the seam. The resubmission re-prefills prompt + tokens so far under
+the new weights, so the tokens after the seam and their log-probs are those of the new
+policy given the whole context, as in the torch engine; the prefix cache cannot reuse
+the old KV entries (old weights), it only shares the recomputed prompt among the n
+samples of a prompt. Not `pause_generation(mode="keep")`: it would continue on KV
+entries computed by the old weights, a mix that neither policy's log-probs describe.
+Determinism: a segment that starts after k tokens gets its own seed from (seed, prompt,
+sample, k), so a response is reproducible given the weights and where its seams fell,
+but where a swap lands is timing, so unlike the torch engine (whose uniforms are drawn
+per step in advance) a rerun with the same seed reproduces a response only up to its
+first seam; greedy decoding is exact across seams.
 """
 
 from __future__ import annotations
@@ -50,7 +72,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import queue
-import random
 import threading
 import uuid
 from collections.abc import Coroutine, Iterable, Iterator, Sequence
@@ -62,8 +83,13 @@ import torch
 from rollout.config import VllmEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
-from rollout.vllm_weights import DTYPES, buckets_of, decode_bucket, encode_bucket
-from services.common.types import logprob_array, token_array
+from rollout.vllm_partial import (
+    Admission,
+    Stitched,
+    finish_after_abort,
+    segment_seed,
+)
+from rollout.vllm_weights import DTYPES, buckets_of, encode_bucket
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -71,74 +97,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _VLLM_MIN_TEMPERATURE = 0.01  # vLLM raises smaller positive temperatures to this
-WORKER_EXTENSION = "rollout.vllm_engine.DapoWorkerExtension"
-
-
-class DapoWorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the worker process.
-
-    Methods are prefixed `dapo_` because vLLM refuses extensions whose names clash with
-    the worker's own attributes.
-    """
-
-    model_runner: Any
-    vllm_config: Any
-
-    def dapo_use_full_vocab_logprobs(self) -> None:
-        """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
-        sampler = self.model_runner.sampler.topk_topp_sampler
-        if getattr(sampler, "_dapo_full_vocab_logprobs", False):
-            return
-        truncate_and_sample = sampler.forward
-
-        def forward(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> Any:
-            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before in-place edits
-            tokens, _ = truncate_and_sample(logits, generators, k, p)
-            return tokens, logprobs
-
-        sampler.logprobs_mode = "raw_logprobs"  # the wrapped sampler need not compute its own
-        sampler.forward = forward
-        sampler._dapo_full_vocab_logprobs = True
-
-    def dapo_begin_update(self) -> None:
-        """Start a layer-wise reload: each layer is re-processed once all its weights came."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
-
-    def dapo_load_bucket(self, bucket: list[tuple[str, str, list[int], bytes]]) -> None:
-        """Load one bucket of checkpoint-named weights (`encode_bucket`) into the model."""
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(decode_bucket(bucket))
-
-    def dapo_finish_update(self) -> None:
-        """Re-process the layers left, rebuild the tied head; the update is then live."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        model = self.model_runner.get_model()
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-        _reprocess_tied_head(model)
-
-
-def _reprocess_tied_head(model: torch.nn.Module) -> None:
-    """Rebuild a tied LM head's kernel state from the reloaded embedding.
-
-    vLLM's layer-wise reload skips a tied head ("no weights loaded") and keeps its old
-    kernel state; on CPU that is a pre-packed copy of the old embedding, so the logits
-    would come from the old weights.
-    """
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or getattr(head, "weight", None) is None:
-        return
-    if head.weight.data_ptr() == embed.weight.data_ptr():
-        head.quant_method.process_weights_after_loading(head)
+WORKER_EXTENSION = "rollout.vllm_worker.DapoWorkerExtension"
 
 
 def expected_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, torch.Size]:
@@ -151,23 +110,20 @@ def expected_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, to
     return {name: t.shape for name, t in model.state_dict().items()}
 
 
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """The vLLM seed of one sample: a function of the request seed and its indices only."""
-    return random.Random(f"{seed}/{prompt_index}/{sample_index}").getrandbits(31)
-
-
-def to_sample_output(completion: CompletionOutput, version: int) -> SampleOutput:
-    """vLLM's finished completion as the engine contract's `SampleOutput`."""
-    if completion.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM ended a sample with {completion.finish_reason!r}")
+def tokens_and_logprobs(completion: CompletionOutput) -> tuple[list[int], list[float]]:
+    """A vLLM completion's token ids and the log-prob of each."""
     tokens = list(completion.token_ids)
-    steps = completion.logprobs or []  # vLLM's per-token dicts: one pass, then arrays
-    return SampleOutput(
-        token_ids=token_array(tokens),
-        logprobs=logprob_array([step[t].logprob for step, t in zip(steps, tokens, strict=True)]),
-        finish_reason=completion.finish_reason,
-        policy_version=version,
-    )
+    steps = completion.logprobs or []
+    return tokens, [float(step[t].logprob) for step, t in zip(steps, tokens, strict=True)]
+
+
+def finished(sofar: Stitched, completion: CompletionOutput, version: int) -> SampleOutput:
+    """The response once its last segment ended in vLLM (`version` sampled that one)."""
+    reason = completion.finish_reason
+    if reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended a sample with {reason!r}")
+    sofar.extend(*tokens_and_logprobs(completion), version)
+    return sofar.output(reason, version)
 
 
 def _generation_eos(model_path: str) -> int | list[int] | None:
@@ -190,6 +146,7 @@ class VllmEngine(EngineBase):
         *,
         eos_token_ids: Sequence[int] | None = None,
         version: int = 0,
+        partial_rollouts: bool = False,
     ) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise ImportError("vllm is not installed (pip install 'dapo[vllm]')")
@@ -198,7 +155,7 @@ class VllmEngine(EngineBase):
         self.config = config or VllmEngineConfig()
         self.model_path = str(model_path)
         hf_config = AutoConfig.from_pretrained(model_path)
-        super().__init__(int(hf_config.vocab_size), version)
+        super().__init__(int(hf_config.vocab_size), version, partial_rollouts)
         self.dtype = self._resolve_dtype(hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_ids = (
@@ -213,6 +170,7 @@ class VllmEngine(EngineBase):
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._optional = frozenset({"lm_head.weight"} if tied else ())
         self._swap_lock = threading.Lock()
+        self._admission = Admission()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="vllm")
         self._thread.start()
@@ -224,9 +182,11 @@ class VllmEngine(EngineBase):
         self._run(self._llm.collective_rpc("dapo_use_full_vocab_logprobs"))
 
     @classmethod
-    def from_config(cls, model_path: str | Path, config: VllmEngineConfig) -> VllmEngine:
+    def from_config(
+        cls, model_path: str | Path, config: VllmEngineConfig, partial_rollouts: bool = False
+    ) -> VllmEngine:
         """Build from the rollout server's engine config."""
-        return cls(model_path, config)
+        return cls(model_path, config, partial_rollouts=partial_rollouts)
 
     def _resolve_dtype(self, hf_config: Any) -> torch.dtype:
         """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
@@ -267,21 +227,27 @@ class VllmEngine(EngineBase):
     def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
     ) -> Iterator[StreamedSample]:
-        """Submit every sample, then yield them as they land on a thread-safe queue."""
+        """Submit every sample, then yield them as they land on a thread-safe queue.
+
+        Without partial rollouts the call stays inside the gate until vLLM is done with
+        it, so a swap waits for it; with them it only passes the gate (pause and a swap
+        under way hold it) and a swap preempts its requests instead (`_sample`)."""
         self._gate.enter()
-        version = self._version  # no swap can start until this call leaves the gate
+        holds_swaps = not self.partial_rollouts
+        if not holds_swaps:
+            self._gate.leave()
         results: queue.Queue[Any] = queue.Queue()
         future = asyncio.run_coroutine_threadsafe(
             self._generate_all(prompts, params, seed, results), self._loop
         )
-        future.add_done_callback(lambda _: self._gate.leave())
+        if holds_swaps:
+            future.add_done_callback(lambda _: self._gate.leave())
         try:
             for _ in range(len(prompts) * params.n):
                 item = results.get()
                 if isinstance(item, BaseException):
                     raise item
-                i, j, completion = item
-                yield StreamedSample(i, j, to_sample_output(completion, version))
+                yield item
         finally:
             future.cancel()  # a consumer that stops early aborts the rest in vLLM
 
@@ -291,12 +257,8 @@ class VllmEngine(EngineBase):
         """One vLLM request per sample, all concurrent; the first error cancels the rest."""
 
         async def one(i: int, j: int) -> None:
-            request = {"prompt_token_ids": prompts[i]}
-            request_id = f"dapo-{uuid.uuid4().hex}-{i}-{j}"
-            vllm_params = self._vllm_params(params, sample_seed(seed, i, j))
-            async for output in self._llm.generate(request, vllm_params, request_id):
-                if output.finished:
-                    results.put((i, j, output.outputs[0]))
+            output = await self._sample(prompts[i], params, (seed, i, j))
+            results.put(StreamedSample(i, j, output))
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -306,8 +268,43 @@ class VllmEngine(EngineBase):
         except Exception as exc:  # handed to the consuming thread
             results.put(exc.exceptions[0] if isinstance(exc, ExceptionGroup) else exc)
 
-    def _vllm_params(self, params: SamplingParams, seed: int) -> Any:
-        """vLLM sampling params of one sample; EOS handled here to match the torch engine."""
+    async def _sample(
+        self, prompt: list[int], params: SamplingParams, where: tuple[int, int, int]
+    ) -> SampleOutput:
+        """One response, segment by segment: a swap aborts the segment running, and the
+        next one continues from prompt + tokens so far with the budget left."""
+        sofar, stops = Stitched(), stop_ids(params, self.eos_token_ids)
+        while True:
+            budget = params.max_tokens - len(sofar.token_ids)  # > 0: finish_after_abort
+            seed = segment_seed(*where, len(sofar.token_ids))
+            vllm_params = self._vllm_params(params, seed, budget)
+            async with self._admission.adding():
+                version, swaps = self._version, self._admission.swaps
+                request_id = f"dapo-{uuid.uuid4().hex}-{where[1]}-{where[2]}"
+                request = {"prompt_token_ids": prompt + sofar.token_ids}
+                collector = await self._llm.add_request(request_id, request, vllm_params)
+            completion = await self._final(collector)
+            preempted = completion.finish_reason == "abort" and self._admission.swaps != swaps
+            if not preempted:
+                return finished(sofar, completion, version)
+            sofar.extend(*tokens_and_logprobs(completion), version)
+            reason = finish_after_abort(sofar.token_ids, params.max_tokens, stops)
+            if reason is not None:
+                return sofar.output(reason, version)
+
+    async def _final(self, collector: Any) -> CompletionOutput:
+        """Wait for the request's final output (FINAL_ONLY); abort it if cancelled."""
+        try:
+            while True:
+                out = collector.get_nowait() or await collector.get()
+                if out.finished:
+                    return out.outputs[0]
+        except asyncio.CancelledError:
+            await self._llm.abort(collector.request_id, internal=True)
+            raise
+
+    def _vllm_params(self, params: SamplingParams, seed: int, max_tokens: int) -> Any:
+        """vLLM sampling params of one segment; EOS handled here to match the torch engine."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -317,7 +314,7 @@ class VllmEngine(EngineBase):
             temperature=temperature,
             top_p=params.top_p,
             top_k=max(params.top_k, 0),
-            max_tokens=params.max_tokens,
+            max_tokens=max_tokens,
             stop_token_ids=stop_ids(params, self.eos_token_ids),
             ignore_eos=True,  # vLLM's own EOS rule is replaced by `stop_token_ids`
             seed=seed,
@@ -329,14 +326,31 @@ class VllmEngine(EngineBase):
     # -- weights and flow control -----------------------------------------------------
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Check every tensor, drain generation, reload in the worker, then move version."""
+        """Check every tensor; drain generation (or, with partial rollouts, preempt it);
+        reload in the worker; then move the version."""
         updates = list(named_tensors)
         check_weights(updates, self._expected)
         sent = {name for name, _ in updates}
         refuse_missing(sorted(set(self._expected) - self._optional - sent), "vLLM")
         updates = [(n, t) for n, t in updates if n not in self._optional]
         with self._swap_lock, self._swap(version):
-            self._run(self._send_update(updates))
+            if self.partial_rollouts:
+                self._run(self._preempt_and_update(updates, version))
+            else:
+                self._run(self._send_update(updates))
+
+    async def _preempt_and_update(
+        self, updates: Sequence[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Abort every request at its token boundary, load, and let the cut responses
+        continue (`_sample`) under `version`, which is set before any of them is added."""
+        async with self._admission.holding():
+            await self._llm.pause_generation(mode="abort", clear_cache=False)
+            try:
+                await self._send_update(updates)
+                self._version = version
+            finally:
+                await self._llm.resume_generation()
 
     async def _send_update(self, updates: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Bucket by bucket into the worker over vLLM's RPC; then drop the prefix cache

@@ -1,0 +1,79 @@
+"""The worker side of the vLLM engine (`rollout/vllm_engine.py`): methods vLLM mixes into
+its worker class (`worker_extension_cls`), run in the worker process over
+`collective_rpc`: full-vocabulary log-probs and the layer-wise in-place weight reload.
+vLLM is imported inside the methods, so this module imports without it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollout.vllm_weights import decode_bucket
+
+
+class DapoWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); runs in the worker process.
+
+    Methods are prefixed `dapo_` because vLLM refuses extensions whose names clash with
+    the worker's own attributes.
+    """
+
+    model_runner: Any
+    vllm_config: Any
+
+    def dapo_use_full_vocab_logprobs(self) -> None:
+        """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
+        sampler = self.model_runner.sampler.topk_topp_sampler
+        if getattr(sampler, "_dapo_full_vocab_logprobs", False):
+            return
+        truncate_and_sample = sampler.forward
+
+        def forward(logits: torch.Tensor, generators: Any, k: Any, p: Any) -> Any:
+            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before in-place edits
+            tokens, _ = truncate_and_sample(logits, generators, k, p)
+            return tokens, logprobs
+
+        sampler.logprobs_mode = "raw_logprobs"  # the wrapped sampler need not compute its own
+        sampler.forward = forward
+        sampler._dapo_full_vocab_logprobs = True
+
+    def dapo_begin_update(self) -> None:
+        """Start a layer-wise reload: each layer is re-processed once all its weights came."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.get_model())
+
+    def dapo_load_bucket(self, bucket: list[tuple[str, str, list[int], bytes]]) -> None:
+        """Load one bucket of checkpoint-named weights (`encode_bucket`) into the model."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights(decode_bucket(bucket))
+
+    def dapo_finish_update(self) -> None:
+        """Re-process the layers left, rebuild the tied head; the update is then live."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        _reprocess_tied_head(model)
+
+
+def _reprocess_tied_head(model: torch.nn.Module) -> None:
+    """Rebuild a tied LM head's kernel state from the reloaded embedding.
+
+    vLLM's layer-wise reload skips a tied head ("no weights loaded") and keeps its old
+    kernel state; on CPU that is a pre-packed copy of the old embedding, so the logits
+    would come from the old weights.
+    """
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or getattr(head, "weight", None) is None:
+        return
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        head.quant_method.process_weights_after_loading(head)
