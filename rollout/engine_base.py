@@ -11,13 +11,15 @@ waits until nothing is inside, so every token is produced by the version it is t
 with.
 
 Partial rollouts (`EngineBase.partial_rollouts`): without them a swap waits for every
-response in flight, i.e. for the longest. With them an engine polls `_preempt_wanted()`
-at each token boundary and, when a swap waits, calls `_yield_to_swap()` (leave the gate,
-let the swap in, come back) and continues each unfinished response under the new
-weights from prompt + tokens so far, recomputing its context (the torch engine refills
-its KV cache; an engine with its own scheduler, such as vLLM, aborts and resubmits
-prompt + partial output with the remaining token budget). Every token then carries the
-version, and log-prob, of the weights that sampled it.
+response in flight, i.e. for the longest. With them an engine that decodes token by
+token itself (torch) polls `_preempt_wanted()` at each token boundary and, when a swap
+waits, calls `_yield_to_swap()` (leave the gate, let the swap in, come back) and
+continues each unfinished response under the new weights from prompt + tokens so far,
+recomputing its context (its KV cache refilled). An engine with its own scheduler
+(vLLM) has no such hook: its calls only pass the gate, and the swap itself aborts the
+requests in flight and has them resubmitted as prompt + partial output with the
+remaining token budget. Every token then carries the version, and log-prob, of the
+weights that sampled it.
 """
 
 from __future__ import annotations
