@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from rollout.engine import SampleOutput
-from services.common.types import FinishReason
+from services.common.types import FinishReason, logprob_array, token_array
 
 
 def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -72,11 +72,11 @@ class Stitched:
     def output(self, finish_reason: FinishReason, version: int) -> SampleOutput:
         """The finished response; `version` tags it when it has no token."""
         return SampleOutput(
-            token_ids=list(self.token_ids),
-            logprobs=list(self.logprobs),
+            token_ids=token_array(self.token_ids),
+            logprobs=logprob_array(self.logprobs),
             finish_reason=finish_reason,
             policy_version=min(self.versions, default=version),
-            token_versions=list(self.versions),
+            token_versions=token_array(self.versions),
         )
 
 

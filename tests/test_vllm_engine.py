@@ -171,7 +171,8 @@ def swap_after_first(
     vLLM. Returns the long response and the stop token."""
     greedy = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
     free = engine.generate([PROMPTS[0], PROMPTS[2]], greedy)
-    stop = next(t for t in free[1][0].token_ids[2:] if t not in free[0][0].token_ids)
+    long_free = free[0][0].token_ids.tolist()
+    stop = next(t for t in free[1][0].token_ids.tolist()[2:] if t not in long_free)
     params = SamplingParams(
         temperature=0.0, max_tokens=LONG, ignore_eos=True, stop_token_ids=(stop,)
     )
@@ -218,18 +219,20 @@ def test_partial_rollout_continues_a_response_across_a_swap(
         out, stop = swap_after_first(engine, new_model.state_dict(), partial=True)
     finally:
         engine.load_weights(list(old.state_dict().items()), engine.version + 1)
-    seam = out.token_versions.index(version + 1)  # ValueError: the swap waited
-    n = len(out.token_ids)
+    tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+    versions = out.token_versions.tolist()
+    seam = versions.index(version + 1)  # ValueError: the swap waited
+    n = len(tokens)
     assert 0 < seam < n <= LONG and out.policy_version == version
-    assert out.token_versions == [version] * seam + [version + 1] * (n - seam)
-    assert len(out.logprobs) == n
-    assert_greedy_logprobs(old, out.token_ids, out.logprobs, slice(0, seam))
-    assert_greedy_logprobs(new_model, out.token_ids, out.logprobs, slice(seam, None))
-    assert stop not in out.token_ids[:-1]
+    assert versions == [version] * seam + [version + 1] * (n - seam)
+    assert len(logprobs) == n
+    assert_greedy_logprobs(old, tokens, logprobs, slice(0, seam))
+    assert_greedy_logprobs(new_model, tokens, logprobs, slice(seam, None))
+    assert stop not in tokens[:-1]
     if out.finish_reason == "length":
-        assert n == LONG and out.token_ids[-1] != stop
+        assert n == LONG and tokens[-1] != stop
     else:
-        assert out.finish_reason == "stop" and out.token_ids[-1] == stop
+        assert out.finish_reason == "stop" and tokens[-1] == stop
 
 
 @pytest.mark.vllm
@@ -244,8 +247,8 @@ def test_without_partial_rollouts_a_swap_waits_for_the_response(
     finally:
         engine.load_weights(list(old.state_dict().items()), engine.version + 1)
     assert len(out.token_ids) == LONG and out.finish_reason == "length"
-    assert set(out.token_versions) == {version} and out.policy_version == version
-    assert_greedy_logprobs(old, out.token_ids, out.logprobs, slice(None))
+    assert set(out.token_versions.tolist()) == {version} and out.policy_version == version
+    assert_greedy_logprobs(old, out.token_ids.tolist(), out.logprobs.tolist(), slice(None))
 
 
 def _hf_model(model_dir: Path) -> torch.nn.Module:
@@ -271,12 +274,12 @@ def test_module_imports_without_vllm() -> None:
 
 def test_segments_are_stitched_with_their_versions() -> None:
     sofar = Stitched()
-    sofar.extend([5, 6], [-0.5, -0.6], version=3)
+    sofar.extend([5, 6], [-0.5, -0.25], version=3)
     sofar.extend([], [], version=4)  # aborted before its first token
-    sofar.extend([7], [-0.7], version=5)
+    sofar.extend([7], [-0.75], version=5)
     out = sofar.output("length", version=5)
-    assert (out.token_ids, out.logprobs) == ([5, 6, 7], [-0.5, -0.6, -0.7])
-    assert (out.token_versions, out.policy_version) == ([3, 3, 5], 3)
+    assert (out.token_ids.tolist(), out.logprobs.tolist()) == ([5, 6, 7], [-0.5, -0.25, -0.75])
+    assert (out.token_versions.tolist(), out.policy_version) == ([3, 3, 5], 3)
     assert Stitched().output("stop", version=2).policy_version == 2
     with pytest.raises(RuntimeError, match="1 log-probs for 2 tokens"):
         sofar.extend([1, 2], [-0.1], version=6)
