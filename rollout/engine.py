@@ -48,6 +48,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # plain ints: ids read off token arrays are numpy ints, which vLLM refuses
+        object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
         checks = [
             (self.n >= 1, "n must be >= 1"),
             (

@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from rollout.engine import RolloutEngine, SampleOutput, SamplingParams, StreamedSample
@@ -123,3 +124,10 @@ def test_first_offered_source_wins_in_order() -> None:
     assert (absent.asked, stream.asked, later.asked) == (1, 1, 0)
     with pytest.raises(LookupError):
         first_offered([absent])
+
+
+def test_stop_token_ids_become_plain_ints() -> None:
+    """Ids read off a response's token array are numpy ints; engines (vLLM) want ints."""
+    params = SamplingParams(stop_token_ids=tuple(np.array([3, 5], dtype=np.int64)))
+    assert params.stop_token_ids == (3, 5)
+    assert all(type(t) is int for t in params.stop_token_ids)
