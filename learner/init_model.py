@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.data import iter_synthetic_corpus
+from services.common.reasoning import ANSWER_PREFIX
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -92,12 +93,31 @@ class Preset:
 
 
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: `<eos>` then the synthetic alphabet, sorted, no merges."""
-    alphabet = sorted(set("".join(iter_synthetic_corpus())) | set(TINY_EXTRA_CHARS))
-    vocab = {TINY_EOS: 0, **{ch: i + 1 for i, ch in enumerate(alphabet)}}
-    # unk is only a label here: the BPE model has none, and a 15th token would be dead weight.
+    """Character-level tokenizer: `<eos>`, the synthetic alphabet (sorted), `Answer: `.
+
+    The paper's answer prefix is one token, as in real BPE vocabularies: spelt out in
+    eight characters a randomly initialised model would never write it.
+    """
+    from tokenizers import AddedToken
+
+    text = "".join(iter_synthetic_corpus()).replace(ANSWER_PREFIX, "")
+    alphabet = sorted(set(text) | set(TINY_EXTRA_CHARS))
+    byte_chars = bytes_to_unicode()  # the byte-level pre-tokenizer's view of each character
+    vocab = {TINY_EOS: 0, **{byte_chars[ord(ch)]: i + 1 for i, ch in enumerate(alphabet)}}
+    # unk is only a label here: the BPE model has none, and one more token would be dead weight.
     special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
-    return _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special)
+    tokenizer = _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special)
+    tokenizer.add_tokens([AddedToken(ANSWER_PREFIX, normalized=False, special=False)])
+    return tokenizer
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what ByteLevel maps each byte to)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    extra = (b for b in range(256) if b not in table)
+    table.update({b: chr(256 + n) for n, b in enumerate(extra)})
+    return table
 
 
 def build_small_tokenizer() -> PreTrainedTokenizerFast:

@@ -19,9 +19,15 @@ from learner.init_model import (  # noqa: E402
     init_model,
 )
 from services.common.data import SYNTHETIC_TASKS, aime_path, load_records, synthetic_records  # noqa: E402
+from services.common.reasoning import (  # noqa: E402
+    ANSWER_PREFIX,
+    REASONING_TASKS,
+    gold_response,
+    parse_prompt,
+)
 
 AIME = aime_path()
-TINY_PARAMS = 124_352  # see test_tiny_parameter_count for the arithmetic
+TINY_PARAMS = 124_480  # see test_tiny_parameter_count for the arithmetic
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,7 @@ def _synthetic_texts() -> list[str]:
 def test_tiny_loads_with_auto_classes(tiny_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    assert len(tok) == 14 and model.config.vocab_size == 14
+    assert len(tok) == 16 and model.config.vocab_size == 16
     assert tok.eos_token == tok.pad_token == "<eos>"
     assert tok.eos_token_id == tok.pad_token_id == 0 and tok.bos_token is None
     cfg = model.config
@@ -63,13 +69,14 @@ def test_tiny_loads_with_auto_classes(tiny_dir: Path) -> None:
 
 def test_tiny_vocabulary_is_the_synthetic_alphabet(tiny_dir: Path) -> None:
     vocab = AutoTokenizer.from_pretrained(tiny_dir).get_vocab()
-    assert set(vocab) == {"<eos>", "+", ",", "=", *"0123456789"}
+    # "Ċ" is the byte-level form of "\n"; the paper's answer prefix is one token.
+    assert set(vocab) == {"<eos>", "+", ",", "=", "Ċ", "Answer: ", *"0123456789"}
     assert vocab["<eos>"] == 0
 
 
 def test_tiny_parameter_count(tiny_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    h, ffn, kv, vocab = 64, 256, 32, 14  # kv = 2 KV heads x head_dim 16
+    h, ffn, kv, vocab = 64, 256, 32, 16  # kv = 2 KV heads x head_dim 16
     attention = (h * h + h) + 2 * (h * kv + kv) + h * h  # q, k, v carry biases; o does not
     layer = attention + 3 * h * ffn + 2 * h  # gate/up/down + two RMSNorms
     expected = vocab * h + 2 * layer + h  # tied embeddings counted once, final norm
@@ -79,7 +86,7 @@ def test_tiny_parameter_count(tiny_dir: Path) -> None:
         "preset": "tiny",
         "seed": 0,
         "num_parameters": TINY_PARAMS,
-        "vocab_size": 14,
+        "vocab_size": 16,
     }
 
 
@@ -90,6 +97,19 @@ def test_tiny_tokenizer_round_trips_synthetic_text(tiny_dir: Path) -> None:
         assert len(ids) == len(text), text  # one token per character
         assert tok.decode(ids) == text
     assert tok.decode(tok("3,7,1=").input_ids + [tok.eos_token_id]) == "3,7,1=<eos>"
+
+
+def test_tiny_tokenizer_covers_the_reasoning_tasks(tiny_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    answer_id = tok.convert_tokens_to_ids(ANSWER_PREFIX)
+    for task in REASONING_TASKS:
+        for record in synthetic_records(task, split="test"):
+            text = gold_response(task, parse_prompt(record.prompt))
+            ids = tok(text).input_ids
+            # one token per character, except the answer prefix: one token
+            assert len(ids) == len(text) - len(ANSWER_PREFIX) + 1, text
+            assert ids.count(answer_id) == 1
+            assert tok.decode(ids) == text
 
 
 def test_tiny_chat_template_is_the_bare_prompt(tiny_dir: Path) -> None:
@@ -110,7 +130,7 @@ def test_tiny_model_generates_in_a_batch(tiny_dir: Path) -> None:
     width = batch.input_ids.shape[1]
     assert out.shape == (2, width + 4)
     assert torch.equal(out[:, :width], batch.input_ids)
-    assert int(out.max()) < 14
+    assert int(out.max()) < 16
 
 
 # --------------------------------------------------------------------------- seeds

@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.reasoning import REASONING_TASKS, gold_response, parse_prompt
+from services.common.reasoning import answer as reasoning_answer
+from services.common.reasoning import split_pool as reasoning_split
+
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 SUFFIXES = (".parquet", ".jsonl")
 SPLITS = ("train", "test")
@@ -260,7 +264,8 @@ SYNTHETIC_TASKS: dict[str, SyntheticTask] = {
 
 # Mixes of tasks with distinct arities (a prompt's digit count says which task it is).
 SYNTHETIC_MIXES: dict[str, tuple[str, ...]] = {"mixed": ("max3", "copy2")}
-SYNTHETIC_NAMES = (*SYNTHETIC_TASKS, *SYNTHETIC_MIXES)
+# Tasks with a scratchpad and the paper's `Answer:` line (services/common/reasoning.py).
+SYNTHETIC_NAMES = (*SYNTHETIC_TASKS, *SYNTHETIC_MIXES, *REASONING_TASKS)
 
 
 def synthetic_prompt(digits: Iterable[int]) -> str:
@@ -277,15 +282,23 @@ def synthetic_split(task: str, split: str) -> list[PromptRecord]:
     """
     if task in SYNTHETIC_MIXES:
         return [r for part in SYNTHETIC_MIXES[task] for r in synthetic_split(part, split)]
-    spec = _task(task)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+    if task in REASONING_TASKS:
+        return [
+            _synthetic_record(task, i, digits, reasoning_answer(task, digits), split)
+            for i, digits in reasoning_split(task, split)
+        ]
+    spec = _task(task)
     universe = list(itertools.product(range(10), repeat=spec.arity))
     order = list(range(len(universe)))
     random.Random(f"dapo-synthetic-{task}").shuffle(order)
     n_test = round(len(universe) * HELD_OUT_FRACTION)
     chosen = order[:n_test] if split == "test" else order[n_test:]
-    return [_synthetic_record(task, spec, i, universe[i], split) for i in sorted(chosen)]
+    return [
+        _synthetic_record(task, i, universe[i], spec.answer(universe[i]), split)
+        for i in sorted(chosen)
+    ]
 
 
 def _task(task: str) -> SyntheticTask:
@@ -296,14 +309,14 @@ def _task(task: str) -> SyntheticTask:
 
 
 def _synthetic_record(
-    task: str, spec: SyntheticTask, index: int, digits: tuple[int, ...], split: str
+    task: str, index: int, digits: tuple[int, ...], gold: str, split: str
 ) -> PromptRecord:
     prompt = synthetic_prompt(digits)
     source = f"synthetic_{task}"
     return PromptRecord(
         prompt_id=f"{source}-{index}",
         prompt=prompt,
-        ground_truth=spec.answer(digits),
+        ground_truth=gold,
         data_source=source,
         ability=SYNTHETIC_ABILITY,
         index=index,
@@ -330,12 +343,14 @@ def synthetic_records(
 
 
 def iter_synthetic_corpus() -> Iterator[str]:
-    """Every synthetic prompt and answer text (the tiny tokenizer's alphabet comes from it)."""
-    for task in SYNTHETIC_TASKS:
+    """Every synthetic prompt, answer and reference response (the tiny tokenizer's alphabet)."""
+    for task in (*SYNTHETIC_TASKS, *REASONING_TASKS):
         for split in SPLITS:
             for record in synthetic_split(task, split):
                 yield record.prompt
                 yield record.ground_truth
+                if task in REASONING_TASKS:
+                    yield gold_response(task, parse_prompt(record.prompt))
 
 
 def aime_path() -> Path:

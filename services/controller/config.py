@@ -15,7 +15,7 @@ class DatasetConfig(StrictModel):
 
     kind: Literal["parquet", "jsonl", "synthetic"] = "parquet"
     path: str | None = Field(None, description="Parquet or JSONL file (DAPO record format).")
-    synthetic_task: Literal["max3", "copy2", "reverse2", "mixed"] = Field(
+    synthetic_task: Literal["max3", "copy2", "reverse2", "mixed", "runmax", "runsum"] = Field(
         "max3", description="A built-in task, or `mixed` (max3 + copy2, services/common/data)."
     )
     synthetic_size: int | None = Field(
