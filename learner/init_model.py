@@ -299,3 +299,18 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     }
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
     return out
+
+
+def model_is_current(out_dir: str | Path, preset: str) -> bool:
+    """False when `out_dir` holds a random `preset` model whose tokenizer the builder no
+    longer makes (the tiny alphabet grows with the synthetic tasks). A directory without
+    our provenance file, or of another preset, is someone's own model: always current."""
+    path = Path(out_dir) / PROVENANCE_FILE
+    if preset not in PRESETS or not path.is_file():
+        return True
+    if json.loads(path.read_text()).get("preset") != preset:
+        return True
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(out_dir).get_vocab()
+    return bool(saved == PRESETS[preset].build_tokenizer().get_vocab())

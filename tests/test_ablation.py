@@ -23,6 +23,7 @@ from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
 from services.common.adapters import encode_group
 from services.common.data import SYNTHETIC_TASKS, synthetic_records
+from services.common.reasoning import REASONING_TASKS
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.types import Group, Sample
@@ -95,11 +96,22 @@ def test_mixed_task_mixes_difficulty_and_answer_length() -> None:
     assert "mixed" not in SYNTHETIC_TASKS  # the tiny tokenizer's alphabet is unchanged
 
 
-def test_mixed_task_budget_truncates_and_punishes(plan: Plan) -> None:
-    shared = plan.base.shared
-    assert plan.base.controller.dataset.synthetic_task == "mixed"
+def test_mixed_task_budget_truncates_and_punishes() -> None:
+    shared = make_plan("tiny_mixed", seeds=1).base.shared
+    assert shared.verifier == "first_integer"
     # "7<eos>" (2 tokens) is unpunished; the soft zone starts well before L_max.
     assert 2 <= shared.max_response_length - shared.overlong_buffer_length < 6
+
+
+def test_ladder_task_is_runmax_with_a_budget_the_reference_fits(plan: Plan) -> None:
+    shared = plan.base.shared
+    assert plan.base.controller.dataset.synthetic_task == "runmax"
+    assert shared.verifier == "dapo"  # the paper's Answer: rule
+    # The longest reference (6 steps) is 14 tokens plus <eos>: unpunished, below the soft
+    # zone, which itself ends well before a random model's typical length runs out.
+    longest = 2 * REASONING_TASKS["runmax"].max_len + 2 + 1
+    assert longest <= shared.max_response_length - shared.overlong_buffer_length
+    assert shared.overlong_buffer_length > 0
 
 
 # --------------------------------------------------------------------------- learner

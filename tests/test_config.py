@@ -81,7 +81,10 @@ def test_dump_round_trips() -> None:
     assert DapoConfig.model_validate(yaml.safe_load(dump_config(c))) == c
 
 
-@pytest.mark.parametrize(("example", "preset"), [("tiny-cpu", "tiny"), ("long-cpu", "long")])
+@pytest.mark.parametrize(
+    ("example", "preset"),
+    [("tiny-cpu", "tiny"), ("tiny-max3-cpu", "tiny_max3"), ("long-cpu", "long")],
+)
 def test_cpu_examples_equal_their_presets(example: str, preset: str) -> None:
     assert load_config(ROOT / "examples" / f"{example}.yaml", env={}) == load_config(
         preset=preset, env={}

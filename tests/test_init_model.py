@@ -222,3 +222,27 @@ def test_small_tokenizer_round_trips_aime(small_dir: Path) -> None:
         # What was trained is what AutoTokenizer rebuilds: identical ids.
         assert fresh(record.prompt).input_ids == ids
         assert len(ids) < 2 * len(record.prompt) // 3  # merges were learned
+
+
+def test_a_model_built_with_an_older_tiny_alphabet_is_rebuilt(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    from learner.init_model import TINY_CHAT_TEMPLATE, TINY_EOS, _qwen2_tokenizer, model_is_current
+    from services.tools.config import load_config
+    from services.tools.launcher import ensure_model
+
+    assert model_is_current(tiny_dir, "tiny")
+    old = tmp_path / "old"
+    init_model(old, "tiny", seed=0)
+    vocab = {TINY_EOS: 0, **{ch: i + 1 for i, ch in enumerate("+,0123456789=")}}  # 14 tokens
+    special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
+    _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special).save_pretrained(old)
+    assert not model_is_current(old, "tiny")
+    assert model_is_current(old, "small")  # built as tiny: not this preset's to judge
+    (old / PROVENANCE_FILE).unlink()
+    assert model_is_current(old, "tiny")  # no provenance: someone's own model, kept
+    init_model(old, "tiny", seed=0)
+    _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special).save_pretrained(old)
+    config = load_config(preset="tiny", env={}, overrides=[f"shared.model_path={old}"])
+    ensure_model(config)
+    assert len(AutoTokenizer.from_pretrained(old)) == 16

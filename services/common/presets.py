@@ -1,6 +1,8 @@
 """Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters);
-`tiny` trains on this CPU; `long` is `tiny` with 2k-token responses, to see the
-system's per-group costs beside long generations on a CPU.
+`tiny` trains full DAPO on this CPU on the `runmax` reasoning task; `tiny_max3` is the
+earlier demo (one-digit answers, first-integer verifier, no length techniques); `long`
+is `tiny_max3` with 2k-token responses, to see the system's per-group costs beside long
+generations on a CPU.
 
 The files in examples/ are these presets written out; a test keeps them equal.
 """
@@ -13,9 +15,9 @@ PAPER: dict[str, Any] = {}
 
 # A random 2-layer Qwen2 learns "largest of three digits" from scratch on 2 CPU cores in
 # about a minute with these settings (measured: docs/ablation.md, README's demo timing).
-TINY: dict[str, Any] = {
+TINY_MAX3: dict[str, Any] = {
     "shared": {
-        "run_name": "tiny",
+        "run_name": "tiny_max3",
         "group_size": 16,
         "max_prompt_length": 16,
         "max_response_length": 4,
@@ -51,14 +53,34 @@ TINY: dict[str, Any] = {
     },
 }
 
-# The tiny model (14-token vocabulary) with 2048-token responses: the `tiny_long` model
+# Full DAPO on `runmax` (2-6 running-max steps, then `Answer: x`, the `dapo` rule): the
+# reference response is 6-14 tokens, L_max 20 with a 4-token soft zone, so a random model
+# is truncated ~30% of the time (docs/tasks.md); overlong filtering and soft punishment on.
+TINY: dict[str, Any] = {
+    "shared": {
+        **TINY_MAX3["shared"],
+        "run_name": "tiny",
+        "max_response_length": 20,
+        "overlong_buffer_length": 4,
+        "verifier": "dapo",
+    },
+    "controller": {
+        **TINY_MAX3["controller"],
+        "dataset": {"kind": "synthetic", "synthetic_task": "runmax"},
+    },
+    "rollout": TINY_MAX3["rollout"],
+    "reward": {**TINY_MAX3["reward"], "overlong_punishment": True},
+    "learner": {**TINY_MAX3["learner"], "overlong_filtering": True},
+}
+
+# The tiny model (16-token vocabulary) with 2048-token responses: the `tiny_long` model
 # names no EOS, so every response runs to the limit. Overlong filtering stays off (as in
 # `tiny`), otherwise truncated responses would leave nothing to train. Packed
 # micro-batches of 8192 tokens hold three such sequences. Few, small steps: it is for
 # measuring (its report's `time_accounting`), not for learning.
 LONG: dict[str, Any] = {
     "shared": {
-        **TINY["shared"],
+        **TINY_MAX3["shared"],
         "run_name": "long",
         "model_path": "runs/models/tiny_long",
         "model_init": "tiny_long",
@@ -68,11 +90,15 @@ LONG: dict[str, Any] = {
         "max_staleness": 0,
     },
     # No held-out evaluation: 200 prompts × 4 samples × 2048 tokens would dwarf the run.
-    "controller": {**TINY["controller"], "eval": {"enabled": False}, "max_groups_in_flight": 4},
-    "rollout": TINY["rollout"],
-    "reward": TINY["reward"],
+    "controller": {
+        **TINY_MAX3["controller"],
+        "eval": {"enabled": False},
+        "max_groups_in_flight": 4,
+    },
+    "rollout": TINY_MAX3["rollout"],
+    "reward": TINY_MAX3["reward"],
     "learner": {
-        **TINY["learner"],
+        **TINY_MAX3["learner"],
         "mini_batch_responses": 8,
         "micro_batch_tokens": 8192,
         "total_steps": 4,
@@ -80,4 +106,9 @@ LONG: dict[str, Any] = {
     },
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"paper": PAPER, "tiny": TINY, "long": LONG}
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": PAPER,
+    "tiny": TINY,
+    "tiny_max3": TINY_MAX3,
+    "long": LONG,
+}

@@ -166,14 +166,24 @@ def ensure_model(config: DapoConfig) -> None:
     path = config.model_path
     if path is None:
         raise DapoError("no model: set shared.model_path (or learner/rollout model_path)")
-    if Path(path).is_dir():
+    preset = config.shared.model_init
+    if Path(path).is_dir() and (preset is None or _model_is_current(path, preset)):
         return
-    if config.shared.model_init is None:
+    if preset is None:
         raise DapoError(f"model directory not found: {path}")
     from learner.init_model import init_model
 
-    init_model(Path(path), preset=config.shared.model_init, seed=config.shared.seed)
-    print(f"built a random {config.shared.model_init} model in {path}")
+    init_model(Path(path), preset=preset, seed=config.shared.seed)
+    print(f"built a random {preset} model in {path}")
+
+
+def _model_is_current(path: str, preset: str) -> bool:
+    from learner.init_model import model_is_current
+
+    if model_is_current(path, preset):
+        return True
+    print(f"{path} was built with an older {preset} tokenizer: rebuilding it")
+    return False
 
 
 def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
