@@ -66,6 +66,8 @@ class StepMetrics:
     tokens: int = 0
     tokens_per_s: float = 0.0
     response_length: float = 0.0
+    response_length_max: int = 0
+    truncated_frac: float = 0.0  # responses that hit L_max (overlong filtering masks these)
     reward_mean: float = 0.0
     accuracy: float = 0.0
     engine_mismatch: float = 0.0  # mean |log π_behav − log π_old| over same-version tokens
@@ -319,6 +321,8 @@ def _fill_metrics(
     metrics.is_masked_frac = float(totals[7]) / tokens
     metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
     metrics.response_length = metrics.tokens / max(len(seqs), 1)
+    metrics.response_length_max = max((len(s.response_ids) for s in seqs), default=0)
+    metrics.truncated_frac = sum(s.truncated for s in seqs) / max(len(seqs), 1)
     metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
     samples = [s for g in groups for s in g.samples]
     metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)

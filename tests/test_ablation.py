@@ -23,10 +23,11 @@ from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
 from services.common.adapters import encode_group
 from services.common.data import SYNTHETIC_TASKS, synthetic_records
-from services.common.reasoning import REASONING_TASKS
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
+from services.common.reasoning import REASONING_TASKS
 from services.common.types import Group, Sample
+from services.tools.ablate import mechanism_numbers
 from services.tools.ablation_plan import (
     RUNG_NAMES,
     TECHNIQUES,
@@ -35,7 +36,7 @@ from services.tools.ablation_plan import (
     run_config,
     rung_overrides,
 )
-from services.tools.ablation_table import grid_curve, steps_to, summarise_rung
+from services.tools.ablation_table import grid_curve, steps_to, summarise_rung, table_md
 from services.tools.config import DapoConfig
 from tests.learner_fixtures import make_groups
 
@@ -240,6 +241,32 @@ def test_summary_is_mean_and_spread_over_seeds(plan: Plan) -> None:
     assert s["final_acc"][0] == pytest.approx(0.5)
     assert s["steps_to_target"] == [5, None] and s["reached"] == 1
     assert s["generated_per_trained"][0] == pytest.approx(1.1)
+
+
+def test_mechanism_numbers_compare_the_first_and_last_tenth() -> None:
+    steps = [
+        {"truncated_frac": 0.5 if i < 2 else 0.0, "response_length": 12.0 - i / 2,
+         "response_length_max": 20 - i // 2, "entropy": 2.0 - i / 10}
+        for i in range(20)
+    ]  # fmt: skip
+    m = mechanism_numbers(steps)
+    assert (m["truncated_start"], m["truncated_end"]) == (0.5, 0.0)
+    assert (m["length_start"], m["length_end"]) == (pytest.approx(11.75), pytest.approx(2.75))
+    assert m["length_max_end"] == 11 and m["entropy_start"] == pytest.approx(1.95)
+    # A report written before the metrics existed has none of them.
+    assert mechanism_numbers([{"entropy": 1.0}])["truncated_end"] is None
+
+
+def test_table_shows_the_mechanism_columns(plan: Plan) -> None:
+    small = Plan(plan.name, plan.base, ["naive_grpo"], [0], steps=10, eval_every=5,
+                 eval_n=4, target=0.5)  # fmt: skip
+    row = {"rung": "naive_grpo", "curve": [(0, 0.0), (10, 0.6)], "generated_per_trained": 1.0,
+           "entropy_end": 0.5, "train_s": 10.0, "wall_s": 20.0,
+           **mechanism_numbers([{"truncated_frac": 0.3, "response_length": 14.0,
+                                 "response_length_max": 20, "entropy": 2.5}])}  # fmt: skip
+    text = table_md(small, [summarise_rung(small, [row])], {"loadavg": "1", "total_s": 60})
+    assert "| 0.30 → 0.30 | 14.0 → 14.0 (20.0) |" in text
+    assert "| 2.50 → 0.50 |" in text
 
 
 # --------------------------------------------------------------------------- end to end

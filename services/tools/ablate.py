@@ -133,12 +133,34 @@ def run_numbers(report: dict[str, Any]) -> dict[str, Any]:
     span = last["committed_at"] - first["committed_at"] + first["seconds"] if steps else 0.0
     return {
         "steps": len(steps),
+        **mechanism_numbers(steps),
         "entropy_end": statistics.fmean(s["entropy"] for s in tail) if tail else None,
         "generated_per_trained": spent / ledger["trained"] if ledger["trained"] else None,
         "train_s": round(span, 1),
         "ledger_ok": ledger["ok"],
         "filtered": sum(ledger["filtered"].values()),
         "dropped_stale": sum(ledger["dropped"].values()),
+    }
+
+
+def mechanism_numbers(steps: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What each technique acts on, over the first and the last tenth of the steps:
+    truncation and response length (overlong filtering, soft punishment; the longest
+    responses for the token-level loss) and entropy (clip-higher)."""
+    k = max(len(steps) // 10, 1)
+    head, tail = steps[:k], steps[-k:]
+
+    def mean(part: list[dict[str, Any]], key: str) -> float | None:
+        values = [s[key] for s in part if key in s]  # reports from before a metric existed
+        return statistics.fmean(values) if values else None
+
+    return {
+        "truncated_start": mean(head, "truncated_frac"),
+        "truncated_end": mean(tail, "truncated_frac"),
+        "length_start": mean(head, "response_length"),
+        "length_end": mean(tail, "response_length"),
+        "length_max_end": mean(tail, "response_length_max"),
+        "entropy_start": mean(head, "entropy"),
     }
 
 

@@ -40,6 +40,10 @@ def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]
     return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
+MECHANISM = ("truncated_start", "truncated_end", "length_start", "length_end", "length_max_end",
+             "entropy_start")  # fmt: skip
+
+
 def summarise_rung(plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Mean and spread over the seeds of one rung."""
     grid = list(range(0, plan.steps + 1, plan.eval_every))
@@ -55,8 +59,8 @@ def summarise_rung(plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
                            "steps_to_target": reached,
                            "reached": sum(r is not None for r in reached)}  # fmt: skip
     out["final_acc"] = mean_sd([c[-1] for c in curves])
-    for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s"):
-        out[key] = mean_sd([r[key] for r in rows])
+    for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s", *MECHANISM):
+        out[key] = mean_sd([r.get(key) for r in rows])
     out["steps_to_target_mean"] = mean_sd(reached)[0]
     return out
 
@@ -68,12 +72,21 @@ def _fmt(pair: tuple[float | None, float | None], digits: int = 2) -> str:
     return f"{mean:.{digits}f} ± {sd:.{digits}f}" if sd else f"{mean:.{digits}f}"
 
 
+def _mechanism(s: dict[str, Any]) -> str:
+    """The mechanism columns: truncation and length at the start and the end."""
+    cut = f"{_fmt(s['truncated_start'])} → {_fmt(s['truncated_end'])}"
+    length = f"{_fmt(s['length_start'], 1)} → {_fmt(s['length_end'], 1)}"
+    longest = _fmt(s["length_max_end"], 1)
+    return f"{cut} | {length} ({longest})"
+
+
 def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     """The Markdown table (mean ± sd over seeds)."""
     head = (
         f"| rung | held-out avg@{plan.eval_n} at step {plan.steps} | steps to "
-        f"avg@{plan.eval_n} ≥ {plan.target} | generated / trained | entropy at end | "
-        "train s | wall s |"
+        f"avg@{plan.eval_n} ≥ {plan.target} | generated / trained | entropy, first → last tenth | "
+        "train s | wall s | truncated, first → last tenth | length, first → last tenth "
+        "(longest at end) |"
     )
     lines = [
         f"Ablation `{plan.name}`: {len(plan.seeds)} seed(s), {plan.steps} steps per run, "
@@ -82,15 +95,16 @@ def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) ->
         + (f" Base config overrides: `{' '.join(plan.overrides)}`." if plan.overrides else ""),
         "",
         head,
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         reach = s["steps_to_target_mean"]
         to = "—" if reach is None else f"{reach:.0f} ({s['reached']}/{s['seeds']} seeds)"
         lines.append(
             f"| {s['label']} | {_fmt(s['final_acc'])} | {to} | "
-            f"{_fmt(s['generated_per_trained'])} | {_fmt(s['entropy_end'])} | "
-            f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} |"
+            f"{_fmt(s['generated_per_trained'])} | "
+            f"{_fmt(s['entropy_start'])} → {_fmt(s['entropy_end'])} | "
+            f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} | {_mechanism(s)} |"
         )
     return "\n".join(lines) + "\n"
 
