@@ -70,7 +70,9 @@ TINY: dict[str, Any] = {
     },
     "rollout": TINY_MAX3["rollout"],
     "reward": {**TINY_MAX3["reward"], "overlong_punishment": True},
-    "learner": {**TINY_MAX3["learner"], "overlong_filtering": True},
+    # Four updates per step instead of two: 0.85 held-out at step 100 against 0.77
+    # (docs/tasks.md); lr 2e-3 instead was unstable (0.31).
+    "learner": {**TINY_MAX3["learner"], "overlong_filtering": True, "mini_batch_responses": 64},
 }
 
 # The tiny model (16-token vocabulary) with 2048-token responses: the `tiny_long` model
