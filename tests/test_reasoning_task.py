@@ -37,8 +37,7 @@ def test_lengths_vary_and_the_reference_grows_with_the_prompt(task: str) -> None
     assert set(lengths) == set(range(spec.min_len, spec.max_len + 1))
     assert lengths[2] == 100  # every 2-digit list; longer ones are a fixed draw
     assert all(
-        spec.per_length // 2 < lengths[k] <= spec.per_length
-        for k in range(3, spec.max_len + 1)
+        spec.per_length // 2 < lengths[k] <= spec.per_length for k in range(3, spec.max_len + 1)
     )
     for record in records[:200]:
         digits = parse_prompt(record.prompt)

@@ -18,7 +18,9 @@ S = TypeVar("S", bound=RoleSettings)
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="F", help="YAML or TOML config file")
-    parser.add_argument("--preset", help="start from a named preset (paper, tiny)")
+    parser.add_argument(
+        "--preset", help="start from a named preset (paper, tiny, tiny_runmax, long)"
+    )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override one config value (repeatable)",

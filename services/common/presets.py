@@ -1,8 +1,8 @@
 """Named configurations. `paper` is the defaults (the DAPO paper's hyperparameters);
-`tiny` trains full DAPO on this CPU on the `runmax` reasoning task; `tiny_max3` is the
-earlier demo (one-digit answers, first-integer verifier, no length techniques); `long`
-is `tiny_max3` with 2k-token responses, to see the system's per-group costs beside long
-generations on a CPU.
+`tiny` trains on this CPU (the demo: max3, first-integer answers); `tiny_runmax` is full
+DAPO on the `runmax` reasoning task (paper answer format, lengths that matter; the
+ablation ladder's base); `long` is `tiny` with 2k-token responses, to see the system's
+per-group costs beside long generations on a CPU.
 
 The files in examples/ are these presets written out; a test keeps them equal.
 """
@@ -15,9 +15,9 @@ PAPER: dict[str, Any] = {}
 
 # A random 2-layer Qwen2 learns "largest of three digits" from scratch on 2 CPU cores in
 # about a minute with these settings (measured: docs/ablation.md, README's demo timing).
-TINY_MAX3: dict[str, Any] = {
+TINY: dict[str, Any] = {
     "shared": {
-        "run_name": "tiny_max3",
+        "run_name": "tiny",
         "group_size": 16,
         "max_prompt_length": 16,
         "max_response_length": 4,
@@ -55,24 +55,29 @@ TINY_MAX3: dict[str, Any] = {
 
 # Full DAPO on `runmax` (2-6 running-max steps, then `Answer: x`, the `dapo` rule): the
 # reference response is 6-14 tokens, L_max 20 with a 4-token soft zone, so a random model
-# is truncated ~30% of the time (docs/tasks.md); overlong filtering and soft punishment on.
-TINY: dict[str, Any] = {
+# is truncated ~30% of the time; overlong filtering and soft punishment on. Four updates
+# per step (mini_batch_responses 64) instead of two learn faster; lr 2e-3 was unstable
+# (docs/tasks.md).
+TINY_RUNMAX: dict[str, Any] = {
     "shared": {
-        **TINY_MAX3["shared"],
-        "run_name": "tiny",
+        **TINY["shared"],
+        "run_name": "tiny_runmax",
         "max_response_length": 20,
         "overlong_buffer_length": 4,
         "verifier": "dapo",
     },
     "controller": {
-        **TINY_MAX3["controller"],
+        **TINY["controller"],
         "dataset": {"kind": "synthetic", "synthetic_task": "runmax"},
     },
-    "rollout": TINY_MAX3["rollout"],
-    "reward": {**TINY_MAX3["reward"], "overlong_punishment": True},
-    # Four updates per step instead of two: 0.85 held-out at step 100 against 0.77
-    # (docs/tasks.md); lr 2e-3 instead was unstable (0.31).
-    "learner": {**TINY_MAX3["learner"], "overlong_filtering": True, "mini_batch_responses": 64},
+    "rollout": TINY["rollout"],
+    "reward": {**TINY["reward"], "overlong_punishment": True},
+    "learner": {
+        **TINY["learner"],
+        "overlong_filtering": True,
+        "mini_batch_responses": 64,
+        "total_steps": 100,
+    },
 }
 
 # The tiny model (16-token vocabulary) with 2048-token responses: the `tiny_long` model
@@ -82,7 +87,7 @@ TINY: dict[str, Any] = {
 # measuring (its report's `time_accounting`), not for learning.
 LONG: dict[str, Any] = {
     "shared": {
-        **TINY_MAX3["shared"],
+        **TINY["shared"],
         "run_name": "long",
         "model_path": "runs/models/tiny_long",
         "model_init": "tiny_long",
@@ -92,15 +97,11 @@ LONG: dict[str, Any] = {
         "max_staleness": 0,
     },
     # No held-out evaluation: 200 prompts × 4 samples × 2048 tokens would dwarf the run.
-    "controller": {
-        **TINY_MAX3["controller"],
-        "eval": {"enabled": False},
-        "max_groups_in_flight": 4,
-    },
-    "rollout": TINY_MAX3["rollout"],
-    "reward": TINY_MAX3["reward"],
+    "controller": {**TINY["controller"], "eval": {"enabled": False}, "max_groups_in_flight": 4},
+    "rollout": TINY["rollout"],
+    "reward": TINY["reward"],
     "learner": {
-        **TINY_MAX3["learner"],
+        **TINY["learner"],
         "mini_batch_responses": 8,
         "micro_batch_tokens": 8192,
         "total_steps": 4,
@@ -111,6 +112,6 @@ LONG: dict[str, Any] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": PAPER,
     "tiny": TINY,
-    "tiny_max3": TINY_MAX3,
+    "tiny_runmax": TINY_RUNMAX,
     "long": LONG,
 }

@@ -40,36 +40,37 @@ TECHNIQUES: tuple[Technique, ...] = (
 RUNG_NAMES = ("naive_grpo", *(t.name for t in TECHNIQUES))
 RUNG_LABELS = dict(zip(RUNG_NAMES, ("naive GRPO", *(t.label for t in TECHNIQUES)), strict=True))
 
-# `--preset tiny`: the tiny demo preset on `runmax` (services/common/reasoning.py): a
+# `--preset tiny`: the `tiny_runmax` preset on `runmax` (services/common/reasoning.py): a
 # scratchpad of 2-6 steps and the paper's `Answer:` line, scored by the `dapo` rule. The
 # reference response is 6-14 tokens; L_max 20 with a soft zone of 4 tokens (punished
-# from 17 on), so a random model is truncated about a quarter of the time.
+# from 17 on), so a random model is truncated about 30% of the time (docs/tasks.md).
 RUNMAX: dict[str, Any] = {
     "shared.max_response_length": 20,
     "shared.overlong_buffer_length": 4,
     "controller.dataset.synthetic_task": "runmax",
     "shared.verifier": "dapo",
+    "learner.total_steps": 100,  # full DAPO passed 0.8 held-out at step 75-95 (2 runs)
 }
-# `--preset tiny_mixed`: the earlier ladder task, `mixed` (max3 + copy2) with first-integer
-# answers. L_max 6 and a soft zone of 3 tokens: a random model is truncated ~2/3 of the
-# time, and a finished answer ("7<eos>") is 2 tokens.
+# `--preset tiny_mixed`: the earlier ladder: the tiny demo preset on
+# `mixed` (max3 + copy2) with first-integer answers. L_max 6 and a soft zone of 3
+# tokens: a random model is truncated ~2/3 of the time, a finished answer ("7<eos>") is 2.
 MIXED: dict[str, Any] = {
     "shared.max_response_length": 6,
     "shared.overlong_buffer_length": 3,
     "controller.dataset.synthetic_task": "mixed",
     "shared.verifier": "first_integer",
+    "learner.total_steps": 80,
 }
 _LADDER: dict[str, Any] = {
     "controller.eval.enabled": False,
     "reward.overlong_punishment": True,
     "learner.overlong_filtering": True,
-    "learner.total_steps": 80,
     "learner.linger_s": 30,
 }
 ABLATE_PRESETS: dict[str, dict[str, Any]] = {
-    name: {"base": "tiny", "overrides": {**task, **_LADDER}, "eval_every": 5, "eval_n": 4,
+    name: {"base": base, "overrides": {**task, **_LADDER}, "eval_every": 5, "eval_n": 4,
            "target": 0.5}
-    for name, task in (("tiny", RUNMAX), ("tiny_mixed", MIXED))
+    for name, base, task in (("tiny", "tiny_runmax", RUNMAX), ("tiny_mixed", "tiny", MIXED))
 }  # fmt: skip
 
 

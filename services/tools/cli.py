@@ -88,7 +88,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def add_ablate_parser(sub: Any) -> None:
     p = sub.add_parser("ablate", help="the paper's ablation ladder, one real run per rung")
-    p.add_argument("--preset", default="tiny", help="ablation preset (tiny)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help="ablation preset: tiny (runmax, the default) or tiny_mixed (the earlier "
+        "max3+copy2 ladder)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
     p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
