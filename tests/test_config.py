@@ -83,7 +83,7 @@ def test_dump_round_trips() -> None:
 
 @pytest.mark.parametrize(
     ("example", "preset"),
-    [("tiny-cpu", "tiny"), ("tiny-max3-cpu", "tiny_max3"), ("long-cpu", "long")],
+    [("tiny-cpu", "tiny"), ("tiny-runmax-cpu", "tiny_runmax"), ("long-cpu", "long")],
 )
 def test_cpu_examples_equal_their_presets(example: str, preset: str) -> None:
     assert load_config(ROOT / "examples" / f"{example}.yaml", env={}) == load_config(
