@@ -175,14 +175,14 @@ def test_soft_overlong_switch_changes_the_reward(plan: Plan) -> None:
         config.reward.num_workers = 1
         scorer = create_scorer(config)
         try:
-            items = [ScoreInput(text, "7", verifier="first_integer", response_length=n)
-                     for text, n in (("7,3,", 5), ("7", 2))]  # fmt: skip
+            items = [ScoreInput(text, "7", verifier="dapo", response_length=n)
+                     for text, n in (("7,7,7,7,7,7\nAnswer: 7", 18), ("Answer: 7", 3))]  # fmt: skip
             rewards[name] = [o.reward for o in scorer.score(items)]
         finally:
             scorer.pool.close()
-    # L_max 6, L_cache 3: a correct 5-token answer loses (5 - 3) / 3 of its reward.
+    # L_max 20, L_cache 4: a correct 18-token response loses (18 - 16) / 4 of its reward.
     assert rewards["clip_higher"] == [1.0, 1.0]
-    assert rewards["soft_overlong"] == pytest.approx([1.0 - 2 / 3, 1.0])
+    assert rewards["soft_overlong"] == pytest.approx([1.0 - 2 / 4, 1.0])
 
 
 # --------------------------------------------------------------------------- buffer
