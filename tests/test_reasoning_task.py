@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +129,27 @@ def test_profile_counts_truncation_and_correctness() -> None:
 def test_prompt_round_trip() -> None:
     for digits in itertools.islice(prompt_pool("runmax"), 0, 1500, 97):
         assert parse_prompt(",".join(map(str, digits)) + "=") == digits
+
+
+@pytest.mark.slow
+def test_a_short_dapo_run_on_runmax(tmp_path: Path, tiny_model: Path) -> None:
+    """`dapo up --preset tiny_runmax` for two small steps: real Redis and services, the
+    `dapo` rule, dynamic sampling, and an L_max that cuts off part of the batch."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny_runmax",
+         "--run-dir", str(run_dir), "--steps", "2",
+         "--set", f"shared.model_path={tiny_model}", "--set", "shared.train_batch_groups=4",
+         "--set", "shared.group_size=8", "--set", "controller.eval.limit=20"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["ledger"]["ok"] and report["ledger"]["trained"] == 2 * 4
+    steps = report["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(0 < s["accuracy"] < 1 for s in steps)  # dynamic sampling kept mixed groups
+    assert all(s["response_length_max"] <= 20 for s in steps)
+    assert any(s["truncated_frac"] > 0 for s in steps)  # a random model runs into L_max
+    assert report["eval_before"]["prompts"] == report["eval_after"]["prompts"] == 20
+    assert report["eval_before"]["verifier"] == "dapo"
