@@ -19,8 +19,12 @@ digit string a first-integer verifier can check.
 A *mix* joins tasks whose prompts cannot be confused (different arities): `mixed` is
 max3 plus copy2, i.e. prompts of mixed difficulty (a one-digit answer most of the time,
 a two-digit one the tiny model rarely gets right at first) and answers of varied length.
-The ablation ladder (services/tools/ablation_plan.py) trains on it. Each part keeps its own fixed
-train/test split, so a mix's splits never share a prompt either.
+The earlier ablation ladder (`dapo ablate --preset tiny_mixed`) trains on it. Each part keeps
+its own fixed train/test split, so a mix's splits never share a prompt either.
+
+The reasoning tasks `runmax` and `runsum` (services/common/reasoning.py) answer in the DAPO
+paper's format after a scratchpad whose length follows the prompt; the default ablation
+ladder trains on `runmax` (docs/tasks.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The paper climbs from naive GRPO through overlong filtering, clip-higher, soft overlong
 punishment and token-level loss to dynamic sampling (= full DAPO). Here every rung is a
-real `dapo up` run (Redis plus all five services) on the synthetic `mixed` task, once
-per seed; the techniques are the config switches each service already reads:
+real `dapo up` run (Redis plus all five services) on the synthetic `runmax` task
+(`--preset tiny`; `--preset tiny_mixed`: the earlier `mixed` task), once per seed; the
+techniques are the config switches each service already reads:
 
 | technique | switch (off → on) |
 |---|---|
