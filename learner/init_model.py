@@ -7,15 +7,16 @@ with `AutoTokenizer.from_pretrained(dir)` and `AutoModelForCausalLM.from_pretrai
 Presets:
 
 - `tiny`: the setup measured to learn the synthetic digit tasks on a 2-core CPU. A
-  character-level tokenizer whose alphabet is that of the synthetic prompts and answers
-  plus `+` (14 tokens, `<eos>` is eos and pad); Qwen2 with 2 layers, hidden 64, 4 heads
-  (2 KV), FFN 256, tied embeddings (124,352 parameters). Its chat template renders only the
+  character-level tokenizer whose alphabet is that of the synthetic prompts, answers and
+  reference responses plus `+`, with `Answer: ` as one token (16 tokens: digits `+,=`,
+  newline, `Answer: `, and `<eos>` as eos and pad); Qwen2 with 2 layers, hidden 64,
+  4 heads (2 KV), FFN 256, tied embeddings (124,480 parameters). Its chat template renders only the
   message contents, so a prompt is `3,7,1=` and nothing more. Characters outside the
   alphabet are dropped when encoding (no unknown token: it would only be noise).
 - `tiny_long`: `tiny` that never stops: its generation config names no EOS, so every
   response runs to `max_response_length` (the `long` run preset measures the system's
   per-group costs beside long generations this way; a random model would stop after
-  about 14 tokens). 4096 positions.
+  about 16 tokens). 4096 positions.
 - `small`: a byte-level BPE tokenizer trained on a few thousand synthetic math lines (any
   text, AIME prompts included, encodes losslessly) with a ChatML template; Qwen2 with
   2 layers, hidden 128, 2 heads (head_dim 64, which vLLM's CPU kernels accept).
