@@ -16,7 +16,9 @@ class DatasetConfig(StrictModel):
     kind: Literal["parquet", "jsonl", "synthetic"] = "parquet"
     path: str | None = Field(None, description="Parquet or JSONL file (DAPO record format).")
     synthetic_task: Literal["max3", "copy2", "reverse2", "mixed", "runmax", "runsum"] = Field(
-        "max3", description="A built-in task, or `mixed` (max3 + copy2, services/common/data)."
+        "max3",
+        description="A built-in task: max3/copy2/reverse2, `mixed` (max3 + copy2), or a "
+        "reasoning task in the paper's Answer: format, runmax/runsum (docs/tasks.md).",
     )
     synthetic_size: int | None = Field(
         None, ge=1, description="Training prompts drawn from the synthetic task (None = all)."
