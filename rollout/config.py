@@ -81,6 +81,20 @@ class RolloutConfig(StrictModel):
         "waits for the longest response. None = on when shared.max_staleness > 0.",
     )
     weight_poll_s: float = Field(0.2, gt=0, description="How often to look for a new version.")
+    relay: bool = Field(
+        True,
+        description="Relay weights: pull each version from the previous rollout server in the "
+        "registry's order (the first pulls from the learner) and stream it on to the next, so "
+        "the learner sends each byte once whatever the number of servers "
+        "(docs/weight_publication.md).",
+    )
+    relay_port: int = Field(0, ge=0, le=65535, description="TCP port of the relay (0: any).")
+    relay_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest wait for the next frame from the previous server (or for it to "
+        "start receiving a version); past it this server pulls from the learner instead.",
+    )
     min_version_wait_s: float = Field(
         10.0,
         ge=0,

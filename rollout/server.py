@@ -33,6 +33,7 @@ from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import Limits
 from rollout.metrics import RolloutMetrics
+from rollout.relay import RelayHub, RelayServer
 from rollout.weights import WeightSync, WeightUpdater
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
@@ -238,7 +239,9 @@ class RolloutServer:
         self.config, self.client, self.engine = config, client, engine
         self.metrics = RolloutMetrics()
         self.updater = WeightUpdater(engine, self.metrics)
-        self.sync = WeightSync(config, client, self.updater) if client is not None else None
+        self.relay = start_relay(config) if client is not None else None
+        hub = self.relay.hub if self.relay is not None else None
+        self.sync = WeightSync(config, client, self.updater, hub=hub) if client else None
         tokenizer = engine.tokenizer
         self.servicer = RolloutServicer(config, engine, tokenizer, self.updater, self.sync)
         self.stop_event = threading.Event()
@@ -300,8 +303,9 @@ class RolloutServer:
         self.registration = register(
             self.client, self.config, "rollout", host, self.grpc_port,
             http=advertised_address(host, self.http.port), ready=False, accepting=False,
-            version=self.engine.version,
+            version=self.engine.version, relay=self.relay.port if self.relay else 0,
         )  # fmt: skip
+        self.sync.instance = self.registration.info["instance"]
         threading.Thread(
             target=self.sync.run, args=(self.stop_event, self._announce),
             daemon=True, name="weight-sync",
@@ -365,8 +369,22 @@ class RolloutServer:
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2).wait()
         self.servicer.batcher.close()
+        if self.relay is not None:
+            self.relay.stop()
         if self.http is not None:
             self.http.stop()
+
+
+def start_relay(config: RolloutSettings) -> RelayServer | None:
+    """This server's relay (rollout.relay), listening, or None when relaying is off."""
+    if not config.rollout.relay:
+        return None
+    rpc = config.shared.rpc
+    hub = RelayHub(rpc.max_message_bytes, config.rollout.relay_timeout_s)
+    host, security = config.rollout.server.host, config.security
+    return RelayServer(
+        hub, host, config.rollout.relay_port, security.tls, security.auth.secret()
+    ).start()
 
 
 def create_server(

@@ -28,6 +28,7 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
 from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
+from rollout.relay import RelayHub, RelaySource, chain_index, relay_parent
 from services.common import weight_socket
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
@@ -71,9 +72,9 @@ class WeightUpdater:
         for bucket in buckets:
             self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
             assembler.add(bucket)
+            for raw in assembler.pop_completed():  # checked while the next bucket arrives
+                check_finite(raw.name, to_torch(raw))
         named = [(t.name, to_torch(t)) for t in assembler.result()]
-        for name, tensor in named:
-            check_finite(name, tensor)
         version = assembler.version or 0
         with self._lock:
             self._check_newer(version)
@@ -112,6 +113,7 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
             request_serializer=learner_pb2.FetchWeightsRequest.SerializeToString,
             response_deserializer=None,  # the serialized bytes
         )
+        self.fetch_raw = raw  # the serialized buckets, for a relay to keep
         self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
 
 
@@ -134,10 +136,11 @@ class WeightSocketSource:
     stub: WeightStub
     address: str
     config: RolloutSettings
+    hub: RelayHub | None = None  # relay what arrives to the next server in the chain
     name: str = "weight socket"
 
     def fetch(self) -> Iterator[Any] | None:
-        return socket_buckets(self.stub, self.address, self.config)
+        return socket_buckets(self.stub, self.address, self.config, self.hub)
 
 
 @dataclass
@@ -146,16 +149,22 @@ class FetchWeightsSource:
 
     stub: WeightStub
     config: RolloutSettings
+    hub: RelayHub | None = None
     name: str = "FetchWeights stream"
 
     def fetch(self) -> Iterator[Any]:
         request = learner_pb2.FetchWeightsRequest(version=0)
-        return self.stub.FetchWeights(request, timeout=self.config.shared.rpc.weights_timeout_s)
+        timeout = self.config.shared.rpc.weights_timeout_s
+        if self.hub is not None:
+            return self.hub.receive_frames(self.stub.fetch_raw(request, timeout=timeout))
+        return self.stub.FetchWeights(request, timeout=timeout)
 
 
-def learner_sources(stub: WeightStub, address: str, config: RolloutSettings) -> list[WeightSource]:
+def learner_sources(
+    stub: WeightStub, address: str, config: RolloutSettings, hub: RelayHub | None = None
+) -> list[WeightSource]:
     """The learner's transports, fastest first."""
-    return [WeightSocketSource(stub, address, config), FetchWeightsSource(stub, config)]
+    return [WeightSocketSource(stub, address, config, hub), FetchWeightsSource(stub, config, hub)]
 
 
 def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterator[Any]]:
@@ -175,9 +184,12 @@ def fetch_buckets(
     return first_offered(learner_sources(stub, address, config))
 
 
-def socket_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> Iterator[Any] | None:
+def socket_buckets(
+    stub: WeightStub, address: str, config: RolloutSettings, hub: RelayHub | None = None
+) -> Iterator[Any] | None:
     """The latest version's buckets over the weight socket; None when the learner offers
-    none (learner.weight_transport=grpc) or it cannot be reached (a warning says why)."""
+    none (learner.weight_transport=grpc) or it cannot be reached (a warning says why).
+    With a `hub` the frames are kept and relayed to the next server as they arrive."""
     rpc, request = config.shared.rpc, learner_pb2.FetchWeightsRequest(version=0)
     try:
         ticket = stub.OpenWeightSocket(request, timeout=rpc.control_timeout_s)
@@ -196,8 +208,26 @@ def socket_buckets(stub: WeightStub, address: str, config: RolloutSettings) -> I
             host, ticket.port, exc,
         )  # fmt: skip
         return None
+    if hub is not None:
+        return hub.receive(sock)
     frames = weight_socket.read_frames(sock, config.shared.rpc.max_message_bytes)
     return map(parse_bucket, frames)
+
+
+def pull(sources: Iterable[WeightSource], updater: WeightUpdater) -> tuple[str, int]:
+    """(source name, version) from the first source that offers an update; a relay that
+    breaks off (its server died, stalled, moved on) hands over to the next source."""
+    for source in sources:
+        buckets = source.fetch()
+        if buckets is None:
+            continue
+        try:
+            return source.name, updater.apply(buckets)
+        except (WeightSocketError, TensorWireError) as exc:
+            if not getattr(source, "fallible", False):
+                raise
+            log.warning("%s failed (%s); pulling from the learner", source.name, exc)
+    raise LookupError("no weight source offered an update")
 
 
 SourcesFor = Callable[[WeightStub, str], list[WeightSource]]
@@ -213,9 +243,13 @@ class WeightSync:
         client: redis.Redis,
         updater: WeightUpdater,
         sources: SourcesFor | None = None,
+        hub: RelayHub | None = None,
     ) -> None:
-        self.config, self.client, self.updater = config, client, updater
-        self.sources = sources or (lambda stub, address: learner_sources(stub, address, config))
+        self.config, self.client, self.updater, self.hub = config, client, updater, hub
+        self.sources = sources or (
+            lambda stub, address: learner_sources(stub, address, config, hub)
+        )
+        self.instance: str | None = None  # our registry name: where we sit in the chain
         self.keys = RunKeys(config.shared.run_name)
         self.caught_up = threading.Event()
         self._wake = threading.Event()
@@ -265,12 +299,22 @@ class WeightSync:
         offered = stub.GetVersion(request, timeout=rpc.control_timeout_s).version
         if offered <= self.served:
             return False  # the learner's snapshot is not there yet
-        transport, buckets = first_offered(self.sources(stub, address))
-        version = self.updater.apply(buckets)
+        sources = self._relay_sources() + self.sources(stub, address)
+        transport, version = pull(sources, self.updater)
         log.info("loaded weights version=%d (published %d) over the %s", version, target, transport)
         if version >= target:
             self.caught_up.set()
         return True
+
+    def _relay_sources(self) -> list[WeightSource]:
+        """The previous server in the chain, when we relay and are not its head."""
+        if self.hub is None or self.instance is None:
+            return []
+        entries = discover(self.client, self.keys, "rollout")
+        parent, index = relay_parent(entries, self.instance), chain_index(entries, self.instance)
+        if parent is None or index is None:
+            return []
+        return [RelaySource(parent, index, self.served + 1, self.hub, self.config)]
 
     def run(self, stop: threading.Event, after_each: Callable[[], None]) -> None:
         """Sync now, then every `weight_poll_s`; call `after_each` after every attempt."""

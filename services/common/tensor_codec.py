@@ -287,6 +287,7 @@ class WeightAssembler:
     complete: bool = False
     max_tensor_bytes: int = MAX_TENSOR_BYTES
     _tensors: dict[str, _Partial] = field(default_factory=dict)
+    _completed: list[str] = field(default_factory=list)
 
     def add(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
         """Take the next bucket; raise TensorWireError on anything inconsistent."""
@@ -324,6 +325,17 @@ class WeightAssembler:
         if piece.offset != part.filled or end > total:
             raise TensorWireError(f"{piece.name}: slice at {piece.offset} does not follow")
         part.write(data, end)
+        if end == total:
+            self._completed.append(piece.name)
+
+    def pop_completed(self) -> list[RawTensor]:
+        """The tensors completed since the last call (to check them while more arrive)."""
+        done, self._completed = self._completed, []
+        return [self._raw(name) for name in done]
+
+    def _raw(self, name: str) -> RawTensor:
+        p = self._tensors[name]
+        return RawTensor(name, p.dtype, p.shape, memoryview(p.buffer))
 
     def _start(self, name: str, dtype: str, shape: tuple[int, ...], total: int) -> _Partial:
         """The tensor's final buffer, sized from its announced shape (bounded first)."""
@@ -343,9 +355,7 @@ class WeightAssembler:
         short = [n for n, p in self._tensors.items() if p.filled != p.total]
         if short:
             raise TensorWireError(f"incomplete tensors: {', '.join(short[:5])}")
-        return [
-            RawTensor(n, p.dtype, p.shape, memoryview(p.buffer)) for n, p in self._tensors.items()
-        ]
+        return [self._raw(name) for name in self._tensors]
 
 
 def from_torch(name: str, tensor: Any) -> RawTensor:

@@ -158,7 +158,7 @@ class WeightSocketServer:
             conn.settimeout(10.0)  # handshake and ticket: a silent peer holds no slot long
             if self._context is not None:
                 conn = self._context.wrap_socket(conn, server_side=True)
-            frames = self._redeem(_recv_exact(conn, TICKET_BYTES))
+            frames = self._redeem(recv_exact(conn, TICKET_BYTES))
             if frames is None:
                 log.warning("weight socket: bad, used or expired ticket from %s", peer)
                 return
@@ -167,7 +167,7 @@ class WeightSocketServer:
                 conn.sendall(FRAME.pack(len(frame)))
                 conn.sendall(frame)
             conn.sendall(FRAME.pack(0))
-            _linger(conn)
+            linger(conn)
         except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
             log.info("weight socket: connection from %s ended: %s", peer, exc)
         finally:
@@ -175,7 +175,7 @@ class WeightSocketServer:
             self._slots.release()
 
 
-def _linger(conn: socket.socket) -> None:
+def linger(conn: socket.socket) -> None:
     """Half-close, then read until the client closes (or LINGER_S): closing a socket that
     holds unread input (bytes sent after the ticket) makes the kernel send RST and drop
     the frames still queued for sending, cutting the stream short."""
@@ -188,7 +188,7 @@ def _linger(conn: socket.socket) -> None:
 
 
 # ------------------------------------------------------------------------------ client
-def _recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes:
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> bytes:
     """Exactly `n` bytes (into `into` when given, returning b"")."""
     view = into if into is not None else memoryview(bytearray(n))
     got = 0
@@ -234,7 +234,7 @@ def _frames(
     sock: socket.socket, max_frame_bytes: int, header: bytearray, buf: bytearray
 ) -> Iterator[memoryview]:
     while True:
-        _recv_exact(sock, FRAME.size, memoryview(header))
+        recv_exact(sock, FRAME.size, memoryview(header))
         (size,) = FRAME.unpack(header)
         if size == 0:
             return
@@ -246,5 +246,5 @@ def _frames(
         if size > len(buf):
             buf = bytearray(size)
         view = memoryview(buf)[:size]
-        _recv_exact(sock, size, view)
+        recv_exact(sock, size, view)
         yield view
