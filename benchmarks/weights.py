@@ -68,10 +68,12 @@ def serve_publisher(model_dir: str) -> None:
 
     from learner.weights import WeightServicer, add_weight_service, live_views
     from services.common.grpc_server import start_grpc_server
+    from services.common.malloc import keep_freed_memory
     from services.common.security import TlsConfig
     from services.common.server_config import ServerConfig
     from services.common.weight_socket import WeightSocketServer
 
+    keep_freed_memory()  # as `dapo learner` does
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     tensors = live_views(model.state_dict().items())
     streams = [0]
@@ -103,11 +105,14 @@ def serve_publisher(model_dir: str) -> None:
     server.stop(0)
 
 
-def serve_rollout(model_dir: str, grpc_port: str) -> None:
-    """One rollout server: a torch engine; `fetch` on stdin pulls and loads the latest."""
+def serve_rollout(model_dir: str, grpc_port: str, index: int, parent_relay: int) -> None:
+    """One rollout server: a torch engine and its relay; `fetch` on stdin pulls the latest
+    (from the previous server's relay when `parent_relay`, else the learner) and loads it."""
     from rollout.metrics import RolloutMetrics
+    from rollout.relay import RelaySource
+    from rollout.server import start_relay
     from rollout.torch_engine import TorchEngine
-    from rollout.weights import WeightStub, WeightUpdater, fetch_buckets
+    from rollout.weights import WeightStub, WeightUpdater, learner_sources, pull
     from services.common.grpc_server import insecure_channel
     from services.common.malloc import keep_freed_memory
     from services.tools.config import DapoConfig
@@ -115,12 +120,18 @@ def serve_rollout(model_dir: str, grpc_port: str) -> None:
     keep_freed_memory()  # as `dapo rollout` does
     engine = TorchEngine(model_dir, dtype="bfloat16", device="cpu")
     updater, config = WeightUpdater(engine, RolloutMetrics()), DapoConfig()
+    relay = start_relay(config)
+    assert relay is not None
     address = f"127.0.0.1:{grpc_port}"
-    print("ready", flush=True)
+    parent = {"address": "127.0.0.1:0", "relay": parent_relay}
+    print("ready", relay.port, flush=True)
     with insecure_channel(address, config.shared.rpc.max_message_bytes) as channel:
         for _ in sys.stdin:
-            transport, buckets = fetch_buckets(WeightStub(channel), address, config)
-            version = updater.apply(buckets)
+            sources = learner_sources(WeightStub(channel), address, config, relay.hub)
+            if parent_relay:  # the chain's order, as the registry would give it
+                source = RelaySource(parent, index, engine.version + 1, relay.hub, config)
+                sources.insert(0, source)
+            transport, version = pull(sources, updater)
             print("served", version, transport, flush=True)
 
 
@@ -166,9 +177,15 @@ def run(model_dir: Path, fan_outs: list[int], versions: int) -> dict[str, Any]:
     version = 0
     try:
         for count in fan_outs:
-            servers = [_spawn("server", str(model_dir), grpc_port) for _ in range(count)]
+            servers: list[subprocess.Popen[str]] = []
             try:
-                assert all(p.stdout and p.stdout.readline().strip() == "ready" for p in servers)
+                relay_port = "0"
+                for index in range(count):
+                    servers.append(
+                        _spawn("server", str(model_dir), grpc_port, str(index), relay_port)
+                    )
+                    ready, relay_port = servers[-1].stdout.readline().split()  # type: ignore[union-attr]
+                    assert ready == "ready"
                 runs = []
                 for _ in range(versions):
                     version += 1
@@ -227,4 +244,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "publisher":
         serve_publisher(sys.argv[2])
     else:
-        serve_rollout(sys.argv[2], sys.argv[3])
+        serve_rollout(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -2,14 +2,15 @@
 
 Why: when every rollout server pulls from the learner, the learner sends R copies of
 every version. Here rollout server i (in the registry's instance order) pulls from server
-i - 1 instead, and only the first pulls from the learner. Each server keeps the frames it
-receives (serialized `WeightBucket`s, exactly the weight socket's frames) in a pool
-reused from version to version, and serves them to the next server *as they arrive*: a
-bucket is forwarded while the next one is still on the wire, so the chain streams rather
-than storing and forwarding the whole model.
+i - 1 instead, and only the first pulls from the learner. Each server forwards every
+bucket (a serialized `WeightBucket`, exactly the weight socket's frame) to the next server
+as soon as it assembled it, while the next bucket is still on the wire: the chain streams
+rather than storing and forwarding the whole model. What it forwards are views into the
+tensors it assembled (no copy of its own), kept until its next version starts.
 
-`Reception` is one version arriving: a thread reads the frames from a socket into the
-pool; the server's own `WeightUpdater` and any relay children read them in order.
+`Reception` is one version arriving: a thread reads frames into a small ring (reading
+ahead while the updater assembles and checks), this server's `WeightUpdater` assembles
+them in order, and relay children read the assembled buckets.
 `RelayServer` is the listening side (same frames, same TLS as the learner's weight
 socket; a request names the lowest version the child takes and carries a digest of the
 shared token). A child whose parent is gone, slow past `relay_timeout_s`, or serving an
@@ -32,7 +33,7 @@ from typing import Any
 from rollout.config import RolloutSettings
 from services.common import weight_socket
 from services.common.security import TlsConfig
-from services.common.tensor_codec import parse_bucket
+from services.common.tensor_codec import parse_bucket, wire_bucket_parts
 from services.common.weight_socket import FRAME, WeightSocketError, recv_exact
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ REQUEST = struct.Struct("<Q32s")  # the lowest version taken, sha256 of the toke
 # A parent holds a child's request this many relay timeouts for a version to arrive; the
 # child gives up sooner (`first_frame_timeout`).
 ACQUIRE_WAITS = 10
+LOOKAHEAD = 4  # frames read ahead of the assembler (4 MiB each by default)
 MAX_CHILDREN = 4  # connections served at once (a chain has one child; a few retries)
 
 
@@ -50,28 +52,36 @@ def token_digest(token: str | None) -> bytes:
 
 
 class Reception:
-    """One version's frames, read into a pool by a thread and read back in order."""
+    """One version arriving: a thread reads its frames into a small ring, this server's
+    updater assembles them in order (`buckets`), and each assembled bucket is kept, as
+    views into the assembled tensors, for relay children (`iter_parts`)."""
 
-    def __init__(self, pool: list[bytearray], cond: threading.Condition | None = None) -> None:
-        self.pool = pool
-        self.frames: list[memoryview] = []
+    def __init__(self, cond: threading.Condition, lookahead: int = LOOKAHEAD) -> None:
         self.version: int | None = None
-        self.done = False
+        self.received = 0  # frames read
+        self.parts: list[list[bytes | memoryview]] = []  # assembled frames, for children
+        self.done = False  # every frame read (or the transfer failed)
         self.error: Exception | None = None
-        self.readers = 0  # relay children streaming these frames (the pool is theirs)
-        self._cond = cond or threading.Condition()  # the hub's: it waits for versions
+        self._ring = [bytearray() for _ in range(lookahead)]
+        self._frames: dict[int, memoryview] = {}  # read, not yet assembled
+        self._cond = cond  # the hub's: it waits for versions
 
     def start(
         self, sock: socket.socket, max_frame_bytes: int, first_timeout: float | None = None
     ) -> Reception:
-        """Receive from a weight socket's frames, straight into the pool (the socket's
-        timeout applies per read; `first_timeout`, when given, to the first frame)."""
+        """Receive a weight socket's frames (the socket's timeout applies per read;
+        `first_timeout`, when given, to the first frame)."""
         frames = self._from_socket(sock, max_frame_bytes, first_timeout)
         return self._spawn(frames, sock.close)
 
     def start_frames(self, frames: Iterable[bytes]) -> Reception:
-        """Receive already-read frames (the FetchWeights stream), copied into the pool."""
-        return self._spawn(self._copied(frames), lambda: None)
+        """Receive frames read elsewhere (the FetchWeights stream's messages)."""
+        return self._spawn(self._paced(frames), lambda: None)
+
+    def _paced(self, frames: Iterable[bytes]) -> Iterator[memoryview]:
+        for frame in frames:
+            yield memoryview(frame)
+            self._wait_room()
 
     def _spawn(self, views: Iterator[memoryview], close: Callable[[], None]) -> Reception:
         threading.Thread(target=self._run, args=(views, close), daemon=True,
@@ -84,15 +94,23 @@ class Reception:
                 with self._cond:
                     if self.version is None:
                         self.version = parse_bucket(view).version
-                    self.frames.append(view)
+                    self._frames[self.received] = view
+                    self.received += 1
                     self._cond.notify_all()
         except Exception as exc:  # the transfer's error is every reader's error
-            self.error = exc if isinstance(exc, WeightSocketError) else WeightSocketError(exc)
+            self.fail(exc)
         finally:
             close()
             with self._cond:
                 self.done = True
                 self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """End this reception for every reader (the updater gave up, or the socket broke)."""
+        with self._cond:
+            if self.error is None:
+                self.error = exc if isinstance(exc, WeightSocketError) else WeightSocketError(exc)
+            self._cond.notify_all()
 
     def _from_socket(
         self, sock: socket.socket, max_frame_bytes: int, first_timeout: float | None
@@ -107,45 +125,88 @@ class Reception:
                 return
             if size > max_frame_bytes:
                 raise WeightSocketError(f"relay frame of {size} bytes > {max_frame_bytes}")
-            view = self._slot(len(self.frames), size)
+            view = self._slot(size)
             recv_exact(sock, size, view)
             sock.settimeout(timeout)
             yield view
 
-    def _copied(self, frames: Iterable[bytes]) -> Iterator[memoryview]:
-        for frame in frames:
-            view = self._slot(len(self.frames), len(frame))
-            view[:] = frame
-            yield view
+    def _wait_room(self) -> None:
+        """Until the assembler is at most `lookahead` frames behind the reader."""
+        index = self.received
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.parts) > index - len(self._ring) or self.error)
+            if self.error is not None:
+                raise self.error
 
-    def _slot(self, index: int, size: int) -> memoryview:
-        """A buffer of the pool for frame `index` (grown or added when too small)."""
-        if index == len(self.pool):
-            self.pool.append(bytearray(size))
-        elif len(self.pool[index]) < size:
-            self.pool[index] = bytearray(size)
-        return memoryview(self.pool[index])[:size]
+    def _slot(self, size: int) -> memoryview:
+        """The ring buffer for the next frame, once the frame it held was assembled."""
+        self._wait_room()
+        ring = self._ring
+        at = self.received % len(ring)
+        if len(ring[at]) < size:
+            ring[at] = bytearray(size)
+        return memoryview(ring[at])[:size]
 
-    def iter_frames(self) -> Iterator[memoryview]:
-        """Every frame in order; raises if the transfer failed or stalled (a partial
-        version is never complete). The receiving thread's socket timeouts bound waits."""
+    def buckets(self) -> Iterator[Any]:
+        """The buckets in order, for this server's updater (whose assembler must call
+        `assembled` for each: `WeightUpdater` does, through `on_assembled`)."""
         index = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda at=index: self._has(at))  # type: ignore[misc]
-                if len(self.frames) <= index:
-                    if self.error is not None:
-                        raise self.error
-                    return
-                frame = self.frames[index]
-            yield frame
+                self._cond.wait_for(lambda at=index: at in self._frames or self.done or self.error)  # type: ignore[misc]
+                if self.error is not None:
+                    raise self.error
+                frame = self._frames.pop(index, None)
+            if frame is None:
+                return
+            yield parse_bucket(frame)
             index += 1
 
-    def _has(self, index: int) -> bool:
-        return len(self.frames) > index or self.done
+    def assembled(self, bucket: Any, views: list[memoryview]) -> None:
+        """A bucket is in its tensors: its frame's slot is free and children may have it."""
+        parts = wire_bucket_parts(bucket, views)
+        with self._cond:
+            self.parts.append(parts)
+            self._cond.notify_all()
 
-    def buckets(self) -> Iterator[object]:
-        return map(parse_bucket, self.iter_frames())
+    def iter_parts(self) -> Iterator[list[bytes | memoryview]]:
+        """Every assembled frame in order, for a child; raises if the transfer failed."""
+        index = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda at=index: len(self.parts) > at or self._ended(at))  # type: ignore[misc]
+                if len(self.parts) > index:
+                    parts = self.parts[index]
+                elif self.error is not None:
+                    raise self.error
+                else:
+                    return
+            yield parts
+            index += 1
+
+    def _ended(self, index: int) -> bool:
+        return self.error is not None or (self.done and index >= self.received)
+
+
+class RelayedBuckets:
+    """A reception's buckets, as a weight source returns them: `WeightUpdater` hands its
+    assembler's progress to `on_assembled` and calls `close` when it stops early."""
+
+    def __init__(self, reception: Reception) -> None:
+        self.reception = reception
+        self._buckets = reception.buckets()
+
+    def __iter__(self) -> RelayedBuckets:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._buckets)
+
+    def on_assembled(self, bucket: Any, views: list[memoryview]) -> None:
+        self.reception.assembled(bucket, views)
+
+    def abandon(self, error: BaseException) -> None:
+        self.reception.fail(error)
 
 
 class RelayHub:
@@ -154,35 +215,28 @@ class RelayHub:
     def __init__(self, max_frame_bytes: int, timeout_s: float) -> None:
         self.max_frame_bytes, self.timeout_s = max_frame_bytes, timeout_s
         self.current: Reception | None = None
-        self._pool: list[bytearray] = []
         self._cond = threading.Condition()
 
-    def receive(self, sock: socket.socket, first_timeout: float | None = None) -> Iterator[object]:
+    def receive(self, sock: socket.socket, first_timeout: float | None = None) -> RelayedBuckets:
         """Read a new version from a weight socket (in a thread) and relay it; its buckets."""
         return self._begin(lambda r: r.start(sock, self.max_frame_bytes, first_timeout))
 
-    def receive_frames(self, frames: Iterable[bytes]) -> Iterator[object]:
+    def receive_frames(self, frames: Iterable[bytes]) -> RelayedBuckets:
         """The same for frames read elsewhere (the FetchWeights stream)."""
         return self._begin(lambda r: r.start_frames(frames))
 
-    def _begin(self, start: Callable[[Reception], Reception]) -> Iterator[object]:
-        with self._cond:
-            busy = self.current is not None and self.current.readers > 0
-            if busy:  # a child still reads the last version: never overwrite its frames
-                self._pool = []
-            reception = self.current = start(Reception(self._pool, self._cond))
+    def _begin(self, start: Callable[[Reception], Reception]) -> RelayedBuckets:
+        with self._cond:  # the last version's tensors go once its children are done
+            reception = self.current = start(Reception(self._cond))
             self._cond.notify_all()
-        return reception.buckets()
+        return RelayedBuckets(reception)
 
     def acquire(self, min_version: int, timeout: float) -> Reception | None:
         """A reception of `min_version` or newer (waiting for one up to `timeout`)."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._offers(min_version), timeout):
                 return None
-            reception = self.current
-            assert reception is not None
-            reception.readers += 1
-            return reception
+            return self.current
 
     def _offers(self, min_version: int) -> bool:
         reception = self.current
@@ -191,10 +245,6 @@ class RelayHub:
             and reception.error is None
             and (reception.version or 0) >= min_version
         )
-
-    def release(self, reception: Reception) -> None:
-        with self._cond:
-            reception.readers -= 1
 
 
 class RelayServer:
@@ -246,10 +296,7 @@ class RelayServer:
             reception = self.hub.acquire(min_version, ACQUIRE_WAITS * self.hub.timeout_s)
             if reception is None:
                 return  # nothing new enough: the child pulls from the learner
-            try:
-                self._stream(conn, reception)
-            finally:
-                self.hub.release(reception)
+            self._stream(conn, reception)
         except (OSError, WeightSocketError) as exc:
             log.info("relay: child %s ended: %s", peer, exc)
         finally:
@@ -258,9 +305,10 @@ class RelayServer:
 
     def _stream(self, conn: socket.socket, reception: Reception) -> None:
         conn.settimeout(self.hub.timeout_s)
-        for frame in reception.iter_frames():
-            conn.sendall(FRAME.pack(len(frame)))
-            conn.sendall(frame)
+        for parts in reception.iter_parts():
+            conn.sendall(FRAME.pack(sum(len(p) for p in parts)))
+            for part in parts:
+                conn.sendall(part)
         conn.sendall(FRAME.pack(0))
         weight_socket.linger(conn)
 

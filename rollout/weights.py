@@ -68,12 +68,18 @@ class WeightUpdater:
         return version
 
     def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
-        assembler = WeightAssembler()
-        for bucket in buckets:
-            self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
-            assembler.add(bucket)
-            for raw in assembler.pop_completed():  # checked while the next bucket arrives
-                check_finite(raw.name, to_torch(raw))
+        # a relay's reception forwards each bucket once it is assembled (rollout/relay.py)
+        assembler = WeightAssembler(on_bucket=getattr(buckets, "on_assembled", None))
+        try:
+            for bucket in buckets:
+                self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
+                assembler.add(bucket)
+                for raw in assembler.pop_completed():  # checked while the next one arrives
+                    check_finite(raw.name, to_torch(raw))
+        except BaseException as exc:
+            if hasattr(buckets, "abandon"):
+                buckets.abandon(exc)  # its relay children stop too
+            raise
         named = [(t.name, to_torch(t)) for t in assembler.result()]
         version = assembler.version or 0
         with self._lock:

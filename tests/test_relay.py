@@ -20,12 +20,19 @@ import torch
 from rollout_fixtures import make_config, perturbed, serve, wait_for
 
 from learner.weights import WeightServicer, add_weight_service
-from rollout.relay import relay_parent
+from rollout.relay import RelayHub, relay_parent
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
+from services.common.tensor_codec import (
+    WeightAssembler,
+    encode_bucket_bytes,
+    from_torch,
+    parse_bucket,
+    wire_bucket_parts,
+)
 from services.common.weight_socket import WeightSocketServer
 
 
@@ -174,3 +181,44 @@ def test_a_late_joiner_catches_up(tiny_model: Path, redis_client: redis.Redis) -
             expected = publish(redis_client, keys, servicer, 2, a.engine)
             wait_for(lambda: a.engine.version == 2 and late.engine.version == 2)
             assert_exact(late, expected)
+
+
+def _model_frames(version: int = 7) -> list[bytes]:
+    gen = torch.Generator().manual_seed(0)
+    tensors = [from_torch(f"w{i}", torch.randn(300 + i, generator=gen)) for i in range(5)]
+    return list(encode_bucket_bytes(tensors, version, 1024))
+
+
+def test_relayed_frames_are_the_learners_bytes() -> None:
+    frames = _model_frames()
+    relayed: list[bytes] = []
+    assembler = WeightAssembler(
+        on_bucket=lambda b, views: relayed.append(b"".join(wire_bucket_parts(b, views)))
+    )
+    for frame in frames:
+        assembler.add(parse_bucket(frame))
+    assert relayed == frames and len(frames) > 3
+
+
+def test_a_bucket_is_forwarded_before_the_next_one_arrives() -> None:
+    """Streaming, not store-and-forward: the child gets bucket 0 while bucket 1 is held."""
+    frames, release = _model_frames(), threading.Event()
+
+    def learner_stream() -> Iterator[bytes]:
+        yield frames[0]
+        assert release.wait(10)
+        yield from frames[1:]
+
+    hub = RelayHub(1 << 20, timeout_s=5.0)
+    buckets = hub.receive_frames(learner_stream())
+    assembler = WeightAssembler(on_bucket=buckets.on_assembled)
+    assembler.add(next(buckets))
+    reception = hub.acquire(min_version=7, timeout=5.0)
+    assert reception is not None
+    child = reception.iter_parts()
+    assert b"".join(next(child)) == frames[0] and not release.is_set()
+    release.set()
+    for bucket in buckets:
+        assembler.add(bucket)
+    assert [b"".join(p) for p in child] == frames[1:]
+    assert hub.acquire(min_version=8, timeout=0.1) is None  # nothing newer: the learner

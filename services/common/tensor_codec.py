@@ -14,7 +14,7 @@ the processes that have it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,14 +206,33 @@ def encode_bucket_bytes(
 ) -> Iterator[bytes]:
     """`encode_buckets(...)` serialized, byte for byte, copying tensor data only once."""
     for bucket, views in _plan(list(tensors), version, bucket_bytes):
-        head = tensor_pb2.WeightBucket(version=bucket.version, index=bucket.index, last=bucket.last)
-        parts: list[bytes | memoryview] = [head.SerializeToString()]  # fields 1-3
-        for piece, view in zip(bucket.slices, views, strict=True):  # field 4
-            body = _slice_bytes(piece, view)
-            parts += [_SLICE_TAG, _varint_bytes(sum(len(b) for b in body)), *body]
-        tail = tensor_pb2.WeightBucket(total_tensors=bucket.total_tensors)  # field 5
-        parts.append(tail.SerializeToString())
-        yield b"".join(parts)
+        yield b"".join(_bucket_parts(bucket, list(bucket.slices), views))
+
+
+def wire_bucket_parts(bucket: WireBucket, views: list[memoryview]) -> list[bytes | memoryview]:
+    """`bucket` serialized again (as `encode_bucket_bytes` would), with `views` as its
+    slices' data: a relay forwards the bytes it assembled without joining them."""
+    pieces = [
+        tensor_pb2.TensorSlice(
+            name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, total_bytes=s.total_bytes
+        )  # fmt: skip
+        for s in bucket.slices
+    ]
+    return _bucket_parts(bucket, pieces, views)
+
+
+def _bucket_parts(
+    bucket: Any, pieces: list[tensor_pb2.TensorSlice], views: list[memoryview]
+) -> list[bytes | memoryview]:
+    """A WeightBucket's bytes in pieces: protobuf for the metadata, the data spliced in."""
+    head = tensor_pb2.WeightBucket(version=bucket.version, index=bucket.index, last=bucket.last)
+    parts: list[bytes | memoryview] = [head.SerializeToString()]  # fields 1-3
+    for piece, view in zip(pieces, views, strict=True):  # field 4
+        body = _slice_bytes(piece, view)
+        parts += [_SLICE_TAG, _varint_bytes(sum(len(b) for b in body)), *body]
+    tail = tensor_pb2.WeightBucket(total_tensors=bucket.total_tensors)  # field 5
+    parts.append(tail.SerializeToString())
+    return parts
 
 
 def _plan(
@@ -288,6 +307,8 @@ class WeightAssembler:
     max_tensor_bytes: int = MAX_TENSOR_BYTES
     _tensors: dict[str, _Partial] = field(default_factory=dict)
     _completed: list[str] = field(default_factory=list)
+    # called with (bucket, the slices' views in their tensors) once a bucket is copied in
+    on_bucket: Callable[[Any, list[memoryview]], None] | None = None
 
     def add(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
         """Take the next bucket; raise TensorWireError on anything inconsistent."""
@@ -305,11 +326,12 @@ class WeightAssembler:
         if bucket.index != self.next_index:
             raise TensorWireError(f"bucket {bucket.index} out of order (want {self.next_index})")
         self.next_index += 1
-        for piece in bucket.slices:
-            self._add_slice(piece)
+        views = [self._add_slice(piece) for piece in bucket.slices]
         self.complete = bucket.last
+        if self.on_bucket is not None:
+            self.on_bucket(bucket, views)
 
-    def _add_slice(self, piece: tensor_pb2.TensorSlice | WireSlice) -> None:
+    def _add_slice(self, piece: tensor_pb2.TensorSlice | WireSlice) -> memoryview:
         dtype = DTYPE_NAMES.get(piece.dtype)
         if dtype is None:
             raise TensorWireError(f"{piece.name}: unknown dtype enum {piece.dtype}")
@@ -327,6 +349,7 @@ class WeightAssembler:
         part.write(data, end)
         if end == total:
             self._completed.append(piece.name)
+        return memoryview(part.buffer)[piece.offset : end]
 
     def pop_completed(self) -> list[RawTensor]:
         """The tensors completed since the last call (to check them while more arrive)."""
