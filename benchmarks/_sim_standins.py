@@ -181,6 +181,9 @@ class SimPolicy:
         self.costs = costs
         self.weight = torch.zeros(costs.weight_bytes // 4, dtype=torch.float32)
 
+    def weight_count(self) -> int:
+        return 1
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         time.sleep(self.costs.publish_byte_s * self.costs.weight_bytes)
         self.weight[0] += 1  # each version differs

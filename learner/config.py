@@ -131,6 +131,19 @@ class LearnerConfig(StrictModel):
         ge=1024,
         description="Weight bytes per gRPC message (4 MiB: docs/weight_publication.md).",
     )
+    gather_bucket_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Under ZeRO-3, the most full-weight bytes gathered at once for publishing "
+        "(one parameter larger than this is gathered alone): the whole model is never "
+        "gathered on one rank.",
+    )
+    publish_in_background: bool = Field(
+        True,
+        description="Snapshot each version's weights in the step and serialize them for "
+        "rollout servers in a background thread while the next step trains (at most one "
+        "publication in flight); false: serialize inside the step.",
+    )
     weight_transport: Literal["socket", "grpc"] = Field(
         "socket",
         description="How rollout servers pull weights: 'socket' (a ticket over gRPC, the "

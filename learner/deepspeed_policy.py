@@ -18,6 +18,7 @@ How the DAPO normalisation survives DeepSpeed (checked against deepspeed 0.19.8'
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -143,19 +144,25 @@ class DeepSpeedPolicy:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------ weights out
+    def weight_count(self) -> int:
+        return len(self.module.state_dict(keep_vars=True))
+
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full weights in `state_dict` order; under ZeRO-3 gathered one tensor at a time.
+        """Full weights in `state_dict` order; under ZeRO-3 gathered a bucket of at most
+        `gather_bucket_bytes` at a time (each yielded tensor a copy, the gathered ones
+        released before the next bucket), so no rank ever holds the whole model.
 
         Every rank must drain this iterator (the gathers are collectives).
         """
         import deepspeed
 
-        for name, tensor in self.module.state_dict(keep_vars=True).items():
-            if hasattr(tensor, "ds_id"):
-                with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                    yield name, tensor.detach().clone()
-            else:
-                yield name, tensor.detach()
+        named = list(self.module.state_dict(keep_vars=True).items())
+        for group in gather_groups(named, self.cfg.gather_bucket_bytes):
+            sharded = [t for _, t in group if hasattr(t, "ds_id")]
+            gathering = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
+            with gathering if sharded else contextlib.nullcontext():
+                copies = [(n, _owned(t)) for n, t in group]
+            yield from copies
 
     def full_gradients(self) -> dict[str, Tensor]:
         """Reduced fp32 gradients by parameter name (after the last backward, before step)."""
@@ -190,3 +197,32 @@ class DeepSpeedPolicy:
         self.schedule_step = int(client.get("schedule_step", 0))
         self._set_lr()
         return client
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    """A gathered ZeRO-3 weight copied to host memory (its gathered storage goes with the
+    bucket); any other weight as it is."""
+    return tensor.detach().to("cpu", copy=True) if hasattr(tensor, "ds_id") else tensor.detach()
+
+
+def full_bytes(tensor: Tensor) -> int:
+    """A parameter's gathered size (`ds_numel` under ZeRO-3, its own size otherwise)."""
+    return int(getattr(tensor, "ds_numel", tensor.numel())) * tensor.element_size()
+
+
+def gather_groups(
+    named: list[tuple[str, Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Consecutive runs of weights of at most `bucket_bytes` gathered (one larger weight
+    alone), in order."""
+    group: list[tuple[str, Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = full_bytes(tensor)
+        if group and size + nbytes > bucket_bytes:
+            yield group
+            group, size = [], 0
+        group.append((name, tensor))
+        size += nbytes
+    if group:
+        yield group

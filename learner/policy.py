@@ -54,6 +54,10 @@ class Policy(CausalLM, Protocol):
         """Full (gathered) weights for publishing to rollout servers."""
         ...
 
+    def weight_count(self) -> int:
+        """How many tensors `named_weights` yields (known before gathering any)."""
+        ...
+
     def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
         """Everything needed to resume, plus `client_state`; `latest` is written last."""
         ...

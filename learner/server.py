@@ -28,6 +28,7 @@ import json
 import logging
 import struct
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -36,9 +37,10 @@ from prometheus_client import Counter, Gauge
 
 from learner.config import LearnerSettings
 from learner.dist import pack_groups
+from learner.publisher import BackgroundPublisher
 from learner.step import StepMetrics
 from learner.trainer import OP_CHECKPOINT, OP_EXPORT, OP_STOP, OP_TRAIN, Trainer
-from learner.weights import WeightServicer, add_weight_service, live_views, open_weight_socket
+from learner.weights import WeightServicer, add_weight_service, open_weight_socket, stream_views
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
 from services.common.grpc_server import start_grpc_server
@@ -49,6 +51,7 @@ from services.common.registry import Registration
 from services.common.service import register
 from services.common.staleness import judge, staleness
 from services.common.streams import Entry, StreamConsumer
+from services.common.tensor_codec import RawTensor
 from services.common.types import Group
 from services.common.weight_socket import WeightSocketServer
 
@@ -91,6 +94,7 @@ class Learner:
         self.policy = self.trainer.policy
         self.consumer = StreamConsumer(client, self.keys.train, CONSUMER_GROUP, "learner-0")
         self.weights = WeightServicer(config.learner.weight_bucket_bytes, weight_socket)
+        self.publisher = BackgroundPublisher(self.weights)  # off the step's critical path
         self.step, self.version, self.cursor = 0, 0, "0-0"
         self.unacked: list[str] = []
         self.last_checkpoint_step = 0
@@ -120,8 +124,12 @@ class Learner:
         if published > self.version:  # a lost learner got further: its weights are gone
             self.version = published + 1
             self.client.set(self.keys.version, self.version)
-        self.weights.publish(self.version, live_views(self.policy.named_weights()))
+        self.weights.publish(self.version, *self._weights())
         VERSION.set(self.version)
+
+    def _weights(self) -> tuple[Iterator[RawTensor], int]:
+        """The policy's weights as `publish` streams them (gathered bucket by bucket)."""
+        return stream_views(self.policy.named_weights()), self.policy.weight_count()
 
     # --------------------------------------------------------------- consuming
     def _drop_stale(self, entry: Entry) -> None:
@@ -216,7 +224,10 @@ class Learner:
         ledger); the `steps` trace names the groups in this step (the fault tests read it).
         """
         new_version = self.version + 1
-        self.weights.publish(new_version, live_views(self.policy.named_weights()))
+        if self.config.learner.publish_in_background:
+            self.publisher.submit(new_version, self._weights()[0])
+        else:
+            self.weights.publish(new_version, *self._weights())
         step = self.step + 1
         record = dict(metrics.as_dict(), step=step, staleness=staleness, beyond_soft=beyond_soft)
         trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}
@@ -262,6 +273,7 @@ class Learner:
                     "lag=%.2f %.0f tok/s %.2fs", self.step, m.loss, m.accuracy, m.entropy,
                     m.grad_norm, m.engine_mismatch, m.policy_lag, m.tokens_per_s, m.seconds,
                 )  # fmt: skip
+            self.publisher.wait()  # the last version is served before the run ends
             self.checkpoint()
             if self.step >= total:
                 self._tell(OP_EXPORT)

@@ -69,6 +69,9 @@ class TorchPolicy(LocalCausalLM):
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def weight_count(self) -> int:
+        return len(self.model.state_dict())
+
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         yield from self.model.state_dict().items()
 

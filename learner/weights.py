@@ -12,7 +12,7 @@ over the faster data-plane socket (services/common/weight_socket.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -32,7 +32,13 @@ from services.common.weight_socket import TooManyTickets, WeightSocketServer
 def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
     """The weights as RawTensors viewing their CPU memory (no copy): `publish` them
     before the weights change."""
-    return [torch_view(name, tensor) for name, tensor in named]
+    return list(stream_views(named))
+
+
+def stream_views(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[RawTensor]:
+    """`live_views` one at a time: with `publish(..., total=)` a tensor (a gathered
+    ZeRO-3 weight) is let go once serialized."""
+    return (torch_view(name, tensor) for name, tensor in named)
 
 
 MIN_BUCKET_BYTES = 1024  # smaller: one message per few bytes (found by fuzzing)
@@ -48,9 +54,10 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         self._version = 0
         self._encoded: list[bytes] = []  # the latest version, in buckets of bucket_bytes
 
-    def publish(self, version: int, tensors: list[RawTensor]) -> None:
-        """Serialize `tensors` now (they may view live weights) and serve them."""
-        encoded = list(encode_bucket_bytes(tensors, version, self.bucket_bytes))
+    def publish(self, version: int, tensors: Iterable[RawTensor], total: int | None = None) -> None:
+        """Serialize `tensors` now (they may view live weights) and serve them; with
+        `total` (their number) they are consumed one at a time."""
+        encoded = list(encode_bucket_bytes(tensors, version, self.bucket_bytes, total))
         with self._lock:
             self._version, self._encoded = version, encoded
 

@@ -6,7 +6,10 @@ Run as a script under RANK/WORLD_SIZE/MASTER_*:
   mini-batch's gradient with DeepSpeed on this rank's share of the batch, per ZeRO stage;
   rank 0 writes the reduced gradients to OUT (safetensors);
 - `python tests/learner_fixtures.py train MODEL OUT STAGES DTYPES` trains a few steps per
-  ZeRO stage and dtype; rank 0 writes the final weights and each step's loss.
+  ZeRO stage and dtype; rank 0 writes the final weights and each step's loss;
+- `python tests/learner_fixtures.py gather MODEL OUT 3 -` publishes ZeRO-3 weights with a
+  small `gather_bucket_bytes`, watching DeepSpeed's gathered parameters; rank 0 writes
+  the peak of gathered bytes and whether the weights match a one-bucket gather (JSON).
 """
 
 from __future__ import annotations
@@ -108,9 +111,56 @@ def broadcast_check(out: str) -> None:
         Path(f"{out}.rank{dp.rank}.broadcast-ok").touch()
 
 
+def gather_worker(model: str, out: str) -> None:
+    """Peak bytes of ZeRO-3 parameters gathered at once while `named_weights` streams."""
+    import json
+
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    import learner.deepspeed_policy as dsp
+    from learner.config import LearnerConfig
+    from learner.model_io import load_model
+
+    base = dsp.ds_config  # every parameter sharded (the tiny model's would all persist)
+    dsp.ds_config = lambda cfg: (
+        base(cfg)
+        | {  # type: ignore[assignment]
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}
+        }
+    )
+    policy = dsp.DeepSpeedPolicy(load_model(model), LearnerConfig(zero_stage=3, dtype="float32"))
+    params = [p for p in policy.module.parameters() if not getattr(p, "ds_persist", False)]
+    sizes = [dsp.full_bytes(p) for p in params]
+    peak, owned = [0], dsp._owned
+
+    def watched(tensor: torch.Tensor) -> torch.Tensor:  # called inside each gather
+        available = [p.ds_status == ZeroParamStatus.AVAILABLE for p in params]
+        peak[0] = max(peak[0], sum(s for s, a in zip(sizes, available, strict=True) if a))
+        return owned(tensor)
+
+    dsp._owned = watched  # type: ignore[assignment]
+    policy.cfg.gather_bucket_bytes = 10**12  # everything at once, for comparison
+    whole = {n: t.clone() for n, t in policy.named_weights()}
+    whole_peak, peak[0] = peak[0], 0
+    policy.cfg.gather_bucket_bytes = bucket = max(1024, sum(sizes) // 6)
+    streamed = {n: t.clone() for n, t in policy.named_weights()}
+    same = streamed.keys() == whole.keys() and all(
+        torch.equal(streamed[n], whole[n]) for n in whole
+    )
+    if torch.distributed.get_rank() == 0:
+        result = {"peak": peak[0], "bucket": bucket, "largest": max(sizes), "total": sum(sizes),
+                  "same": same, "whole_peak": whole_peak}  # fmt: skip
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _, cmd, model_dir, out_path, stages, last = sys.argv
+    if cmd == "gather":
+        gather_worker(model_dir, out_path)
+        sys.exit(0)
     for zero in stages.split(","):
         if cmd == "grads":
             grads_worker(model_dir, out_path, int(zero), int(last))

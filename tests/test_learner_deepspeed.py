@@ -165,3 +165,17 @@ def test_world2_every_zero_stage_and_dtype_trains_the_same_steps(
             loss_tol, update_tol = BF16_TOLERANCE[stage]
             assert losses == pytest.approx(fp32_losses, abs=loss_tol, rel=0), stage
             assert _update_error(weights, fp32, initial) < update_tol, stage
+
+
+def test_zero3_publication_gathers_one_bucket_at_a_time(tiny_model: Path, tmp_path: Path) -> None:
+    """2 ranks (gloo), ZeRO-3: while the weights stream out for publication, the bytes of
+    parameters DeepSpeed holds gathered stay within `gather_bucket_bytes` plus one
+    parameter (far below the whole model, which a one-bucket gather does hold), and the
+    weights are the same."""
+    out = tmp_path / "gather.json"
+    _run_ranks(tiny_model, out, "3", "-", cmd_name="gather")
+    got = json.loads(out.read_text())
+    assert got["same"]
+    assert got["whole_peak"] == got["total"]  # the watch sees a whole-model gather
+    assert 0 < got["peak"] <= got["bucket"] + got["largest"]
+    assert got["peak"] < got["total"] / 2

@@ -72,6 +72,7 @@ def _steps(learner: Learner, n: int) -> None:
     for _ in range(n):
         assert learner.fill_batch(stop)
         learner.train_once()
+    learner.publisher.wait()  # publication runs in the background
 
 
 def test_checkpoint_crash_resume_equals_uninterrupted_run(

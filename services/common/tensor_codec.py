@@ -75,7 +75,8 @@ def encode_buckets(
     tensors: Iterable[RawTensor], version: int, bucket_bytes: int
 ) -> Iterator[tensor_pb2.WeightBucket]:
     """Split tensors into WeightBuckets of at most bucket_bytes payload (tensors may span)."""
-    for bucket, views in _plan(list(tensors), version, bucket_bytes):
+    listed = list(tensors)
+    for bucket, views in _plan(listed, version, bucket_bytes, len(listed)):
         for piece, view in zip(bucket.slices, views, strict=True):
             piece.data = bytes(view)
         yield bucket
@@ -202,10 +203,15 @@ def _slice_bytes(piece: tensor_pb2.TensorSlice, data: memoryview) -> list[bytes 
 
 
 def encode_bucket_bytes(
-    tensors: Iterable[RawTensor], version: int, bucket_bytes: int
+    tensors: Iterable[RawTensor], version: int, bucket_bytes: int, total: int | None = None
 ) -> Iterator[bytes]:
-    """`encode_buckets(...)` serialized, byte for byte, copying tensor data only once."""
-    for bucket, views in _plan(list(tensors), version, bucket_bytes):
+    """`encode_buckets(...)` serialized, byte for byte, copying tensor data only once.
+    With `total` (the number of tensors) `tensors` is consumed lazily: a tensor is let go
+    once its last byte is in a serialized bucket (a gathered weight need not outlive it)."""
+    if total is None:
+        tensors = list(tensors)
+        total = len(tensors)
+    for bucket, views in _plan(tensors, version, bucket_bytes, total):
         yield b"".join(_bucket_parts(bucket, list(bucket.slices), views))
 
 
@@ -236,10 +242,10 @@ def _bucket_parts(
 
 
 def _plan(
-    tensors: list[RawTensor], version: int, bucket_bytes: int
+    tensors: Iterable[RawTensor], version: int, bucket_bytes: int, total: int
 ) -> Iterator[tuple[tensor_pb2.WeightBucket, list[memoryview]]]:
     """The bucket layout of `encode_buckets`: data-less slices + the views they stand for."""
-    bucket = tensor_pb2.WeightBucket(version=version, index=0, total_tensors=len(tensors))
+    bucket = tensor_pb2.WeightBucket(version=version, index=0, total_tensors=total)
     views: list[memoryview] = []
     room = bucket_bytes
     for raw in tensors:

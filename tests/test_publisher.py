@@ -1,0 +1,95 @@
+"""Publication off the critical path (learner/publisher.py): a real Learner (torch policy)
+trains on real Redis while its WeightService (real gRPC) serves a real rollout server that
+syncs through the registry. Serializing a version is made slow (1 s) so that overlap is
+observable: step N+1 starts training before version N is served, and the rollout server
+still loads every version, in order, with the learner's exact weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import redis
+import torch
+from learner_fixtures import make_groups
+from rollout_fixtures import make_config, serve, wait_for
+
+from learner.publisher import BackgroundPublisher
+from learner.server import Learner
+from learner.weights import WeightServicer, add_weight_service
+from services.common.adapters import encode_group
+from services.common.grpc_server import start_grpc_server
+from services.common.keys import RunKeys
+from services.common.registry import Registration
+from services.common.server_config import ServerConfig
+from services.tools.config import load_config
+
+STEPS, BATCH, SERIALIZE_S = 3, 2, 1.0
+
+
+class SlowServicer(WeightServicer):
+    """The learner's WeightService, taking SERIALIZE_S longer to serialize a version."""
+
+    def publish(self, version, tensors, total=None) -> None:
+        time.sleep(SERIALIZE_S)
+        super().publish(version, tensors, total)
+
+
+def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
+    sets = {
+        "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
+        "shared.max_response_length": 16, "learner.engine": "torch", "learner.lr": 1e-2,
+        "learner.dtype": "float32", "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
+        "learner.total_steps": STEPS,
+    }  # fmt: skip
+    config = load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
+    for group in make_groups(n_groups=BATCH * STEPS, seed=11):
+        client.xadd(RunKeys(run).train, {"group": encode_group(group)})
+    learner = Learner(config, client)
+    learner.weights = SlowServicer(config.learner.weight_bucket_bytes)
+    learner.publisher = BackgroundPublisher(learner.weights)
+    return learner
+
+
+def test_next_step_trains_while_the_last_version_is_published(
+    tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    run = f"bg-{uuid.uuid4().hex[:6]}"
+    learner = _learner(tiny_model, redis_client, run)
+    started: list[float] = []
+    train = learner.trainer.train
+    learner.trainer.train = lambda *a, **k: (started.append(time.monotonic()), train(*a, **k))[1]
+    loaded: list[int] = []
+
+    def recording(engine):
+        load = engine.load_weights
+        engine.load_weights = lambda named, version: (load(named, version), loaded.append(version))
+        return engine
+
+    server, port = start_grpc_server(
+        ServerConfig(), lambda s: add_weight_service(learner.weights, s), ["dapo.v1.WeightService"]
+    )
+    info = {"address": f"127.0.0.1:{port}"}
+    registration = Registration(redis_client, RunKeys(run), "learner", "learner-0", info).start()
+    try:
+        with serve(tiny_model, make_config(run), redis_client, wrap=recording) as rollout:
+            stop = threading.Event()
+            for _ in range(STEPS):
+                assert learner.fill_batch(stop)
+                learner.train_once()
+            learner.publisher.wait()
+            served = dict(learner.publisher.finished)
+            for version in range(1, STEPS):  # step N+1 began before version N was served
+                assert started[version] < served[version]
+            wait_for(lambda: rollout.engine.version == STEPS)
+            assert loaded == list(range(1, STEPS + 1))  # every version, in order
+            final = dict(rollout.engine.model.state_dict())
+            for name, tensor in learner.policy.named_weights():
+                assert torch.equal(final[name], tensor), name
+    finally:
+        registration.stop()
+        server.stop(grace=0)
