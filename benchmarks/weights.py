@@ -5,20 +5,20 @@ Model: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV, FFN 4864, v
 its `state_dict`, as the learner's `live_views` does (the tied head included).
 
 Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
-on a real gRPC server, as benchmarks/_weight_publication.py) and R rollout servers, each a
-torch engine on the saved model behind the rollout server's own `WeightUpdater`, fetching
-with its own `fetch_buckets` (weight socket, FetchWeights as the fallback). Per version: a
-raw loopback TCP copy of the same bytes (the floor of moving them between two processes),
-then `publish`, then every server is told to fetch; the clock stops when the last one
-serves the new version (its polling interval, 0.2 s by default, is not counted).
+on a real gRPC server, as benchmarks/_weight_publication.py; malloc tuned as `dapo learner`
+does) and R rollout servers, each a torch engine behind the rollout server's own
+`WeightUpdater` and relay (rollout/relay.py), pulling with `rollout.weights.pull`: server
+0 from the learner's weight socket, server i from server i - 1's relay (the chain the
+registry's order gives a real run), every server falling back to the learner. Per
+version: a raw loopback TCP copy of the same bytes (the floor of moving them between two
+processes), then `publish`, then every server is told to fetch; the clock stops when the
+last one serves the new version (its polling interval, 0.2 s by default, is not counted).
 
 Reported per R: seconds from the start of `publish` to all servers serving, the bytes the
 learner sent (the streams it served × the version's serialized size, counted in the
 learner), and the ratio of model bytes/s to the raw copy's bytes/s.
 
 Checks: with 1 server, ≥ 0.5 × raw; the learner's bytes with 4 servers ≤ 1.1 × with 1.
-The second one fails today: every rollout server pulls from the learner (no relay or
-broadcast between rollout servers yet), so the learner sends R copies.
 
 Run as `python -m benchmarks.weights publisher|server ...` these are the child processes.
 """
