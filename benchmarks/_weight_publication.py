@@ -106,7 +106,8 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
     or the FetchWeights stream: parsed in place, assembled, to torch."""
     from dapo.v1 import learner_pb2
     from rollout.weights import WeightStub, socket_buckets
-    from services.common.tensor_codec import WeightAssembler, to_torch
+    from services.common.tensor_codec import WeightAssembler
+    from services.common.torch_codec import to_torch
     from services.tools.config import DapoConfig
 
     started = time.perf_counter()

@@ -198,7 +198,7 @@ def new_weights(engine: Any, seed: int) -> list[Any]:
     """Every parameter replaced by noise, as the learner's snapshot would hold them."""
     import torch
 
-    from services.common.tensor_codec import from_torch
+    from services.common.torch_codec import from_torch
 
     gen = torch.Generator().manual_seed(seed)
     return [

@@ -24,8 +24,8 @@ from services.common.tensor_codec import (
     WeightAssembler,
     encode_bucket_bytes,
     parse_bucket,
-    torch_view,
 )
+from services.common.torch_codec import torch_view
 from services.common.weight_socket import TooManyTickets, WeightSocketServer
 
 

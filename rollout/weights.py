@@ -33,7 +33,8 @@ from services.common import weight_socket
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket, to_torch
+from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket
+from services.common.torch_codec import to_torch
 from services.common.weight_socket import WeightSocketError
 
 log = logging.getLogger(__name__)

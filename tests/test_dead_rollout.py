@@ -43,7 +43,8 @@ from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
-from services.common.tensor_codec import WeightAssembler, to_torch
+from services.common.tensor_codec import WeightAssembler
+from services.common.torch_codec import to_torch
 from services.tools.config import load_config
 from services.tools.launcher import Launch, launch
 

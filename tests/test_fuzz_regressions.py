@@ -25,7 +25,8 @@ from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.http import create_http_app, serve_http
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import encode_buckets, from_torch, to_torch
+from services.common.tensor_codec import encode_buckets
+from services.common.torch_codec import from_torch, to_torch
 from services.common.weight_socket import FRAME, WeightSocketServer
 from services.tools.config import load_config
 

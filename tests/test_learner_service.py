@@ -24,7 +24,8 @@ from services.common.adapters import decode_group, encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import WeightAssembler, to_torch
+from services.common.tensor_codec import WeightAssembler
+from services.common.torch_codec import to_torch
 from services.tools.config import DapoConfig, load_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

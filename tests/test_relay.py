@@ -29,10 +29,10 @@ from services.common.server_config import ServerConfig
 from services.common.tensor_codec import (
     WeightAssembler,
     encode_bucket_bytes,
-    from_torch,
     parse_bucket,
     wire_bucket_parts,
 )
+from services.common.torch_codec import from_torch
 from services.common.weight_socket import WeightSocketServer
 
 

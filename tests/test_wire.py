@@ -19,11 +19,9 @@ from services.common.tensor_codec import (
     WeightAssembler,
     encode_bucket_bytes,
     encode_buckets,
-    from_torch,
     parse_bucket,
-    to_torch,
-    torch_view,
 )
+from services.common.torch_codec import from_torch, to_torch, torch_view
 from services.common.types import Group, Sample
 
 ROOT = Path(__file__).resolve().parent.parent

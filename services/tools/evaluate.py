@@ -266,7 +266,8 @@ def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     from services.common.keys import RunKeys
     from services.common.redis_server import connect_run
     from services.common.registry import discover
-    from services.common.tensor_codec import assemble_update, to_torch
+    from services.common.tensor_codec import assemble_update
+    from services.common.torch_codec import to_torch
 
     learners = discover(connect_run(config), RunKeys(config.shared.run_name), "learner")
     if not learners:
