@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tools.evaluate import pass_at_k, summarise
+from services.common.eval_stats import pass_at_k, summarise
 
 
 def test_pass_at_k_matches_the_definition() -> None:
