@@ -32,6 +32,7 @@ from services.common.types import Sample
 from services.controller import adapter
 from services.controller.config import ControllerSettings
 from services.controller.dataset import eval_data_spec, load_eval_records
+from services.controller.routing import Router
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Controller(Protocol):
     config: ControllerSettings
     client: redis.Redis
     keys: RunKeys
+    router: Router
 
     def version(self) -> int: ...
 
@@ -89,7 +91,7 @@ class Evaluator:
         last = self.last_version()
         while not stop.wait(0.1):
             version = self.controller.version()
-            if not due(version, self.cfg.every_steps, last):
+            if not due(version, self.cfg.every_steps, last) or not self.serving():
                 continue
             try:
                 point = self.evaluate(version, stop)
@@ -99,6 +101,11 @@ class Evaluator:
             last = version
             if point is not None:
                 self.record(point)
+
+    def serving(self) -> bool:
+        """A rollout server accepts work (so a point's seconds are the evaluation's own,
+        not the wait for the first server to start)."""
+        return any(i.get("accepting") for i in self.controller.router.instances("rollout"))
 
     def evaluate(self, version: int, stop: threading.Event) -> dict[str, Any] | None:
         """One eval point at (at least) `version`; None when stopping cut it short."""
