@@ -172,10 +172,11 @@ class Controller:
         stays in flight and the next controller re-runs it).
         """
         shared, cfg = self.config.shared, self.config.controller
-        request = request or adapter.generate_request(
-            group_id, record.prompt, shared.group_size, self.config.shared.sampling,
-            shared.max_response_length, cfg.apply_chat_template, min_version=version,
-        )  # fmt: skip
+        if request is None:
+            request = adapter.generate_request(
+                group_id, record.prompt, shared.group_size, self.config.shared.sampling,
+                shared.max_response_length, cfg.apply_chat_template, min_version=version,
+            )  # fmt: skip
 
         def attempt() -> Any:
             with self.router.rollout() as address:
