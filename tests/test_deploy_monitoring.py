@@ -48,6 +48,7 @@ ISSUE_PANELS = [  # issue 7: the panels a DAPO user watches
     "Staleness of trained batches", "Queue depths", "Reward latency",
     "Reward timeouts and errors", "Engine mismatch (same-version tokens)",
     "Policy lag (versions behind)",
+    "Held-out accuracy (eval curve)",  # issue 21: the eval curve
 ]  # fmt: skip
 
 
@@ -240,6 +241,8 @@ def test_dashboard_has_the_issue_panels() -> None:
     assert "by (reason)" in reasons
     per_server = panels["Tokens/s per rollout server"]["targets"][0]["expr"]
     assert "by (instance)" in per_server
+    curve = [t["expr"] for t in panels["Held-out accuracy (eval curve)"]["targets"]]
+    assert curve[:2] == ["dapo_controller_eval_accuracy", "dapo_controller_eval_pass_at_n"]
 
 
 def test_dashboard_is_well_formed() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tools.evaluate import pass_at_k, summarise
+from services.common.eval_stats import curve_point, pass_at_k, summarise
 
 
 def test_pass_at_k_matches_the_definition() -> None:
@@ -18,6 +19,34 @@ def test_pass_at_k_matches_the_definition() -> None:
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
     assert pass_at_k(10, 3, 8) == 1.0  # fewer wrong than k: always hit
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 7])
+def test_pass_at_k_is_the_unbiased_estimator(n: int) -> None:
+    """pass@k = the chance that k of the n samples, drawn without replacement, hold a
+    correct one: counted over every k-subset of a row with c correct samples."""
+    for c in range(n + 1):
+        row = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(row, k))
+            assert pass_at_k(n, c, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+
+
+def test_pass_at_k_hand_values_and_bad_arguments() -> None:
+    assert pass_at_k(32, 8, 1) == pytest.approx(0.25)  # pass@1 = c / n
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+    assert pass_at_k(16, 1, 4) == pytest.approx(0.25)  # one hit among 16: k/n
+    assert pass_at_k(6, 3, 3) == pytest.approx(0.95)  # 1 - C(3,3)/C(6,3) = 1 - 1/20
+    for n, c, k in ((4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)):
+        with pytest.raises(ValueError):
+            pass_at_k(n, c, k)
+
+
+def test_curve_point_adds_length_and_truncation() -> None:
+    point = curve_point([[True, False], [True, True]], [[3, 4], [1, 4]],
+                        [[False, True], [False, True]], 2)  # fmt: skip
+    assert point["avg@2"] == 0.75 and point["pass@2"] == 1.0
+    assert point["response_length"] == 3.0 and point["truncation_rate"] == 0.5
 
 
 def test_summary_averages_over_samples_and_prompts() -> None:

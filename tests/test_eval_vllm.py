@@ -3,10 +3,14 @@ same numbers as the torch engine where both are deterministic (greedy decoding).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dapo_math_data import write_dapo_math
 from vllm_support import needs_vllm, own_tmpdir
 
 from rollout.config import VllmEngineConfig
@@ -41,3 +45,30 @@ def test_eval_on_vllm_samples_k_per_prompt_and_agrees_with_torch(small_model: Pa
     assert [p["example"] for p in on_vllm["per_prompt"]] == [
         p["example"] for p in on_torch["per_prompt"]
     ]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_dapo_eval_on_vllm_reads_the_dapo_math_17k_layout(
+    small_model: Path, tmp_path: Path
+) -> None:
+    """`dapo eval --engine vllm` on a file in DAPO-Math-17k's schema: each problem once
+    (the file repeats them), k samples each, pass@k from the unbiased estimator. vLLM's
+    processes inherit the module's TMPDIR (`own_tmpdir`)."""
+    data = write_dapo_math(tmp_path / "dapo-math-17k.parquet", problems=5, copies=3)
+    out = tmp_path / "eval.json"
+    options = [f"--engine-option={k}={v}" for k, v in (
+        ("dtype", "float32"), ("enforce_eager", "true"), ("max_model_len", "256"),
+        ("kv_cache_memory_bytes", str(64 << 20)))]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(small_model),
+         "--data", str(data), "--n", "3", "--max-tokens", "8", "--engine", "vllm", *options,
+         "--verifier", "first_integer", "--no-chat-template", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data_out = json.loads(out.read_text())
+    assert (data_out["engine"], data_out["prompts"], data_out["samples"]) == ("vllm", 5, 15)
+    rows = data_out["per_prompt"]
+    assert data_out["avg@3"] == pytest.approx(sum(r["accuracy"] for r in rows) / 5)
+    assert data_out["pass@3"] == pytest.approx(sum(r["accuracy"] > 0 for r in rows) / 5)

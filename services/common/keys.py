@@ -59,6 +59,11 @@ class RunKeys:
         return self._key("steps")
 
     @property
+    def evals(self) -> str:
+        """Stream of in-run held-out evaluations (JSON), one per eval point (controller)."""
+        return self._key("evals")
+
+    @property
     def cursor(self) -> str:
         """The controller's position in the prompt stream (epoch:index)."""
         return self._key("cursor")

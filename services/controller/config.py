@@ -27,9 +27,21 @@ class DatasetConfig(StrictModel):
 
 
 class EvalConfig(StrictModel):
-    """Held-out evaluation that `dapo up` runs before and after training."""
+    """Held-out evaluation: before and after training (`dapo up`), and every
+    `every_steps` policy versions during it (the controller, on the run's rollout servers)."""
 
-    enabled: bool = Field(True, description="Evaluate the initial and the final policy.")
+    enabled: bool = Field(
+        True, description="Evaluate at all: the initial and the final policy, and the curve."
+    )
+    every_steps: int = Field(
+        0,
+        ge=0,
+        description="During training, evaluate every N policy versions (= learner steps) on "
+        "the run's rollout servers: the eval curve (report, progress bar, metrics); 0 = off.",
+    )
+    concurrency: int = Field(
+        16, ge=1, description="GenerateGroup calls one in-run evaluation keeps in flight."
+    )
     data: str | None = Field(
         None,
         description="Parquet/JSONL file, or synthetic:TASK; None = the training "

@@ -6,9 +6,9 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from services.common.data import PromptRecord, load_records, synthetic_records
+from services.common.data import PromptRecord, load_records, synthetic_records, unique_records
 from services.common.errors import DapoError
-from services.controller.config import DatasetConfig
+from services.controller.config import DatasetConfig, EvalConfig
 
 
 def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
@@ -21,6 +21,31 @@ def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
         return load_records(cfg.path)
     except ValueError as exc:
         raise DapoError(str(exc)) from None
+
+
+def eval_data_spec(cfg: EvalConfig, dataset: DatasetConfig) -> str | None:
+    """What a run evaluates on: `controller.eval.data`, else the synthetic training task's
+    held-out split (`synthetic:TASK`); None when neither names any data."""
+    if cfg.data is None and dataset.kind == "synthetic":
+        return f"synthetic:{dataset.synthetic_task}"
+    return cfg.data
+
+
+def load_eval_records(spec: str, limit: int | None = None) -> list[PromptRecord]:
+    """One record per problem of a parquet/jsonl file, or `synthetic:TASK`'s test split.
+
+    Eval files repeat each problem (AIME: 32 copies; DAPO-Math-17k: about 100, whose
+    copies need not share an index), so problems are told apart by their prompt and
+    gold answer, not by row; `limit` keeps the first N problems.
+    """
+    try:
+        if spec.startswith("synthetic:"):
+            records = synthetic_records(spec.split(":", 1)[1], split="test")
+        else:
+            records = unique_records(load_records(spec), key=lambda r: (r.prompt, r.ground_truth))
+    except ValueError as exc:
+        raise DapoError(str(exc)) from None
+    return records[:limit] if limit else records
 
 
 @dataclass(frozen=True)

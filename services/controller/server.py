@@ -29,7 +29,7 @@ from services.common.atomic import admit_inflight, publish_inflight
 from services.common.data import PromptRecord
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
-from services.common.ledger import prefixed, read_ledger
+from services.common.ledger import read_ledger
 from services.common.redis_server import connect_run
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.service import LoopServer
@@ -40,10 +40,12 @@ from services.controller.admission import (
     RateEstimator,
     backlog_allows,
     difficulty_skip,
+    pipeline_counts,
     staleness_allows,
 )
 from services.controller.config import ControllerSettings
 from services.controller.dataset import Cursor, iterate, load_dataset
+from services.controller.evaluation import start_evaluation
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
 
@@ -89,7 +91,7 @@ class Controller:
         return int(self.client.get(self.keys.version) or 0)
 
     def counts(self) -> PipelineCounts:
-        return self.pipeline_counts(self.client.hgetall(self.keys.ledger))
+        return pipeline_counts(self.client.hgetall(self.keys.ledger))
 
     def snapshot(self) -> tuple[PipelineCounts, int, bool]:
         """Ledger counts, policy version and whether the run is done: one round trip."""
@@ -98,19 +100,7 @@ class Controller:
         pipe.get(self.keys.version)
         pipe.exists(self.keys.done)
         raw, version, done = pipe.execute()
-        return self.pipeline_counts(raw), int(version or 0), bool(done)
-
-    @staticmethod
-    def pipeline_counts(raw: dict[bytes, bytes]) -> PipelineCounts:
-        ledger = {k.decode(): int(v) for k, v in raw.items()}
-        return PipelineCounts(
-            admitted=ledger.get("admitted", 0), kept=ledger.get("kept", 0),
-            filtered=sum(prefixed(ledger, "filtered:").values()),
-            # With checkpoints the learner acks (and counts `trained`) only at a checkpoint;
-            # `stepped` counts groups as soon as their step commits, so pacing never stalls.
-            trained=max(ledger.get("trained", 0), ledger.get("stepped", 0)),
-            dropped=sum(prefixed(ledger, "dropped:").values()),
-        )  # fmt: skip
+        return pipeline_counts(raw), int(version or 0), bool(done)
 
     def can_admit(self, counts: PipelineCounts) -> bool:
         """Concurrency, back-pressure and staleness limits (services/controller/admission).
@@ -173,19 +163,20 @@ class Controller:
             self._stubs[key] = factory(chan)
         return self._stubs[key]
 
-    def generate(
-        self, group_id: str, record: PromptRecord, version: int, stop: threading.Event
-    ) -> Any:
-        """G samples from some ready rollout server; a failed call is re-routed after a backoff.
+    def generate(self, group_id: str, record: PromptRecord, version: int,
+                 stop: threading.Event, request: Any = None) -> Any:  # fmt: skip
+        """G samples (or `request`'s n: an evaluation's) from some ready rollout server; a
+        failed call is re-routed after a backoff.
 
         GenerateGroup writes nothing, so repeating it is safe; None when stopping (the group
         stays in flight and the next controller re-runs it).
         """
         shared, cfg = self.config.shared, self.config.controller
-        request = adapter.generate_request(
-            group_id, record.prompt, shared.group_size, self.config.shared.sampling,
-            shared.max_response_length, cfg.apply_chat_template, min_version=version,
-        )  # fmt: skip
+        if request is None:
+            request = adapter.generate_request(
+                group_id, record.prompt, shared.group_size, self.config.shared.sampling,
+                shared.max_response_length, cfg.apply_chat_template, min_version=version,
+            )  # fmt: skip
 
         def attempt() -> Any:
             with self.router.rollout() as address:
@@ -195,7 +186,7 @@ class Controller:
                     stub = self._stub(address, "rollout")
                     call = stub.GenerateGroup.future(request, timeout=cfg.rpc_timeout_s)
                     with self._tracked(call):
-                        return adapter.samples_from_group(call.result(), shared.group_size)
+                        return adapter.samples_from_group(call.result(), request.n)
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.UNAVAILABLE:
                         self.router.shun(address)
@@ -355,6 +346,7 @@ class Controller:
         start = Cursor.decode(self.client.get(self.keys.cursor))
         prompts = iterate(self.records, start, shared.seed, cfg.dataset.shuffle)
         self.client.delete(self.keys.generating)  # a previous controller's entries
+        evaluation = start_evaluation(self, stop)  # the eval curve (None when off)
         with ThreadPoolExecutor(cfg.max_groups_in_flight + 1, "group") as pool:
             resumed = self.resume_inflight(pool, stop)
             log.info("controller starts at %s with %d groups resumed", start.encode(), resumed)
@@ -377,6 +369,8 @@ class Controller:
             stop.set()
             cancelled = self.cancel_calls()  # hand unfinished groups back: they stay in flight
             log.info("stopping: %d calls cancelled, their groups stay in flight", cancelled)
+        if evaluation is not None:
+            evaluation.join(timeout=10)
         self.scorer.close()
 
     def status(self) -> dict[str, Any]:

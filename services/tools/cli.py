@@ -49,11 +49,14 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.tools.config import load_config
     from services.tools.launcher import launch
 
-    return launch(
-        resolve_config(args), run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts
-    )
+    overrides = flag_overrides(args, None)
+    if args.eval_every is not None:
+        overrides.append(f"controller.eval.every_steps={args.eval_every}")
+    config = load_config(args.config, preset=args.preset, overrides=overrides)
+    return launch(config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts)
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -147,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
     p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
     p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
+    p.add_argument(
+        "--eval-every", type=int, metavar="N",
+        help="held-out eval every N steps on the run's rollout servers: the eval curve "
+        "(controller.eval.every_steps; 0 = off)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_up)
 
     add_ablate_parser(sub)

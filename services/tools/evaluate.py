@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -20,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.common.data import PromptRecord, load_records, synthetic_records
+from services.common.data import PromptRecord
 from services.common.errors import DapoError
+from services.common.eval_stats import summarise
 
 if TYPE_CHECKING:
     from reward.scoring import Scorer
@@ -32,31 +32,9 @@ if TYPE_CHECKING:
 
 def load_eval_data(spec: str, limit: int | None) -> list[PromptRecord]:
     """A parquet/jsonl path, or `synthetic:TASK` (its held-out split); one row per problem."""
-    try:
-        if spec.startswith("synthetic:"):
-            records = synthetic_records(spec.split(":", 1)[1], split="test")
-            return records[:limit] if limit else records
-        return load_records(spec, unique=True, limit=limit)
-    except ValueError as exc:
-        raise DapoError(str(exc)) from None
+    from services.controller.dataset import load_eval_records
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def summarise(correct: list[list[bool]], k: int) -> dict[str, float]:
-    """avg@k (mean accuracy over all samples) and pass@k over prompts."""
-    flat = [c for row in correct for c in row]
-    return {
-        f"avg@{k}": sum(flat) / max(len(flat), 1),
-        f"pass@{k}": sum(pass_at_k(len(r), sum(r), k) for r in correct) / max(len(correct), 1),
-        "prompts": len(correct),
-        "samples": len(flat),
-    }
+    return load_eval_records(spec, limit)
 
 
 def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -238,13 +216,11 @@ def eval_engine_config(config: DapoConfig) -> EngineConfig | None:
 
 def eval_plan(config: DapoConfig) -> EvalPlan | None:
     """The held-out evaluation a run's config asks for (None when there is none)."""
-    cfg, dataset = config.controller.eval, config.controller.dataset
-    if not cfg.enabled:
-        return None
-    data = cfg.data
-    if data is None and dataset.kind == "synthetic":
-        data = f"synthetic:{dataset.synthetic_task}"
-    if data is None:
+    from services.controller.dataset import eval_data_spec
+
+    cfg = config.controller.eval
+    data = eval_data_spec(cfg, config.controller.dataset)
+    if not cfg.enabled or data is None:
         return None
     verifier = config.shared.verifier
     return EvalPlan(

@@ -212,6 +212,11 @@ def last_metrics(client: Any, keys: RunKeys) -> dict[str, Any] | None:
     return json.loads(entries[0][1][b"json"]) if entries else None
 
 
+def eval_curve(client: Any, keys: RunKeys) -> list[dict[str, Any]]:
+    """The in-run eval points (the controller's `evals` stream), in the order made."""
+    return [json.loads(f[b"json"]) for _, f in client.xrange(keys.evals)]
+
+
 def monitor(launch: Launch) -> int:
     """Progress bar until the run is done, a child dies, or Ctrl-C; returns the exit code."""
     from tqdm import tqdm
@@ -264,10 +269,18 @@ def update_bar(
     ledger = read_ledger(client, run)
     history.append({"step": m["step"], "kept": ledger.kept, "filtered": ledger.filtered_total})
     kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
+    last_eval = client.xrevrange(keys.evals, count=1)
+    held_out = eval_postfix(json.loads(last_eval[0][1][b"json"])) if last_eval else {}
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
-        tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"],
+        tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
     )  # fmt: skip
+
+
+def eval_postfix(point: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's last held-out accuracy: `eval=0.81@v40` (avg@n at version 40)."""
+    accuracy = point[f"avg@{point['n']}"]
+    return {"eval": f"{accuracy:.2f}@v{point['version']}"}
 
 
 def scored_timings(client: Any, keys: RunKeys) -> list[dict[str, Any]]:
@@ -303,11 +316,13 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "kept_history": launch.history,
         "ledger": ledger.as_dict(),
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
+        "eval_curve": eval_curve(client, keys),
         **launch.evals,
     }
     if steps:
         try:
-            write_plots(steps, kept_ratios(launch.history), launch.run_dir / "plots")
+            plots = launch.run_dir / "plots"
+            write_plots(steps, kept_ratios(launch.history), plots, report["eval_curve"])
         except ImportError:
             print("matplotlib is not installed: no plots (pip install 'dapo[plots]')")
     for line in summary_lines(report):

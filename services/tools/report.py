@@ -27,18 +27,24 @@ def kept_ratios(history: list[dict[str, int]]) -> dict[int, float]:
     return out
 
 
-def write_plots(steps: list[dict[str, Any]], ratios: dict[int, float], out_dir: Path) -> list[Path]:
-    """One PNG per curve (matplotlib's Agg backend; no display needed)."""
+def write_plots(
+    steps: list[dict[str, Any]],
+    ratios: dict[int, float],
+    out_dir: Path,
+    evals: list[dict[str, Any]] | None = None,
+) -> list[Path]:
+    """One PNG per curve (matplotlib's Agg backend; no display needed), and
+    `eval_curve.png` when the run has in-run eval points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = [plot_eval_curve(evals, out_dir / "eval_curve.png")] if evals else []
     series = {key: ([s["step"] for s in steps], [s[key] for s in steps]) for key, _ in
               [v for k, v in CURVES.items() if k != "kept_ratio"]}  # fmt: skip
     series["kept_ratio"] = (list(ratios), list(ratios.values()))
-    written = []
     for name, (key, title) in CURVES.items():
         xs, ys = series[key]
         fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
@@ -52,6 +58,38 @@ def write_plots(steps: list[dict[str, Any]], ratios: dict[int, float], out_dir: 
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_eval_curve(points: list[dict[str, Any]], path: Path) -> Path:
+    """Held-out avg@n and pass@n against the policy version each point evaluated."""
+    import matplotlib.pyplot as plt
+
+    n = points[0]["n"]
+    xs = [p["version"] for p in points]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    for key in (f"avg@{n}", f"pass@{n}"):
+        ax.plot(xs, [p[key] for p in points], marker="o", label=key)
+    ax.set_xlabel("policy version (step)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("held-out accuracy during training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def eval_curve_line(points: list[dict[str, Any]]) -> str:
+    """The eval curve in one printed line: first and last points, their cost."""
+    n = points[0]["n"]
+    first, last = points[0], points[-1]
+    seconds = sum(p["seconds"] for p in points)
+    return (
+        f"eval curve: {len(points)} points, held-out avg@{n} {first[f'avg@{n}']:.3f} "
+        f"(v{first['version']}) → {last[f'avg@{n}']:.3f} (v{last['version']}), "
+        f"{seconds:.1f}s of evaluation"
+    )
 
 
 def time_accounting(
@@ -112,6 +150,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{m['train']:.3f}, overhead {m['overhead']:.3f} (score {m['score']:.3f} + "
             f"controller {m['controller']:.3f}), waiting for its batch {m['wait']:.3f}"
         )
+    if report.get("eval_curve"):
+        lines.append(eval_curve_line(report["eval_curve"]))
     before, after = report.get("eval_before"), report.get("eval_after")
     if before and after:
         key = next(k for k in before if k.startswith("avg@"))

@@ -1,0 +1,103 @@
+"""What the eval curve costs a run: `dapo up --preset tiny` (what `make demo` runs) with
+the in-run evaluation off and on (`--eval-every 10`, the preset's), in ABBA order so load
+that drifts during the benchmark (this machine is shared) biases neither side.
+
+Reported per run: wall seconds of `dapo up`, the training span (first to last step
+commit), the evaluation's own seconds (sum over its points) and the curve. Checks:
+
+- stall: mean training span on / (mean span off + mean evaluation seconds) <= 1.1, i.e.
+  the curve slows training by no more than the evaluation itself takes (10% for noise);
+- the curve has >= 5 points and shows the demo learning (first <= 0.2, last >= 0.8);
+- every run with the curve on stays within `make demo`'s 5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "eval_curve.json"
+
+
+def run_once(tmp: Path, model: Path, every: int, steps: int, index: int) -> dict[str, Any]:
+    run_dir = tmp / f"run-{index}-every{every}"
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
+         str(run_dir), "--set", f"shared.model_path={model}", "--steps", str(steps),
+         "--eval-every", str(every)],
+        capture_output=True, text=True, cwd=ROOT.parent,
+    )  # fmt: skip
+    wall = time.monotonic() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"dapo up failed: {result.stderr[-2000:]}")
+    report = json.loads((run_dir / "report.json").read_text())
+    steps_done, curve = report["steps"], report["eval_curve"]
+    return {
+        "every": every,
+        "wall_s": round(wall, 1),
+        "train_span_s": round(steps_done[-1]["committed_at"] - steps_done[0]["committed_at"], 1),
+        "eval_s": round(sum(p["seconds"] for p in curve), 1),
+        "curve": [(p["version"], round(p["avg@4"], 3), p["seconds"]) for p in curve],
+        "eval_before": report["eval_before"]["avg@4"],
+        "eval_after": report["eval_after"]["avg@4"],
+        "load_after": round(float(Path("/proc/loadavg").read_text().split()[0]), 2),
+    }
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def checks(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    on = [r for r in runs if r["every"]]
+    off = [r for r in runs if not r["every"]]
+    stall = mean([r["train_span_s"] for r in on]) / (
+        mean([r["train_span_s"] for r in off]) + mean([r["eval_s"] for r in on])
+    )
+    points = min(len(r["curve"]) for r in on)
+    first = max(r["curve"][0][1] for r in on)
+    last = min(r["curve"][-1][1] for r in on)
+    wall = max(r["wall_s"] for r in on)
+    return [
+        {"name": "train span on / (off + eval seconds)", "value": round(stall, 3),
+         "target": "<= 1.1", "ok": stall <= 1.1},
+        {"name": "eval points per run (min)", "value": points, "target": ">= 5", "ok": points >= 5},
+        {"name": "curve first / last avg@4", "value": [first, last],
+         "target": "<= 0.2 / >= 0.8", "ok": first <= 0.2 and last >= 0.8},
+        {"name": "dapo up wall seconds with the curve (max)", "value": wall,
+         "target": "<= 300", "ok": wall <= 300},
+    ]  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="dapo bench eval_curve")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--pairs", type=int, default=1, help="ABBA blocks (4 runs each)")
+    args = parser.parse_args(argv)
+    from learner.init_model import init_model
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-eval-curve-") as tmp:
+        model = init_model(Path(tmp) / "model", preset="tiny", seed=0)
+        for block in range(args.pairs):
+            for i, every in enumerate((0, 10, 10, 0)):
+                runs.append(run_once(Path(tmp), model, every, args.steps, 4 * block + i))
+                print(json.dumps(runs[-1]))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "eval_curve", "machine": platform.machine(), "steps": args.steps,
+        "runs": runs, "checks": checks(runs),
+    }, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

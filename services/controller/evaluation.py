@@ -1,0 +1,172 @@
+"""The eval curve: held-out accuracy every `controller.eval.every_steps` policy versions,
+sampled by the run's own rollout servers and verified by its reward service.
+
+An evaluation is a side channel of the controller, not a group of the pipeline: its
+GenerateGroup and Score calls go through the same routing, retries and score batching as
+training groups, but nothing is admitted, nothing enters `inflight`, `scored` or the
+ledger, so the buffer and the learner never see it and the ledger's identities are
+untouched. It runs in its own thread beside admission, so training goes on meanwhile
+and pays only for the rollout capacity the evaluation takes. Each point asks for at least
+the version that triggered it (`min_version`); the versions that actually sampled it are
+recorded beside it. Points go to the run's `evals` stream (the launcher's progress bar
+and report read it) and to the `dapo_controller_eval_*` gauges (Prometheus, Grafana).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+import redis
+from prometheus_client import Gauge
+
+from services.common.data import PromptRecord
+from services.common.eval_stats import curve_point
+from services.common.keys import RunKeys
+from services.common.settings import SamplingConfig
+from services.common.types import Sample
+from services.controller import adapter
+from services.controller.config import ControllerSettings
+from services.controller.dataset import eval_data_spec, load_eval_records
+from services.controller.routing import Router
+
+log = logging.getLogger(__name__)
+
+ACCURACY = Gauge("dapo_controller_eval_accuracy", "Held-out avg@n of the last in-run evaluation")
+PASS = Gauge("dapo_controller_eval_pass_at_n", "Held-out pass@n of the last in-run evaluation")
+STEP = Gauge("dapo_controller_eval_step", "Policy version (learner step) last evaluated")
+LENGTH = Gauge("dapo_controller_eval_response_length", "Mean eval response length, tokens")
+TRUNCATION = Gauge("dapo_controller_eval_truncation_rate", "Eval responses cut at the limit")
+SECONDS = Gauge("dapo_controller_eval_seconds", "Wall seconds of the last in-run evaluation")
+
+
+def due(version: int, every: int, last: int | None) -> bool:
+    """Whether `version` is to be evaluated: the first time, then once `version` has passed
+    the next multiple of `every` after the last evaluated one (a skipped multiple, when an
+    evaluation took longer than `every` steps, is not made up)."""
+    if every <= 0:
+        return False
+    return last is None or version // every > last // every
+
+
+class Controller(Protocol):
+    """What an evaluation uses of the controller (services/controller/server.py)."""
+
+    config: ControllerSettings
+    client: redis.Redis
+    keys: RunKeys
+    router: Router
+
+    def version(self) -> int: ...
+
+    def generate(self, group_id: str, record: PromptRecord, version: int,
+                 stop: threading.Event, request: Any = None) -> Any: ...  # fmt: skip
+
+    def score(self, group_id: str, record: PromptRecord, samples: list,
+              stop: threading.Event) -> Any: ...  # fmt: skip
+
+
+class Evaluator:
+    """Evaluates the held-out records on the run's rollout servers as versions go by."""
+
+    def __init__(self, controller: Controller, records: list[PromptRecord]) -> None:
+        self.controller, self.records = controller, records
+        self.cfg = controller.config.controller.eval
+        self.client, self.keys = controller.client, controller.keys
+
+    def last_version(self) -> int | None:
+        """The version of the run's last eval point (a restarted controller goes on)."""
+        entries = self.client.xrevrange(self.keys.evals, count=1)
+        return json.loads(entries[0][1][b"json"])["version"] if entries else None
+
+    def learner_step(self) -> int:
+        entries = self.client.xrevrange(self.keys.metrics, count=1)
+        return int(json.loads(entries[0][1][b"json"])["step"]) if entries else 0
+
+    def run(self, stop: threading.Event) -> None:
+        last = self.last_version()
+        while not stop.wait(0.1):
+            version = self.controller.version()
+            if not due(version, self.cfg.every_steps, last) or not self.serving():
+                continue
+            try:
+                point = self.evaluate(version, stop)
+            except Exception:  # an evaluation never takes the controller down
+                log.exception("evaluation at version %d failed; trying again at the next", version)
+                point = None
+            last = version
+            if point is not None:
+                self.record(point)
+
+    def serving(self) -> bool:
+        """A rollout server accepts work (so a point's seconds are the evaluation's own,
+        not the wait for the first server to start)."""
+        return any(i.get("accepting") for i in self.controller.router.instances("rollout"))
+
+    def evaluate(self, version: int, stop: threading.Event) -> dict[str, Any] | None:
+        """One eval point at (at least) `version`; None when stopping cut it short."""
+        started, step = time.monotonic(), self.learner_step()
+        with ThreadPoolExecutor(self.cfg.concurrency, "eval") as pool:
+            groups = list(pool.map(lambda r: self.sample(r, version, stop), self.records))
+        if any(g is None for g in groups) or stop.is_set():
+            return None
+        rows: list[list[Sample]] = [g for g in groups if g is not None]
+        versions = [s.policy_version for row in rows for s in row]
+        return {
+            "version": version, "step": step, "n": self.cfg.n,
+            **curve_point([[s.correct for s in row] for row in rows],
+                          [[len(s.token_ids) for s in row] for row in rows],
+                          [[s.truncated for s in row] for row in rows], self.cfg.n),
+            "sample_versions": [min(versions), max(versions)],
+            "seconds": round(time.monotonic() - started, 3), "at": time.time(),
+        }  # fmt: skip
+
+    def sample(
+        self, record: PromptRecord, version: int, stop: threading.Event
+    ) -> list[Sample] | None:
+        """n scored responses to one held-out prompt (None when stopping)."""
+        shared, cfg = self.controller.config.shared, self.cfg
+        eval_id = f"eval-v{version}-{record.prompt_id}"
+        sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
+        request = adapter.generate_request(
+            eval_id, record.prompt, cfg.n, sampling, shared.max_response_length,
+            self.controller.config.controller.apply_chat_template, min_version=version,
+        )  # fmt: skip
+        generated = self.controller.generate(eval_id, record, version, stop, request)
+        if generated is None:
+            return None
+        scored: list[Sample] | None = self.controller.score(eval_id, record, generated[1], stop)
+        return scored
+
+    def record(self, point: dict[str, Any]) -> None:
+        n = point["n"]
+        self.client.xadd(self.keys.evals, {"json": json.dumps(point)})
+        ACCURACY.set(point[f"avg@{n}"])
+        PASS.set(point[f"pass@{n}"])
+        STEP.set(point["version"])
+        LENGTH.set(point["response_length"])
+        TRUNCATION.set(point["truncation_rate"])
+        SECONDS.set(point["seconds"])
+        log.info(
+            "eval v%d (step %d): avg@%d %.3f pass@%d %.3f length %.1f truncated %.3f %.1fs",
+            point["version"], point["step"], n, point[f"avg@{n}"], n, point[f"pass@{n}"],
+            point["response_length"], point["truncation_rate"], point["seconds"],
+        )  # fmt: skip
+
+
+def start_evaluation(controller: Controller, stop: threading.Event) -> threading.Thread | None:
+    """The eval-curve thread, when `controller.eval` asks for one and names held-out data."""
+    cfg = controller.config.controller
+    spec = eval_data_spec(cfg.eval, cfg.dataset)
+    if not cfg.eval.enabled or cfg.eval.every_steps == 0 or spec is None:
+        return None
+    records = load_eval_records(spec, cfg.eval.limit)
+    thread = threading.Thread(
+        target=Evaluator(controller, records).run, args=(stop,), name="eval", daemon=True
+    )
+    thread.start()
+    return thread
