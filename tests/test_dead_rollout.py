@@ -359,7 +359,7 @@ def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
     config = load_config(preset="tiny", overrides=[
         f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
-        "learner.linger_s=0", "buffer.stream_retain=1000000", "shared.max_response_length=24",
+        "learner.linger_s=0", "buffer.stream_retain=1000000", "shared.max_response_length=64",
         "rollout.partial_rollouts=true", "rollout.weight_poll_s=0.05",
     ])  # fmt: skip
     hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
