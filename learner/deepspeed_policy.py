@@ -34,6 +34,7 @@ from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states, output_head
 from learner.model_io import enable_activation_checkpointing, save_hf
 from learner.optim import adamw, warmup_factor
+from services.common.buckets import runs_by_size
 from services.common.net import free_port
 
 
@@ -215,14 +216,4 @@ def gather_groups(
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Consecutive runs of weights of at most `bucket_bytes` gathered (one larger weight
     alone), in order."""
-    group: list[tuple[str, Tensor]] = []
-    size = 0
-    for name, tensor in named:
-        nbytes = full_bytes(tensor)
-        if group and size + nbytes > bucket_bytes:
-            yield group
-            group, size = [], 0
-        group.append((name, tensor))
-        size += nbytes
-    if group:
-        yield group
+    return runs_by_size(named, full_bytes, bucket_bytes)

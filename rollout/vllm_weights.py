@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from services.common.buckets import runs_by_size
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -43,14 +45,4 @@ def buckets_of(
     updates: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive runs of tensors of at most `bucket_bytes` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in updates:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return runs_by_size(updates, lambda t: t.numel() * t.element_size(), bucket_bytes)
