@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.common.eval_stats import curve_point, pass_at_k, summarise
+from services.tools.config import load_config
+from services.tools.launcher import launch
 
 
 def test_pass_at_k_matches_the_definition() -> None:
@@ -115,3 +118,26 @@ def test_eval_on_vllm_without_vllm_is_one_clear_line(tiny_model: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2 and "vllm is not installed" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_eval_after_reads_the_final_export_when_the_learner_is_gone(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """With learner.linger_s=0 no learner is left to serve the final weights: the
+    after-run evaluation loads the learner's final export and reports its version."""
+    run_dir = tmp_path / "run"
+    config = load_config(preset="tiny", overrides=[
+        f"shared.model_path={tiny_model}", "learner.linger_s=0",
+        "controller.eval.every_steps=0", "controller.eval.limit=8", "controller.eval.n=2",
+    ])  # fmt: skip
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        assert launch(config, run_dir=str(run_dir), steps=3) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    report = json.loads((run_dir / "report.json").read_text())
+    before, after = report["eval_before"], report["eval_after"]
+    assert (before["version"], after["version"]) == (0, 3)
+    assert after["prompts"] == 8 and after["samples"] == 16
+    assert (run_dir / "checkpoints" / "final" / "config.json").is_file()

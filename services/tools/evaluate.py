@@ -235,17 +235,44 @@ def eval_plan(config: DapoConfig) -> EvalPlan | None:
     )
 
 
+def registered_learners(config: DapoConfig) -> list[dict[str, Any]]:
+    from services.common.keys import RunKeys
+    from services.common.redis_server import connect_run
+    from services.common.registry import discover
+
+    return discover(connect_run(config), RunKeys(config.shared.run_name), "learner")
+
+
+def final_version(config: DapoConfig) -> int:
+    """The version the learner marked the run done at (its final export's)."""
+    from services.common.keys import RunKeys
+    from services.common.redis_server import connect_run
+
+    done = connect_run(config).get(RunKeys(config.shared.run_name).done)
+    return int(done) if done is not None else 0
+
+
+def final_export(config: DapoConfig) -> Path:
+    """The learner's final save_pretrained model (written before it marks the run done)."""
+    from learner.trainer import export_dir
+
+    out = export_dir(config)
+    if out is None or not (out / "config.json").is_file():
+        raise DapoError(
+            "no learner registered and no final export: cannot evaluate the final weights "
+            "(keep learner.linger_s > 0, or set learner.checkpoint_dir / export_dir)"
+        )
+    return out
+
+
 def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
     from rollout.weights import WeightStub, fetch_buckets
     from services.common.grpc_server import channel as grpc_channel
-    from services.common.keys import RunKeys
-    from services.common.redis_server import connect_run
-    from services.common.registry import discover
     from services.common.tensor_codec import assemble_update
     from services.common.torch_codec import to_torch
 
-    learners = discover(connect_run(config), RunKeys(config.shared.run_name), "learner")
+    learners = registered_learners(config)
     if not learners:
         raise DapoError("no learner registered: cannot fetch the final weights")
     channel = grpc_channel(
@@ -260,12 +287,17 @@ def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
 
 
 def run_eval_plan(plan: EvalPlan, config: DapoConfig, fetch_final: bool) -> dict[str, Any]:
-    """Evaluate the initial model, or (fetch_final) the learner's latest weights."""
+    """Evaluate the initial model, or (fetch_final) the learner's latest weights: from the
+    learner while it lingers, else from its final export (a learner with linger_s 0)."""
     from rollout.engine import SamplingParams
 
     if config.model_path is None:
         raise DapoError("no model to evaluate: set learner.model_path or shared.model_path")
-    engine = build_engine(config.model_path, plan.engine)
+    model: str | Path = config.model_path
+    exported: int | None = None  # the run's final version, when read from the export
+    if fetch_final and not registered_learners(config):
+        model, fetch_final, exported = final_export(config), False, final_version(config)
+    engine = build_engine(model, plan.engine)
     try:
         if fetch_final:
             fetch_latest_weights(config, engine)
@@ -275,4 +307,6 @@ def run_eval_plan(plan: EvalPlan, config: DapoConfig, fetch_final: bool) -> dict
         result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
     finally:
         close_engine(engine)
+    if exported is not None:
+        result["version"] = exported
     return {k: v for k, v in result.items() if k != "per_prompt"}
