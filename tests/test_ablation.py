@@ -36,7 +36,13 @@ from services.tools.ablation_plan import (
     run_config,
     rung_overrides,
 )
-from services.tools.ablation_table import grid_curve, steps_to, summarise_rung, table_md
+from services.tools.ablation_table import (
+    grid_curve,
+    plan_info,
+    steps_to,
+    summarise_rung,
+    table_md,
+)
 from services.tools.config import DapoConfig
 from tests.learner_fixtures import make_groups
 
@@ -234,7 +240,7 @@ def test_summary_is_mean_and_spread_over_seeds(plan: Plan) -> None:
         {"rung": "naive_grpo", "curve": [(0, 0.0), (5, 0.2), (10, 0.4)],
          "generated_per_trained": 1.2, "entropy_end": 1.0, "train_s": 12.0, "wall_s": 22.0},
     ]  # fmt: skip
-    s = summarise_rung(small, rows)
+    s = summarise_rung(plan_info(small), rows)
     assert s["grid"] == [0, 5, 10]
     assert s["acc_mean"] == pytest.approx([0.0, 0.35, 0.5])
     assert s["acc_min"] == pytest.approx([0.0, 0.2, 0.4])
@@ -264,7 +270,8 @@ def test_table_shows_the_mechanism_columns(plan: Plan) -> None:
            "entropy_end": 0.5, "train_s": 10.0, "wall_s": 20.0,
            **mechanism_numbers([{"truncated_frac": 0.3, "response_length": 14.0,
                                  "response_length_max": 20, "entropy": 2.5}])}  # fmt: skip
-    text = table_md(small, [summarise_rung(small, [row])], {"loadavg": "1", "total_s": 60})
+    info = plan_info(small)
+    text = table_md(info, [summarise_rung(info, [row])], {"loadavg": "1", "total_s": 60})
     assert "| 0.30 → 0.30 | 14.0 → 14.0 (20.0) |" in text
     assert "| 2.50 → 0.50 |" in text
 

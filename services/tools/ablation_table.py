@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,39 @@ def mean_sd(values: Sequence[float | None]) -> tuple[float | None, float | None]
     return statistics.fmean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
 
 
+def bootstrap_ci(
+    values: Sequence[float], level: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over seeds: resample the seeds with
+    replacement, take the (1 - level) / 2 and (1 + level) / 2 quantiles of the means.
+    Seeded, so a table re-rendered from its JSON is the same table."""
+    if not values:
+        raise ValueError("bootstrap_ci needs at least one value")
+    rng, n = random.Random(seed), len(values)
+    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(resamples))
+    tail = (1 - level) / 2
+    lo = means[int(tail * (resamples - 1))]
+    hi = means[int(round((1 - tail) * (resamples - 1)))]
+    return lo, hi
+
+
+def plan_info(plan: Plan) -> dict[str, Any]:
+    """What the summaries and the table need of a plan (table.json's "plan")."""
+    return {k: v for k, v in asdict(plan).items() if k != "base"}
+
+
 MECHANISM = ("truncated_start", "truncated_end", "length_start", "length_end", "length_max_end",
              "entropy_start")  # fmt: skip
 
 
-def summarise_rung(plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mean and spread over the seeds of one rung."""
-    grid = list(range(0, plan.steps + 1, plan.eval_every))
-    if grid[-1] != plan.steps:
-        grid.append(plan.steps)
+def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean, spread and 95% interval over the seeds of one rung (`info`: `plan_info`)."""
+    steps, every = info["steps"], info["eval_every"]
+    grid = list(range(0, steps + 1, every))
+    if grid[-1] != steps:
+        grid.append(steps)
     curves = [grid_curve(r["curve"], grid) for r in rows]
-    reached = [steps_to(r["curve"], plan.target) for r in rows]
+    reached = [steps_to(r["curve"], info["target"]) for r in rows]
     out: dict[str, Any] = {"rung": rows[0]["rung"], "label": RUNG_LABELS[rows[0]["rung"]],
                            "seeds": len(rows), "grid": grid,
                            "acc_mean": [statistics.fmean(c) for c in zip(*curves, strict=True)],
@@ -59,6 +82,7 @@ def summarise_rung(plan: Plan, rows: list[dict[str, Any]]) -> dict[str, Any]:
                            "steps_to_target": reached,
                            "reached": sum(r is not None for r in reached)}  # fmt: skip
     out["final_acc"] = mean_sd([c[-1] for c in curves])
+    out["final_acc_ci95"] = bootstrap_ci([c[-1] for c in curves])
     for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s", *MECHANISM):
         out[key] = mean_sd([r.get(key) for r in rows])
     out["steps_to_target_mean"] = mean_sd(reached)[0]
@@ -80,19 +104,26 @@ def _mechanism(s: dict[str, Any]) -> str:
     return f"{cut} | {length} ({longest})"
 
 
-def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The Markdown table (mean ± sd over seeds)."""
+def _acc(s: dict[str, Any]) -> str:
+    """Held-out accuracy: mean ± sd [95% bootstrap interval] (the mean alone for 1 seed)."""
+    lo, hi = s["final_acc_ci95"]
+    return _fmt(s["final_acc"]) + (f" [{lo:.2f}, {hi:.2f}]" if s["seeds"] > 1 else "")
+
+
+def table_md(info: Mapping[str, Any], summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The Markdown table (mean ± sd over seeds, and the 95% interval of the mean)."""
+    n, overrides = info["eval_n"], info["overrides"]
     head = (
-        f"| rung | held-out avg@{plan.eval_n} at step {plan.steps} | steps to "
-        f"avg@{plan.eval_n} ≥ {plan.target} | generated / trained | entropy, first → last tenth | "
+        f"| rung | held-out avg@{n} at step {info['steps']}, mean ± sd [95% CI] | steps to "
+        f"avg@{n} ≥ {info['target']} | generated / trained | entropy, first → last tenth | "
         "train s | wall s | truncated, first → last tenth | length, first → last tenth "
         "(longest at end) |"
     )
     lines = [
-        f"Ablation `{plan.name}`: {len(plan.seeds)} seed(s), {plan.steps} steps per run, "
-        f"held-out eval every {plan.eval_every} steps. Load average at the end: "
+        f"Ablation `{info['name']}`: {len(info['seeds'])} seed(s), {info['steps']} steps per "
+        f"run, held-out eval every {info['eval_every']} steps. Load average at the end: "
         f"{meta['loadavg']}; total {meta['total_s'] / 60:.1f} min."
-        + (f" Base config overrides: `{' '.join(plan.overrides)}`." if plan.overrides else ""),
+        + (f" Base config overrides: `{' '.join(overrides)}`." if overrides else ""),
         "",
         head,
         "|---|---|---|---|---|---|---|---|---|",
@@ -101,12 +132,29 @@ def table_md(plan: Plan, summary: list[dict[str, Any]], meta: dict[str, Any]) ->
         reach = s["steps_to_target_mean"]
         to = "—" if reach is None else f"{reach:.0f} ({s['reached']}/{s['seeds']} seeds)"
         lines.append(
-            f"| {s['label']} | {_fmt(s['final_acc'])} | {to} | "
+            f"| {s['label']} | {_acc(s)} | {to} | "
             f"{_fmt(s['generated_per_trained'])} | "
             f"{_fmt(s['entropy_start'])} → {_fmt(s['entropy_end'])} | "
             f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} | {_mechanism(s)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def rendered(data: dict[str, Any]) -> dict[str, Any]:
+    """table.json's content with its summary computed from its runs (what `dapo ablate`
+    writes, and how an older file is brought to today's table: `--rerender`)."""
+    info, runs = data["plan"], data["runs"]
+    by_rung = [[r for r in runs if r["rung"] == rung] for rung in info["rungs"]]
+    summary = [summarise_rung(info, group) for group in by_rung if group]
+    return {"plan": info, "meta": data["meta"], "summary": summary, "runs": runs}
+
+
+def rerender(directory: Path) -> list[Path]:
+    """Rewrite a finished ablation's table.json and table.md from its runs."""
+    data = rendered(json.loads((directory / "table.json").read_text()))
+    (directory / "table.json").write_text(json.dumps(data, indent=2))
+    (directory / "table.md").write_text(table_md(data["plan"], data["summary"], data["meta"]))
+    return [directory / "table.json", directory / "table.md"]
 
 
 def write_plot(plan: Plan, summary: list[dict[str, Any]], path: Path) -> Path | None:
@@ -137,13 +185,10 @@ def write_plot(plan: Plan, summary: list[dict[str, Any]], path: Path) -> Path | 
 
 def write_outputs(plan: Plan, rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[Path]:
     """table.json (every run and the summary), table.md and accuracy.png."""
-    by_rung = [[r for r in rows if r["rung"] == rung] for rung in plan.rungs]
-    summary = [summarise_rung(plan, group) for group in by_rung if group]
+    data = rendered({"plan": plan_info(plan), "meta": meta, "runs": rows})
     out = plan.out_dir
-    plan_info = {k: v for k, v in asdict(plan).items() if k != "base"}
-    data = {"plan": plan_info, "meta": meta, "summary": summary, "runs": rows}
     (out / "table.json").write_text(json.dumps(data, indent=2))
-    (out / "table.md").write_text(table_md(plan, summary, meta))
+    (out / "table.md").write_text(table_md(data["plan"], data["summary"], meta))
     written = [out / "table.json", out / "table.md"]
-    png = write_plot(plan, summary, out / "accuracy.png")
+    png = write_plot(plan, data["summary"], out / "accuracy.png")
     return written + ([png] if png else [])

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from services.common.entry import add_config_args, add_service_args, flag_overrides
@@ -62,7 +63,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_ablate(args: argparse.Namespace) -> int:
     from services.tools.ablate import run_ablation
     from services.tools.ablation_plan import make_plan
+    from services.tools.ablation_table import rerender
 
+    if args.rerender:
+        for path in rerender(Path(args.rerender)):
+            print(f"wrote {path}")
+        return 0
     rungs = args.rungs.split(",") if args.rungs else None
     plan = make_plan(
         args.preset, args.seeds, name=args.name, rungs=rungs, steps=args.steps,
@@ -97,7 +103,7 @@ def add_ablate_parser(sub: Any) -> None:
         help="ablation preset: tiny (runmax, the default) or tiny_mixed (the earlier "
         "max3+copy2 ladder)",
     )
-    p.add_argument("--seeds", type=int, default=3, help="runs per rung (seeds 0..N-1)")
+    p.add_argument("--seeds", type=int, default=5, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
     p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
     p.add_argument("--steps", type=int, help="training steps per run")
@@ -106,6 +112,10 @@ def add_ablate_parser(sub: Any) -> None:
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
         help="override a value of the base config (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--rerender", metavar="DIR",
+        help="rewrite DIR/table.json and table.md from the runs in DIR/table.json (no runs)",
     )  # fmt: skip
     p.set_defaults(func=cmd_ablate)
 
