@@ -163,8 +163,8 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ 2. padding
 def bench_padding() -> dict[str, Any]:
-    from learner.batching import fixed_size_micro_batches, padding_fraction
-    from learner.batching import token_budget_micro_batches as budgeted
+    from learner.micro_batches import fixed_size_micro_batches, padding_fraction
+    from learner.micro_batches import token_budget_micro_batches as budgeted
 
     lengths = [p + r for p, r in skewed_lengths(512, seed=1)]
     fixed = padding_fraction(lengths, fixed_size_micro_batches(len(lengths), 16))

@@ -3,9 +3,9 @@
 Everything here runs before (or after) the model: `sequences_from_groups` flattens
 groups with their advantages; `plan_step` splits the responses into mini-batches and
 deals each to the data-parallel ranks; `plan_micro_batches` cuts a rank's share by
-token budget; `collate` pads one micro-batch into `LossInputs` (`learner.packing`
-packs it instead); `assign_old_logprobs` stores the learner's recomputed log-probs back
-on the sequences.
+token budget (the cutting itself: `learner.micro_batches`); `collate` pads one
+micro-batch into `LossInputs` (`learner.packing` packs it instead);
+`assign_old_logprobs` stores the learner's recomputed log-probs back on the sequences.
 
 Layout: each padded row is prompt + response, right-padded; a packed row is several of
 those end to end (`learner.packing`). Every per-token tensor is `[B, L]` and aligned
@@ -27,6 +27,11 @@ from torch import Tensor
 
 from learner.algorithm import group_advantages
 from learner.dist import DataParallel
+from learner.micro_batches import (
+    balance_across_ranks,
+    packed_micro_batches,
+    token_budget_micro_batches,
+)
 from services.common.types import (
     FloatArray,
     Group,
@@ -276,92 +281,6 @@ def mini_batches(n: int, mini_batch_size: int, seed: int | None = None) -> list[
     if seed is not None:
         random.Random(seed).shuffle(order)
     return [order[i : i + mini_batch_size] for i in range(0, n, mini_batch_size)]
-
-
-def token_budget_micro_batches(
-    lengths: Sequence[int], max_tokens: int, min_count: int = 1
-) -> list[list[int]]:
-    """Indices into `lengths` grouped so each micro-batch's padded size `B · L` ≤ `max_tokens`.
-
-    Sorted longest first, then each micro-batch is filled in that order until one more row
-    would exceed the budget: rows of similar length share a micro-batch, so padding stays
-    low on length-skewed batches. A row longer than the budget gets a micro-batch of its
-    own. `min_count` (e.g. the largest count over data-parallel ranks, which must run the
-    same number of forwards under ZeRO-3) splits the costliest micro-batches further.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    for i in order:
-        current = batches[-1] if batches else None
-        if current is not None and (len(current) + 1) * lengths[current[0]] <= max_tokens:
-            current.append(i)
-        else:
-            batches.append([i])
-    return _split_to_count(batches, lambda b: len(b) * lengths[b[0]], min_count)
-
-
-def packed_micro_batches(
-    lengths: Sequence[int], max_tokens: int, min_count: int = 1
-) -> list[list[int]]:
-    """Indices into `lengths` in bins of at most `max_tokens` tokens in all, for packing.
-
-    First-fit decreasing: each row, longest first, goes into the first bin with room; a
-    row longer than the budget gets a bin of its own. `min_count` as above.
-    """
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        k = next((k for k, r in enumerate(room) if lengths[i] <= r), None)
-        if k is None:
-            bins.append([i])
-            room.append(max_tokens - lengths[i])
-        else:
-            bins[k].append(i)
-            room[k] -= lengths[i]
-    return _split_to_count(bins, lambda b: sum(lengths[i] for i in b), min_count)
-
-
-def _split_to_count(
-    batches: list[list[int]], cost: Callable[[list[int]], int], min_count: int
-) -> list[list[int]]:
-    """Halve the costliest splittable micro-batch until there are `min_count` (if possible)."""
-    while len(batches) < min_count:
-        splittable = [b for b in batches if len(b) > 1]
-        if not splittable:
-            break
-        worst = max(splittable, key=cost)
-        k = batches.index(worst)
-        half = len(worst) // 2
-        batches[k : k + 1] = [worst[:half], worst[half:]]
-    return batches
-
-
-def fixed_size_micro_batches(n: int, size: int) -> list[list[int]]:
-    """The naive split: consecutive chunks of `size` rows, whatever their lengths."""
-    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
-
-def padding_fraction(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
-    """Share of padded positions over all micro-batches: 1 − real tokens / Σ B · L."""
-    real = sum(lengths[i] for b in batches for i in b)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches if b)
-    return 1.0 - real / padded if padded else 0.0
-
-
-def balance_across_ranks(lengths: Sequence[int], world_size: int) -> list[list[int]]:
-    """Deal rows to `world_size` ranks so their token totals are close (longest first).
-
-    Token totals are balanced, not row counts (a rank may get no rows if there are fewer
-    rows than ranks). Ranks then agree on a common micro-batch count and pass it as
-    `token_budget_micro_batches(min_count=...)`.
-    """
-    ranks: list[list[int]] = [[] for _ in range(world_size)]
-    totals = [0] * world_size
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = min(range(world_size), key=lambda k: (totals[k], k))
-        ranks[r].append(i)
-        totals[r] += lengths[i]
-    return ranks
 
 
 # ------------------------------------------------------------------ a step's plan

@@ -1,7 +1,7 @@
 """Packed micro-batches: whole sequences laid end to end in one row, no padding.
 
 A packed micro-batch is one row `[1, T]` of sequences (prompt + response each), chosen
-by `batching.packed_micro_batches` so that `T` ≤ the token budget (a longer sequence
+by `micro_batches.packed_micro_batches` so that `T` ≤ the token budget (a longer sequence
 gets a row of its own). `position_ids` restart at 0 for each sequence; the model's
 attention (`learner.attention`) keeps the sequences apart, so every sequence is scored
 as if it were alone in its row.

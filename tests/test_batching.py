@@ -13,17 +13,19 @@ from learner.batching import (
     LossInputs,
     TrainSequence,
     assign_old_logprobs,
-    balance_across_ranks,
     collate,
-    fixed_size_micro_batches,
     loss_counts,
     mini_batches,
-    packed_micro_batches,
-    padding_fraction,
     sequences_from_groups,
-    token_budget_micro_batches,
 )
 from learner.logprobs import logprobs_for_inputs
+from learner.micro_batches import (
+    balance_across_ranks,
+    fixed_size_micro_batches,
+    packed_micro_batches,
+    padding_fraction,
+    token_budget_micro_batches,
+)
 from learner.packing import collate_packed
 from services.common.types import Group, Sample
 
