@@ -34,7 +34,7 @@ from rollout.config import RolloutSettings
 from services.common import weight_socket
 from services.common.security import TlsConfig
 from services.common.tensor_codec import parse_bucket, wire_bucket_parts
-from services.common.weight_socket import FRAME, WeightSocketError, recv_exact
+from services.common.weight_socket import FRAME, WeightSocketError, frames_into, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,11 @@ class Reception:
     def _from_socket(
         self, sock: socket.socket, max_frame_bytes: int, first_timeout: float | None
     ) -> Iterator[memoryview]:
-        header, timeout = bytearray(FRAME.size), sock.gettimeout()
+        timeout = sock.gettimeout()
         if first_timeout is not None:
             sock.settimeout(first_timeout)
-        while True:
-            recv_exact(sock, FRAME.size, memoryview(header))
-            (size,) = FRAME.unpack(header)
-            if size == 0:
-                return
-            if size > max_frame_bytes:
-                raise WeightSocketError(f"relay frame of {size} bytes > {max_frame_bytes}")
-            view = self._slot(size)
-            recv_exact(sock, size, view)
-            sock.settimeout(timeout)
+        for view in frames_into(sock, max_frame_bytes, self._slot):
+            sock.settimeout(timeout)  # the first frame may wait longer, the rest may not
             yield view
 
     def _wait_room(self) -> None:

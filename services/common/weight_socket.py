@@ -23,7 +23,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from services.common.errors import DapoError
 from services.common.security import TlsConfig, read_pem
@@ -221,18 +221,28 @@ def connect(host: str, port: int, ticket: bytes, tls: TlsConfig, timeout_s: floa
 def read_frames(sock: socket.socket, max_frame_bytes: int) -> Iterator[memoryview]:
     """The frames of one stream, each a view into one reused buffer: a view is valid
     only until the next one is taken (consume it first). Closes `sock` at the end."""
-    header, buf = bytearray(FRAME.size), bytearray()
+    buf = bytearray()
+
+    def reused(size: int) -> memoryview:
+        nonlocal buf
+        if size > len(buf):
+            buf = bytearray(size)
+        return memoryview(buf)[:size]
+
     try:
-        yield from _frames(sock, max_frame_bytes, header, buf)
+        yield from frames_into(sock, max_frame_bytes, reused)
     except OSError as exc:  # a reset, a timeout, a TLS alert (e.g. our cert refused)
         raise WeightSocketError(f"weight socket failed: {exc}") from exc
     finally:
         sock.close()
 
 
-def _frames(
-    sock: socket.socket, max_frame_bytes: int, header: bytearray, buf: bytearray
+def frames_into(
+    sock: socket.socket, max_frame_bytes: int, buffer_for: Callable[[int], memoryview]
 ) -> Iterator[memoryview]:
+    """Read length-prefixed frames until the 0-length end marker, each into the view
+    `buffer_for(size)` hands out (a reused buffer, or a relay's ring slot)."""
+    header = bytearray(FRAME.size)
     while True:
         recv_exact(sock, FRAME.size, memoryview(header))
         (size,) = FRAME.unpack(header)
@@ -243,8 +253,6 @@ def _frames(
                 f"weight socket frame of {size} bytes exceeds the limit of "
                 f"{max_frame_bytes} (shared.rpc.max_message_bytes)"
             )
-        if size > len(buf):
-            buf = bytearray(size)
-        view = memoryview(buf)[:size]
+        view = buffer_for(size)
         recv_exact(sock, size, view)
         yield view
