@@ -286,12 +286,8 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
         "learner.linger_s=0", "buffer.stream_retain=1000000",  # the audit reads all `scored`
     ])  # fmt: skip
     hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
-    sigterm = signal.getsignal(signal.SIGTERM)
     started = time.monotonic()
-    try:
-        code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)  # launch() makes it a Ctrl-C
+    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
     wall = time.monotonic() - started
     assert code == 0
     assert hook.killed_at is not None and hook.exit_code == -signal.SIGKILL
@@ -363,11 +359,7 @@ def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
         "rollout.partial_rollouts=true", "rollout.weight_poll_s=0.05",
     ])  # fmt: skip
     hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
-    sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.exit_code == -signal.SIGKILL
     assert not hook.problems_at_kill, hook.problems_at_kill
 

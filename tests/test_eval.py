@@ -131,11 +131,9 @@ def test_eval_after_reads_the_final_export_when_the_learner_is_gone(
         f"shared.model_path={tiny_model}", "learner.linger_s=0",
         "controller.eval.every_steps=0", "controller.eval.limit=8", "controller.eval.n=2",
     ])  # fmt: skip
-    sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        assert launch(config, run_dir=str(run_dir), steps=3) == 0
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
+    handler = signal.getsignal(signal.SIGTERM)
+    assert launch(config, run_dir=str(run_dir), steps=3) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # launch puts the caller's back
     report = json.loads((run_dir / "report.json").read_text())
     before, after = report["eval_before"], report["eval_after"]
     assert (before["version"], after["version"]) == (0, 3)

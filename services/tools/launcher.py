@@ -152,13 +152,14 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def raise_on_sigterm() -> None:
-    """SIGTERM to `dapo up` cleans up like Ctrl-C does."""
+def raise_on_sigterm() -> Any:
+    """SIGTERM to `dapo up` cleans up like Ctrl-C does; returns the handler it replaced
+    (`launch` puts it back, so a caller such as a test process keeps its own)."""
 
     def _handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _handler)
+    return signal.signal(signal.SIGTERM, _handler)
 
 
 def ensure_model(config: DapoConfig) -> None:
@@ -345,7 +346,7 @@ def launch(
     started = time.monotonic()
     state = Launch(config, out, on_step=on_step)
     code = 1
-    raise_on_sigterm()
+    previous = raise_on_sigterm()
     try:
         plan = eval_plan(config)
         if plan is not None:
@@ -366,6 +367,7 @@ def launch(
             except Exception as exc:  # reporting must never block the clean-up
                 print(f"could not write the report: {exc}", file=sys.stderr)
         state.stop()
+        signal.signal(signal.SIGTERM, previous)
     if report is not None:
         print(f"report: {report}")
     return code
