@@ -34,7 +34,13 @@ from rollout.config import RolloutSettings
 from services.common import weight_socket
 from services.common.security import TlsConfig
 from services.common.tensor_codec import parse_bucket, wire_bucket_parts
-from services.common.weight_socket import FRAME, WeightSocketError, frames_into, recv_exact
+from services.common.weight_socket import (
+    FRAME,
+    WeightSocketError,
+    close_listener,
+    frames_into,
+    recv_exact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -258,12 +264,7 @@ class RelayServer:
         return self
 
     def stop(self) -> None:
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        self._thread.join(timeout=5)
+        close_listener(self._listener, self._thread)
 
     def _accept(self) -> None:
         while True:

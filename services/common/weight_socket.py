@@ -114,12 +114,7 @@ class WeightSocketServer:
 
     def stop(self) -> None:
         self._stopped.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        self._thread.join(timeout=5)
+        close_listener(self._listener, self._thread)
 
     def issue(self, frames: Sequence[bytes]) -> bytes:
         """A ticket for one stream of `frames` (kept alive by the ticket until used)."""
@@ -201,6 +196,16 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None) -> b
             )
         got += read
     return b"" if into is not None else bytes(view)
+
+
+def close_listener(listener: socket.socket, acceptor: threading.Thread) -> None:
+    """Wake the thread blocked in `accept` (shutdown), close the socket, join the thread."""
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()
+    acceptor.join(timeout=5)
 
 
 def connect(host: str, port: int, ticket: bytes, tls: TlsConfig, timeout_s: float) -> socket.socket:
