@@ -188,6 +188,20 @@ def agg_loss(
     raise ValueError(f"unknown loss aggregation mode {mode!r}")
 
 
+def longest_loss_share(loss_tokens: list[int], mode: LossAggMode, top: float = 0.25) -> float:
+    """The share of a batch's loss weight that its longest `top` fraction of responses
+    carries (`loss_tokens`: each response's tokens left in the loss). This is what the
+    token-level loss changes: under "seq_mean_token_mean" every response weighs the same,
+    so the longest quarter carries a quarter; under "token_mean" (and Dr.GRPO's constant
+    norm) a response weighs its length, so long responses carry more."""
+    kept = sorted((n for n in loss_tokens if n > 0), reverse=True)
+    if not kept:
+        return 0.0
+    k = max(1, round(len(kept) * top))
+    weights = [1.0] * len(kept) if mode == "seq_mean_token_mean" else [float(n) for n in kept]
+    return sum(weights[:k]) / sum(weights)
+
+
 def _at_least_one(count: Count) -> Count:
     """A divisor that is never 0: an empty batch then gives loss 0 and zero gradient."""
     if isinstance(count, Tensor):

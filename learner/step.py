@@ -31,7 +31,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from learner.algorithm import ClipStats, agg_loss, kl_k3, masked_mean, per_token_loss
+from learner.algorithm import (
+    ClipStats,
+    agg_loss,
+    kl_k3,
+    longest_loss_share,
+    masked_mean,
+    per_token_loss,
+)
 from learner.batching import (
     LossCounts,
     LossInputs,
@@ -68,6 +75,8 @@ class StepMetrics:
     response_length: float = 0.0
     response_length_max: int = 0
     truncated_frac: float = 0.0  # responses that hit L_max (overlong filtering masks these)
+    longest_loss_share: float = 0.0  # loss weight of the longest quarter (token-level loss)
+    informative_frac: float = 0.0  # groups whose rewards differ (dynamic sampling keeps these)
     reward_mean: float = 0.0
     accuracy: float = 0.0
     engine_mismatch: float = 0.0  # mean |log π_behav − log π_old| over same-version tokens
@@ -126,6 +135,7 @@ def train_step(
         metrics.grad_norm = policy.step()
         metrics.updates += 1
     _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
+    metrics.longest_loss_share = longest_loss_share(loss_tokens(seqs, cfg), cfg.loss_agg_mode)
     metrics.lr = policy.lr()
     metrics.seconds = time.monotonic() - started
     metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
@@ -326,3 +336,10 @@ def _fill_metrics(
     metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
     samples = [s for g in groups for s in g.samples]
     metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)
+    informative = [g for g in groups if 0 < g.accuracy < 1]  # DAPO's rule (0 < acc < 1)
+    metrics.informative_frac = len(informative) / max(len(groups), 1)
+
+
+def loss_tokens(seqs: Sequence[TrainSequence], cfg: LearnerConfig) -> list[int]:
+    """Each response's tokens that count in the loss (0 where overlong filtering masks it)."""
+    return [0 if cfg.overlong_filtering and s.truncated else len(s.response_ids) for s in seqs]

@@ -121,11 +121,15 @@ class RolloutEngine(Protocol):
         """The same samples, each yielded as soon as it is complete (any order)."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, owned: bool = False
+    ) -> None:
         """Replace (some of) the weights and set the version.
 
         Every tensor is checked (known name, same shape, same dtype) before any is
         applied; on a mismatch a ValueError names it and the old weights stay in use.
+        `owned`: the caller gives the tensors up (nothing will write to them again), so an
+        engine may serve them in place instead of copying them.
         """
         ...
 

@@ -374,15 +374,23 @@ class TorchEngine(EngineBase):
 
     # -- weights and flow control -----------------------------------------------------
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Check every tensor first, then copy all of them in between two buckets."""
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, owned: bool = False
+    ) -> None:
+        """Check every tensor first, then swap all of them in between two buckets: owned
+        tensors are served in place (a parameter adopts the received memory, no copy of
+        the model), others are copied into the parameters."""
         updates = list(named_tensors)
         targets = self.model.state_dict(keep_vars=True)
         check_weights(updates, {name: (t.shape, t.dtype) for name, t in targets.items()})
         refuse_missing(_uncovered({name for name, _ in updates}, targets), "torch")
         with self._swap(version), torch.no_grad():
             for name, tensor in updates:
-                targets[name].copy_(tensor.to(self.device))
+                target, moved = targets[name], tensor.to(self.device)
+                if owned and moved.is_contiguous() and target.is_contiguous():
+                    target.data = moved  # a tied weight: one Parameter under both names
+                else:
+                    target.copy_(moved)
 
     def pause(self) -> None:
         """Hold new buckets until `resume()`; returns once the bucket in flight is done."""

@@ -325,9 +325,12 @@ class VllmEngine(EngineBase):
 
     # -- weights and flow control -----------------------------------------------------
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, owned: bool = False
+    ) -> None:
         """Check every tensor; drain generation (or, with partial rollouts, preempt it);
-        reload in the worker; then move the version."""
+        reload in the worker; then move the version. (`owned` changes nothing: the
+        workers copy into vLLM's own parameters.)"""
         updates = list(named_tensors)
         check_weights(updates, self._expected)
         sent = {name for name, _ in updates}

@@ -85,7 +85,7 @@ class WeightUpdater:
         version = assembler.version or 0
         with self._lock:
             self._check_newer(version)
-            self.engine.load_weights(named, version)
+            self.engine.load_weights(named, version, owned=True)  # fresh buffers, ours alone
         with self._loaded:
             self._loaded.notify_all()
         return version
@@ -101,8 +101,13 @@ def check_finite(name: str, tensor: Any) -> None:
 
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return
-    # min and max in one pass, no temporary: NaN propagates into both, an infinity is one of
-    # them. 6x faster than isfinite().all() on bf16 (7 s of a 0.5B model's 12 s swap).
+    # NaN and ±inf propagate into a sum (inf - inf is NaN): one read, no temporary, 3x
+    # faster than aminmax on bf16 and 25x faster than isfinite().all(). A non-finite sum
+    # may also be an overflow of finite values (fp16's sum overflows easily: skip it), so
+    # the exact check below decides.
+    if tensor.dtype != torch.float16 and bool(torch.isfinite(tensor.sum())):
+        return
+    # min and max in one pass: NaN propagates into both, an infinity is one of them.
     low, high = torch.aminmax(tensor)
     if not bool(torch.isfinite(low) & torch.isfinite(high)):
         raise ValueError(f"weight {name!r} holds NaN or infinite values; weights left unchanged")

@@ -29,6 +29,7 @@ from services.common.reasoning import REASONING_TASKS
 from services.common.types import Group, Sample
 from services.tools.ablate import mechanism_numbers
 from services.tools.ablation_plan import (
+    LOO_NAMES,
     RUNG_NAMES,
     TECHNIQUES,
     Plan,
@@ -72,6 +73,21 @@ def test_each_rung_adds_exactly_one_technique_in_paper_order(plan: Plan) -> None
         section, field = technique.path.split(".")
         assert getattr(getattr(dapo, section), field) == getattr(getattr(plan.base, section), field)
     assert dapo.learner.clip_ratio_high == 0.28 and dapo.learner.loss_agg_mode == "token_mean"
+
+
+def test_leave_one_out_turns_off_exactly_one_technique_of_full_dapo(plan: Plan) -> None:
+    full = rung_overrides(plan.base, "dynamic_sampling")
+    for technique, name in zip(TECHNIQUES, LOO_NAMES, strict=True):
+        loo = rung_overrides(plan.base, name)
+        assert [p for p in full if full[p] != loo[p]] == [technique.path]
+    # Without dynamic sampling is the ladder's "+ token-level loss": run once, shown in both.
+    assert rung_overrides(plan.base, "no_dynamic_sampling") == rung_overrides(
+        plan.base, "token_level_loss"
+    )
+    both = make_plan("tiny", seeds=1, leave_one_out=True).rungs
+    assert both == [*RUNG_NAMES, *LOO_NAMES[:-1]]
+    alone = make_plan("tiny", seeds=1, rungs=["dynamic_sampling"], leave_one_out=True).rungs
+    assert alone == ["dynamic_sampling", *LOO_NAMES]
 
 
 def test_runs_differ_by_seed_and_rung_only_where_they_should(plan: Plan) -> None:
@@ -259,6 +275,12 @@ def test_mechanism_numbers_compare_the_first_and_last_tenth() -> None:
     assert (m["truncated_start"], m["truncated_end"]) == (0.5, 0.0)
     assert (m["length_start"], m["length_end"]) == (pytest.approx(11.75), pytest.approx(2.75))
     assert m["length_max_end"] == 11 and m["entropy_start"] == pytest.approx(1.95)
+    assert m["long_share_end"] is None and m["full_informative"] is None  # older reports
+    later = [{"longest_loss_share": 0.4 - i / 100, "informative_frac": 1.0 - (i % 4) / 8}
+             for i in range(20)]  # fmt: skip
+    m = mechanism_numbers(later)
+    assert (m["long_share_start"], m["long_share_end"]) == pytest.approx((0.395, 0.215))
+    assert m["full_informative"] == 0.25  # every 4th step had only informative groups
     # A report written before the metrics existed has none of them.
     assert mechanism_numbers([{"entropy": 1.0}])["truncated_end"] is None
 
@@ -272,8 +294,27 @@ def test_table_shows_the_mechanism_columns(plan: Plan) -> None:
                                  "response_length_max": 20, "entropy": 2.5}])}  # fmt: skip
     info = plan_info(small)
     text = table_md(info, [summarise_rung(info, [row])], {"loadavg": "1", "total_s": 60})
-    assert "| 0.30 → 0.30 | 14.0 → 14.0 (20.0) |" in text
+    assert "| 0.30 → 0.30 | 14.0 → 14.0 (20.0) | — → — |" in text
     assert "| 2.50 → 0.50 |" in text
+    assert "| 10 (1/1) / — |" in text and "Leave-one-out" not in text  # 0.5 at 10, never 0.8
+
+
+def test_leave_one_out_table_reuses_the_ladder_rung_with_the_same_config(plan: Plan) -> None:
+    rungs = ["token_level_loss", "dynamic_sampling", "no_clip_higher"]
+    small = Plan(plan.name, plan.base, rungs, [0, 1], steps=10, eval_every=5, eval_n=4,
+                 target=0.5)  # fmt: skip
+    info = plan_info(small)
+    rows = [{"rung": r, "seed": k, "curve": [(0, 0.1), (5, 0.6 + k / 10), (10, 0.9)],
+             "generated_per_trained": 2.0, "entropy_end": 0.5, "train_s": 10.0,
+             "wall_s": 20.0, **mechanism_numbers([{"informative_frac": 1.0}])}
+            for r in rungs for k in (0, 1)]  # fmt: skip
+    summary = [summarise_rung(info, [r for r in rows if r["rung"] == name]) for name in rungs]
+    ladder, loo = table_md(info, summary, {"loadavg": "1", "total_s": 60}).split("Leave-one-out")
+    assert "DAPO without" not in ladder and "| + token-level loss |" in ladder
+    labels = [line.split(" | ")[0] for line in loo.splitlines() if line.startswith("| ")][1:]
+    assert labels == ["| + dynamic sampling (= DAPO)", "| DAPO without clip-higher",
+                      "| DAPO without dynamic sampling (= + token-level loss)"]  # fmt: skip
+    assert "| 5 (2/2) / 10 (2/2) | 2.00 | 1.00 |" in loo
 
 
 # --------------------------------------------------------------------------- end to end

@@ -12,6 +12,7 @@ from learner.algorithm import (
     agg_loss,
     group_advantages,
     kl_k3,
+    longest_loss_share,
     masked_mean,
     overlong_filter_mask,
     per_token_loss,
@@ -143,6 +144,21 @@ def test_token_mean_weighs_every_token_equally_seq_mean_does_not() -> None:
     expected = torch.tensor([[1 / 8, 1 / 8, 1 / 8, 1 / 8], [1 / 2, 0, 0, 0]], dtype=F64)
     torch.testing.assert_close(x.grad, expected, **EXACT)
     assert x.grad[1, 0] == 4 * x.grad[0, 0]
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_longest_loss_share_is_the_gradient_weight_agg_loss_gives_them(mode) -> None:
+    # Responses of 1..8 loss tokens and one masked out: the longest quarter (2 of 8) is
+    # the 8- and 7-token ones; their share of Σ |∂loss/∂token| is what the metric reports.
+    lengths = [3, 8, 1, 7, 2, 5, 4, 6, 0]
+    mask = torch.tensor([[t < n for t in range(8)] for n in lengths])
+    x = torch.ones(len(lengths), 8, dtype=F64, requires_grad=True)
+    agg_loss(x, mask, mode, norm_len=8).backward()
+    per_seq = x.grad.sum(dim=-1)
+    expected = float(per_seq[[1, 3]].sum() / per_seq.sum())
+    assert longest_loss_share(lengths, mode) == pytest.approx(expected, abs=1e-12)
+    assert longest_loss_share(lengths, mode) == (0.25 if mode == "seq_mean_token_mean" else 15 / 36)
+    assert longest_loss_share([0, 0], mode) == 0.0
 
 
 def test_agg_loss_values_and_explicit_divisors() -> None:

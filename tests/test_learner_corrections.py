@@ -196,3 +196,16 @@ def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine
     trained = train_step(policy, _all_truncated(make_groups(seed=1)), cfg_off, 0, 1.0, MAX_LEN)
     assert trained.updates == 2
     assert any(not torch.equal(t, before[n]) for n, t in policy.named_weights())
+
+
+def test_step_reports_informative_groups_and_the_longest_quarters_loss_share(tiny_model):
+    groups = make_groups()  # every group holds rewards of both signs
+    for s in groups[0].samples:
+        s.correct, s.reward = True, 1.0  # all correct: dynamic sampling would drop it
+    policy = TorchPolicy(load_model(tiny_model), _cfg())
+    metrics = train_step(policy, groups, _cfg(), 0, 1.0, MAX_LEN)
+    assert metrics.informative_frac == 0.75
+    lengths = sorted((len(s.token_ids) for g in groups for s in g.samples), reverse=True)
+    assert metrics.longest_loss_share == pytest.approx(sum(lengths[:4]) / sum(lengths))
+    per_seq = _cfg(loss_agg_mode="seq_mean_token_mean")
+    assert train_step(policy, groups, per_seq, 0, 1.0, MAX_LEN).longest_loss_share == 0.25

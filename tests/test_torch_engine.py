@@ -103,6 +103,26 @@ def test_sampling_follows_the_tempered_and_truncated_distribution() -> None:
     assert nucleus[0] == 1.0  # mass before token 1 reaches top_p: only token 0 remains
 
 
+def test_owned_weights_are_served_in_place_and_others_copied(model_dir: Path) -> None:
+    engine = TorchEngine(model_dir, device="cpu")
+    params = engine.model.state_dict(keep_vars=True)
+    before = {n: p.data_ptr() for n, p in params.items()}
+    tied: dict[int, torch.Tensor] = {}  # tied names (embedding and head) get one tensor
+    other = {
+        n: tied.setdefault(before[n], t) for n, t in perturbed(engine.model, torch.float32, 0.5)
+    }
+    engine.load_weights(list(other.items()), 1)  # not owned: copied, the caller keeps its own
+    assert {n: p.data_ptr() for n, p in params.items()} == before
+    assert all(torch.equal(params[n], t) for n, t in other.items())
+    fresh = {n: 2 * t for n, t in other.items()}  # new memory, nobody else's
+    fresh = {n: tied.setdefault(-before[n], t) for n, t in fresh.items()}
+    engine.load_weights(list(fresh.items()), 2, owned=True)
+    assert all(params[n].data_ptr() == t.data_ptr() for n, t in fresh.items())
+    assert tokens_of(engine.generate(PROMPTS, GREEDY)) != tokens_of(
+        TorchEngine(model_dir, device="cpu").generate(PROMPTS, GREEDY)
+    )
+
+
 def test_weight_swaps_never_happen_mid_batch(model_dir: Path) -> None:
     """Every sample is exactly what its tagged version generates greedily."""
     engine = TorchEngine(model_dir, device="cpu", max_batch_size=2)

@@ -146,8 +146,10 @@ def run_numbers(report: dict[str, Any]) -> dict[str, Any]:
 
 def mechanism_numbers(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     """What each technique acts on, over the first and the last tenth of the steps:
-    truncation and response length (overlong filtering, soft punishment; the longest
-    responses for the token-level loss) and entropy (clip-higher)."""
+    truncation and response length (overlong filtering, soft punishment), the longest
+    responses and the longest quarter's share of the loss weight (token-level loss),
+    entropy (clip-higher), and the share of all steps trained on a batch of informative
+    groups only (dynamic sampling)."""
     k = max(len(steps) // 10, 1)
     head, tail = steps[:k], steps[-k:]
 
@@ -162,7 +164,16 @@ def mechanism_numbers(steps: list[dict[str, Any]]) -> dict[str, float | None]:
         "length_end": mean(tail, "response_length"),
         "length_max_end": mean(tail, "response_length_max"),
         "entropy_start": mean(head, "entropy"),
+        "long_share_start": mean(head, "longest_loss_share"),
+        "long_share_end": mean(tail, "longest_loss_share"),
+        "full_informative": _share_full(steps),
     }
+
+
+def _share_full(steps: list[dict[str, Any]]) -> float | None:
+    """The share of steps whose batch held only informative groups (0 < accuracy < 1)."""
+    values = [s["informative_frac"] for s in steps if "informative_frac" in s]
+    return sum(v >= 1.0 for v in values) / len(values) if values else None
 
 
 # --------------------------------------------------------------------------- driver

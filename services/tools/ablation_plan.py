@@ -39,6 +39,10 @@ TECHNIQUES: tuple[Technique, ...] = (
 )  # fmt: skip
 RUNG_NAMES = ("naive_grpo", *(t.name for t in TECHNIQUES))
 RUNG_LABELS = dict(zip(RUNG_NAMES, ("naive GRPO", *(t.label for t in TECHNIQUES)), strict=True))
+# Leave-one-out: full DAPO with one technique off (`--leave-one-out`, after the ladder).
+LOO_NAMES = tuple(f"no_{t.name}" for t in TECHNIQUES)
+RUNG_LABELS |= {f"no_{t.name}": "DAPO without " + t.label[2:].removesuffix(" (= DAPO)")
+                for t in TECHNIQUES}  # fmt: skip
 
 # `--preset tiny`: the `tiny_runmax` preset on `runmax` (services/common/reasoning.py): a
 # scratchpad of 2-6 steps and the paper's `Answer:` line, scored by the `dapo` rule. The
@@ -86,6 +90,7 @@ class Plan:
     eval_every: int
     eval_n: int
     target: float
+    target_high: float = 0.8  # the second "steps to" column
     root: str = "runs"
     overrides: list[str] = field(default_factory=list)
 
@@ -95,9 +100,14 @@ class Plan:
 
 
 def rung_overrides(base: DapoConfig, rung: str) -> dict[str, Any]:
-    """The switches of a rung: every technique before it (in paper order) on, the rest off."""
+    """The switches of a rung: on the ladder every technique before it (in paper order) on
+    and the rest off; leave-one-out (`no_<technique>`) every technique on but that one."""
+    if rung in LOO_NAMES:
+        return {t.path: t.off(base) if rung == f"no_{t.name}" else _get(base, t.path)
+                for t in TECHNIQUES}  # fmt: skip
     if rung not in RUNG_NAMES:
-        raise DapoError(f"unknown rung {rung!r}; choose from: {', '.join(RUNG_NAMES)}")
+        names = ", ".join((*RUNG_NAMES, *LOO_NAMES))
+        raise DapoError(f"unknown rung {rung!r}; choose from: {names}")
     on = RUNG_NAMES.index(rung)  # naive_grpo = 0 techniques on
     return {t.path: _get(base, t.path) if i < on else t.off(base)
             for i, t in enumerate(TECHNIQUES)}  # fmt: skip
@@ -136,6 +146,7 @@ def make_plan(
     eval_every: int | None = None,
     overrides: Sequence[str] = (),
     root: str = "runs",
+    leave_one_out: bool = False,
 ) -> Plan:
     """Resolve the ablation preset (plus `--set` overrides on the base config)."""
     if preset not in ABLATE_PRESETS:
@@ -144,6 +155,9 @@ def make_plan(
     sets = [*as_sets(spec["overrides"]), *overrides]
     base = load_config(preset=spec["base"], env={}, overrides=sets)
     chosen = list(rungs or RUNG_NAMES)
+    if leave_one_out:  # the ladder's last rung but one is DAPO without dynamic sampling
+        same = {"no_dynamic_sampling": "token_level_loss"}
+        chosen += [r for r in LOO_NAMES if r not in chosen and same.get(r) not in chosen]
     for rung in chosen:
         rung_overrides(base, rung)  # validates the name
     if seeds < 1:

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.tools.ablation_plan import RUNG_LABELS, Plan
+from services.tools.ablation_plan import LOO_NAMES, RUNG_LABELS, Plan
 
 
 def grid_curve(points: Sequence[tuple[int, float]], grid: Sequence[int]) -> list[float]:
@@ -63,7 +63,9 @@ def plan_info(plan: Plan) -> dict[str, Any]:
 
 
 MECHANISM = ("truncated_start", "truncated_end", "length_start", "length_end", "length_max_end",
-             "entropy_start")  # fmt: skip
+             "entropy_start", "long_share_start", "long_share_end",
+             "full_informative")  # fmt: skip
+HIGH_TARGET = 0.8  # the second "steps to" column (plans from before it lack the field)
 
 
 def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -74,18 +76,23 @@ def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[
         grid.append(steps)
     curves = [grid_curve(r["curve"], grid) for r in rows]
     reached = [steps_to(r["curve"], info["target"]) for r in rows]
+    high = info.get("target_high", HIGH_TARGET)
+    reached_high = [steps_to(r["curve"], high) for r in rows]
     out: dict[str, Any] = {"rung": rows[0]["rung"], "label": RUNG_LABELS[rows[0]["rung"]],
                            "seeds": len(rows), "grid": grid,
                            "acc_mean": [statistics.fmean(c) for c in zip(*curves, strict=True)],
                            "acc_min": [min(c) for c in zip(*curves, strict=True)],
                            "acc_max": [max(c) for c in zip(*curves, strict=True)],
                            "steps_to_target": reached,
-                           "reached": sum(r is not None for r in reached)}  # fmt: skip
+                           "reached": sum(r is not None for r in reached),
+                           "steps_to_high": reached_high,
+                           "reached_high": sum(r is not None for r in reached_high)}  # fmt: skip
     out["final_acc"] = mean_sd([c[-1] for c in curves])
     out["final_acc_ci95"] = bootstrap_ci([c[-1] for c in curves])
     for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s", *MECHANISM):
         out[key] = mean_sd([r.get(key) for r in rows])
     out["steps_to_target_mean"] = mean_sd(reached)[0]
+    out["steps_to_high_mean"] = mean_sd(reached_high)[0]
     return out
 
 
@@ -97,11 +104,12 @@ def _fmt(pair: tuple[float | None, float | None], digits: int = 2) -> str:
 
 
 def _mechanism(s: dict[str, Any]) -> str:
-    """The mechanism columns: truncation and length at the start and the end."""
+    """The mechanism columns: truncation, length and the longest quarter's loss share."""
     cut = f"{_fmt(s['truncated_start'])} → {_fmt(s['truncated_end'])}"
     length = f"{_fmt(s['length_start'], 1)} → {_fmt(s['length_end'], 1)}"
     longest = _fmt(s["length_max_end"], 1)
-    return f"{cut} | {length} ({longest})"
+    share = f"{_fmt(s['long_share_start'])} → {_fmt(s['long_share_end'])}"
+    return f"{cut} | {length} ({longest}) | {share}"
 
 
 def _acc(s: dict[str, Any]) -> str:
@@ -110,33 +118,64 @@ def _acc(s: dict[str, Any]) -> str:
     return _fmt(s["final_acc"]) + (f" [{lo:.2f}, {hi:.2f}]" if s["seeds"] > 1 else "")
 
 
+def _reach(mean: float | None, reached: int, seeds: int) -> str:
+    return "—" if mean is None else f"{mean:.0f} ({reached}/{seeds})"
+
+
+def _row(s: dict[str, Any]) -> str:
+    n = s["seeds"]
+    to = (f"{_reach(s['steps_to_target_mean'], s['reached'], n)} / "
+          f"{_reach(s['steps_to_high_mean'], s['reached_high'], n)}")  # fmt: skip
+    return (
+        f"| {s['label']} | {_acc(s)} | {to} | {_fmt(s['generated_per_trained'])} | "
+        f"{_fmt(s['full_informative'])} | "
+        f"{_fmt(s['entropy_start'])} → {_fmt(s['entropy_end'])} | "
+        f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} | {_mechanism(s)} |"
+    )
+
+
+def _loo_rows(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Full DAPO, then each technique off; the ladder's "+ token-level loss" rung stands in
+    for "without dynamic sampling" (the same config) where that was not run on its own."""
+    by = {s["rung"]: s for s in summary}
+    if "no_dynamic_sampling" not in by and "token_level_loss" in by:
+        label = RUNG_LABELS["no_dynamic_sampling"] + " (= + token-level loss)"
+        by["no_dynamic_sampling"] = {**by["token_level_loss"], "label": label}
+    return [by[r] for r in ("dynamic_sampling", *LOO_NAMES) if r in by]
+
+
 def table_md(info: Mapping[str, Any], summary: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The Markdown table (mean ± sd over seeds, and the 95% interval of the mean)."""
+    """The Markdown tables (mean ± sd over seeds, and the 95% interval of the mean): the
+    ladder, then leave-one-out (with full DAPO's row again) where the plan has it."""
     n, overrides = info["eval_n"], info["overrides"]
+    high = info.get("target_high", HIGH_TARGET)
     head = (
         f"| rung | held-out avg@{n} at step {info['steps']}, mean ± sd [95% CI] | steps to "
-        f"avg@{n} ≥ {info['target']} | generated / trained | entropy, first → last tenth | "
-        "train s | wall s | truncated, first → last tenth | length, first → last tenth "
-        "(longest at end) |"
+        f"avg@{n} ≥ {info['target']} / ≥ {high} (seeds) | generated / trained | steps "
+        "with only informative groups | entropy, first → last tenth | train s | wall s | "
+        "truncated, first → last tenth | length, first → last tenth (longest at end) | "
+        "longest quarter's share of the loss, first → last tenth |"
     )
+    rule = "|" + "---|" * head.count(" | ") + "---|"
     lines = [
         f"Ablation `{info['name']}`: {len(info['seeds'])} seed(s), {info['steps']} steps per "
         f"run, held-out eval every {info['eval_every']} steps. Load average at the end: "
         f"{meta['loadavg']}; total {meta['total_s'] / 60:.1f} min."
         + (f" Base config overrides: `{' '.join(overrides)}`." if overrides else ""),
-        "",
-        head,
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in summary:
-        reach = s["steps_to_target_mean"]
-        to = "—" if reach is None else f"{reach:.0f} ({s['reached']}/{s['seeds']} seeds)"
-        lines.append(
-            f"| {s['label']} | {_acc(s)} | {to} | "
-            f"{_fmt(s['generated_per_trained'])} | "
-            f"{_fmt(s['entropy_start'])} → {_fmt(s['entropy_end'])} | "
-            f"{_fmt(s['train_s'], 0)} | {_fmt(s['wall_s'], 0)} | {_mechanism(s)} |"
-        )
+    ladder = [s for s in summary if s["rung"] not in LOO_NAMES]
+    loo = [s for s in summary if s["rung"] in LOO_NAMES]
+    if ladder:
+        lines += ["", head, rule, *map(_row, ladder)]
+    if loo:
+        lines += [
+            "",
+            "Leave-one-out from full DAPO:",
+            "",
+            head,
+            rule,
+            *map(_row, _loo_rows(summary)),
+        ]
     return "\n".join(lines) + "\n"
 
 

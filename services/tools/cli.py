@@ -73,6 +73,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     plan = make_plan(
         args.preset, args.seeds, name=args.name, rungs=rungs, steps=args.steps,
         eval_every=args.eval_every, overrides=args.overrides, root=args.out_root,
+        leave_one_out=args.leave_one_out,
     )  # fmt: skip
     return run_ablation(plan)
 
@@ -105,7 +106,14 @@ def add_ablate_parser(sub: Any) -> None:
     )
     p.add_argument("--seeds", type=int, default=5, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
-    p.add_argument("--rungs", help="comma-separated subset of the ladder (default: all)")
+    p.add_argument(
+        "--rungs", help="comma-separated rungs (default: the whole ladder); leave-one-out "
+        "rungs are no_<technique>, e.g. no_clip_higher",
+    )  # fmt: skip
+    p.add_argument(
+        "--leave-one-out", action="store_true",
+        help="after the ladder's rungs, full DAPO with each technique off in turn",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, help="training steps per run")
     p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
     p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
