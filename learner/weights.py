@@ -1,12 +1,14 @@
 """The learner's WeightService: rollout servers pull the latest weights from here.
 
-`publish` serializes a version into wire-ready buckets at once: that is the snapshot
-(one copy of every weight byte, so a fetch streams a consistent version even while the
-next step trains) and also the encoding, so every fetch (R rollout servers) streams the
-same bytes. `add_weight_service` registers FetchWeights with a pass-through serializer;
-the bytes are exactly the generated `WeightBucket` messages (`encode_bucket_bytes`).
-With a `WeightSocketServer`, `OpenWeightSocket` hands out tickets for the same bytes
-over the faster data-plane socket (services/common/weight_socket.py).
+`publish` serializes a version into wire-ready buckets: that is the snapshot (one copy
+of every weight byte, so a fetch streams a consistent version even while the next step
+trains) and also the encoding, so every fetch (R rollout servers) streams the same
+bytes. The version is offered as soon as publication starts (a `FrameLog`): fetches
+stream the buckets already serialized while the rest are written. `add_weight_service`
+registers FetchWeights with a pass-through serializer; the bytes are exactly the
+generated `WeightBucket` messages (`encode_bucket_bytes`). With a `WeightSocketServer`,
+`OpenWeightSocket` hands out tickets for the same bytes over the faster data-plane
+socket (services/common/weight_socket.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import grpc
 import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
+from services.common.frame_log import FrameLog
 from services.common.tensor_codec import (
     RawTensor,
     WeightAssembler,
@@ -52,14 +55,22 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         self.weight_socket = weight_socket
         self._lock = threading.Lock()
         self._version = 0
-        self._encoded: list[bytes] = []  # the latest version, in buckets of bucket_bytes
+        self._encoded: FrameLog | None = None  # the latest version, in buckets of bucket_bytes
 
     def publish(self, version: int, tensors: Iterable[RawTensor], total: int | None = None) -> None:
-        """Serialize `tensors` now (they may view live weights) and serve them; with
-        `total` (their number) they are consumed one at a time."""
-        encoded = list(encode_bucket_bytes(tensors, version, self.bucket_bytes, total))
+        """Serialize `tensors` now (they may view live weights; returns when done) and
+        serve them from the first bucket on; with `total` (their number) they are
+        consumed one at a time."""
+        log = FrameLog()
         with self._lock:
-            self._version, self._encoded = version, encoded
+            self._version, self._encoded = version, log
+        try:
+            for frame in encode_bucket_bytes(tensors, version, self.bucket_bytes, total):
+                log.append(frame)
+        except BaseException as exc:
+            log.close(exc)  # streams of this version end with an error, not short
+            raise
+        log.close()
 
     @property
     def version(self) -> int:
@@ -72,15 +83,16 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def GetVersion(self, request, context):
         return learner_pb2.GetVersionResponse(version=self._version)
 
-    def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> list[bytes]:
+    def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> Iterable[bytes]:
         """The serialized buckets to stream, or abort the call."""
         return self._snapshot(request, context)[1]
 
-    def _snapshot(self, request, context) -> tuple[int, list[bytes]]:
+    def _snapshot(self, request, context) -> tuple[int, Iterable[bytes]]:
         """(version, its serialized buckets) as `request` asks, or abort the call."""
         with self._lock:
-            if not self._encoded:
+            if self._encoded is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
+                raise AssertionError("abort raises")
             if request.version not in (0, self._version):
                 context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -99,7 +111,8 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
 
     def _recut(self, size: int) -> list[bytes]:
         assembler = WeightAssembler()
-        for message in self._encoded:
+        assert self._encoded is not None
+        for message in self._encoded.frames():
             assembler.add(parse_bucket(message))
         return list(encode_bucket_bytes(assembler.result(), self._version, size))
 

@@ -67,7 +67,10 @@ def test_next_step_trains_while_the_last_version_is_published(
 
     def recording(engine):
         load = engine.load_weights
-        engine.load_weights = lambda named, version: (load(named, version), loaded.append(version))
+        engine.load_weights = lambda named, version, **kw: (
+            load(named, version, **kw),
+            loaded.append(version),
+        )
         return engine
 
     server, port = start_grpc_server(

@@ -108,7 +108,69 @@ def test_a_fetch_over_the_socket_is_bitwise_the_published_weights(plain: Learner
     granted = ticket(plain)
     assert granted.version == VERSION and granted.port == plain.socket.port
     sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
-    assert read_all(sock) == plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None)
+    assert read_all(sock) == list(plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None))
+
+
+def _publishing(learner: Learnerish, tensors: Iterator[RawTensor]) -> threading.Thread:
+    """Publish VERSION + 1 from `tensors` on a thread; return once it is offered."""
+    thread = threading.Thread(
+        target=learner.servicer.publish, args=(VERSION + 1, tensors, len(PUBLISHED)), daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 10
+    while learner.servicer.version != VERSION + 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return thread
+
+
+def test_a_fetch_streams_while_the_version_is_still_being_serialized(plain: Learnerish) -> None:
+    last = threading.Event()
+
+    def slow() -> Iterator[RawTensor]:
+        yield from PUBLISHED[:-2]
+        assert last.wait(10)  # the rest is serialized only after the reader got bytes
+        yield from PUBLISHED[-2:]
+
+    publishing = _publishing(plain, slow())
+    granted = ticket(plain)
+    assert granted.version == VERSION + 1
+    frames = weight_socket.read_frames(
+        weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10), 1 << 20
+    )
+    first = [bytes(next(frames))]  # streamed before the publication finished
+    assert publishing.is_alive()
+    last.set()
+    version, tensors = assemble_update(map(parse_bucket, first + [bytes(f) for f in frames]))
+    publishing.join(10)
+    assert version == VERSION + 1 and as_tuples(tensors) == as_tuples(PUBLISHED)
+
+
+def test_a_publication_that_breaks_off_ends_its_streams_with_an_error(plain: Learnerish) -> None:
+    go = threading.Event()
+
+    def broken() -> Iterator[RawTensor]:
+        yield PUBLISHED[0]
+        assert go.wait(10)
+        raise RuntimeError("gather failed")
+
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            plain.servicer.publish(VERSION + 1, broken(), len(PUBLISHED))
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    while plain.servicer.version != VERSION + 1:
+        time.sleep(0.001)
+    granted = ticket(plain)
+    go.set()
+    with pytest.raises(WeightSocketError, match="closed after"):  # no end marker: not short
+        redeem(granted)
+    thread.join(10)
+    assert [str(e) for e in errors] == ["gather failed"]
 
 
 def test_a_ticket_serves_the_version_it_was_issued_for(plain: Learnerish) -> None:

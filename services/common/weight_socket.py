@@ -23,7 +23,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 from services.common.errors import DapoError
 from services.common.security import TlsConfig, read_pem
@@ -102,7 +102,7 @@ class WeightSocketServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
         self.port: int = self._listener.getsockname()[1]
-        self._tickets: dict[bytes, tuple[float, Sequence[bytes]]] = {}
+        self._tickets: dict[bytes, tuple[float, Iterable[bytes]]] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopped = threading.Event()
@@ -116,7 +116,7 @@ class WeightSocketServer:
         self._stopped.set()
         close_listener(self._listener, self._thread)
 
-    def issue(self, frames: Sequence[bytes]) -> bytes:
+    def issue(self, frames: Iterable[bytes]) -> bytes:
         """A ticket for one stream of `frames` (kept alive by the ticket until used)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
         now = time.monotonic()
@@ -127,7 +127,7 @@ class WeightSocketServer:
             self._tickets[ticket] = (now + self.ticket_ttl_s, frames)
         return ticket
 
-    def _redeem(self, ticket: bytes) -> Sequence[bytes] | None:
+    def _redeem(self, ticket: bytes) -> Iterable[bytes] | None:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry[0] < time.monotonic():
