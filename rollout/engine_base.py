@@ -208,6 +208,13 @@ def check_weights(
             )
 
 
+def uncovered(names: set[str], targets: Mapping[str, Any]) -> list[str]:
+    """Weights (tensors) that no incoming name writes to; a tied weight (one tensor under
+    two names) is covered by either name."""
+    covered = {targets[name].data_ptr() for name in names}
+    return [name for name, t in targets.items() if t.data_ptr() not in covered]
+
+
 def refuse_missing(missing: Sequence[str], engine: str) -> None:
     """Refuse an update that leaves weights out: samples tagged with its version would
     come from a mix of versions."""

@@ -41,7 +41,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from rollout.config import TorchEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
-from rollout.engine_base import EngineBase, check_weights, default_eos, refuse_missing, stop_ids
+from rollout.engine_base import (
+    EngineBase,
+    check_weights,
+    default_eos,
+    refuse_missing,
+    stop_ids,
+    uncovered,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_STRIDE = 1_000_003  # mixes the prompt index into the request seed
@@ -383,7 +390,7 @@ class TorchEngine(EngineBase):
         updates = list(named_tensors)
         targets = self.model.state_dict(keep_vars=True)
         check_weights(updates, {name: (t.shape, t.dtype) for name, t in targets.items()})
-        refuse_missing(_uncovered({name for name, _ in updates}, targets), "torch")
+        refuse_missing(uncovered({name for name, _ in updates}, targets), "torch")
         with self._swap(version), torch.no_grad():
             for name, tensor in updates:
                 target, moved = targets[name], tensor.to(self.device)
@@ -396,10 +403,3 @@ class TorchEngine(EngineBase):
         """Hold new buckets until `resume()`; returns once the bucket in flight is done."""
         super().pause()
         self._gate.wait_idle()
-
-
-def _uncovered(names: set[str], targets: dict[str, torch.Tensor]) -> list[str]:
-    """Weights that no incoming name writes to; a tied weight (one tensor under two
-    names) is covered by either name."""
-    covered = {targets[name].data_ptr() for name in names}
-    return [name for name, t in targets.items() if t.data_ptr() not in covered]
