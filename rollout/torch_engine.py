@@ -24,9 +24,8 @@ lets the swap in, refills its unfinished rows' KV cache from prompt + tokens so 
 the new weights and goes on, each token tagged with the version that sampled it.
 
 Randomness. Each prompt's n × max_tokens uniforms come from its own `torch.Generator`
-seeded from (seed, prompt index); sampling inverts the CDF with them. A sample therefore
-depends only on the seed, its prompt index, its sample index and the weights, not on
-which other rows share its batch.
+seeded from (seed, prompt index), and sampling inverts the CDF with them: a sample
+depends on its seed, prompt index, sample index and weights, not on its batch-mates.
 """
 
 from __future__ import annotations
@@ -64,11 +63,8 @@ def resolve_device(device: str) -> torch.device:
 def plan_batches(
     prompt_lengths: Sequence[int], n: int, max_batch_size: int
 ) -> list[list[tuple[int, int]]]:
-    """(prompt index, sample index) rows, sorted by prompt length, in buckets.
-
-    Sorting keeps similar lengths together (little padding) and the n rows of a prompt
-    adjacent (one prefill per prompt per bucket).
-    """
+    """(prompt index, sample index) rows, sorted by prompt length, in buckets: similar
+    lengths together (little padding), a prompt's n rows adjacent (one prefill each)."""
     order = sorted(range(len(prompt_lengths)), key=lambda i: (prompt_lengths[i], i))
     rows = [(i, j) for i in order for j in range(n)]
     return [rows[k : k + max_batch_size] for k in range(0, len(rows), max_batch_size)]
@@ -384,9 +380,8 @@ class TorchEngine(EngineBase):
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, owned: bool = False
     ) -> None:
-        """Check every tensor first, then swap all of them in between two buckets: owned
-        tensors are served in place (a parameter adopts the received memory, no copy of
-        the model), others are copied into the parameters."""
+        """Check every tensor first, then swap all in between two buckets: an owned tensor
+        is served in place (its parameter adopts the memory, no copy), others copied."""
         updates = list(named_tensors)
         targets = self.model.state_dict(keep_vars=True)
         check_weights(updates, {name: (t.shape, t.dtype) for name, t in targets.items()})
