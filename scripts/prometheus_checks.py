@@ -120,9 +120,9 @@ def empty_queries(
     return [(t, q) for t, q in queries if not query_range(url, q, start, end, step_s)]
 
 
-def check(url: str, since: float, step_s: float) -> list[str]:
-    """Every problem found over [since, now]: jobs never up, panel queries with no data."""
-    config = PROMETHEUS_CONFIG.read_text()
+def check(url: str, config: str, since: float, step_s: float) -> list[str]:
+    """Every problem found over [since, now]: jobs of CONFIG (the text of the Prometheus
+    config at URL) never up, panel queries with no data."""
     jobs, end = scrape_jobs(config), time.time()
     rate = rate_interval(scrape_interval_s(config), step_s)
     queries = dashboard_queries(rate, f"{step_s:g}s")
@@ -135,10 +135,11 @@ def check(url: str, since: float, step_s: float) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="Prometheus, e.g. http://127.0.0.1:9090")
+    parser.add_argument("--config", type=Path, default=PROMETHEUS_CONFIG, help="its config")
     parser.add_argument("--since", type=float, required=True, help="the run's start (epoch s)")
     parser.add_argument("--step", type=float, default=5.0, help="query_range step in seconds")
     args = parser.parse_args(argv)
-    problems = check(args.url, args.since, args.step)
+    problems = check(args.url, args.config.read_text(), args.since, args.step)
     for problem in problems:
         print(f"FAILED: {problem}")
     print("prometheus checks: " + ("FAILED" if problems else "every job up, every panel has data"))
