@@ -75,8 +75,9 @@ install_tools() {
 install_tools \
     || skip "apt-get could not install docker.io docker-compose mmdebstrap ($WORK/apt.log)"
 
-DOCKERD_PID= WHEELS_PID=
+DOCKERD_PID= WHEELS_PID= BUILD_PIDS=
 cleanup() {
+    [ -z "$BUILD_PIDS" ] || kill $BUILD_PIDS 2>/dev/null || true  # the other build, on a failure
     if [ -n "$STACK_UP" ]; then
         $COMPOSE logs --no-color -t >"$WORK/stack.log" 2>&1 || true
         $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
@@ -168,18 +169,27 @@ unreachable=$($DOCKER run --rm $BASE python3 -c "$FETCH" https://pypi.org/simple
 say "preconditions met (torch from ${WHEELS:-download.pytorch.org})"
 
 # ------------------------------------------------ from here on: failures are failures
-# build KIND: dapo-KIND with the legacy builder, in the background; its log in WORK.
+# build KIND: dapo-KIND with the legacy builder; its log in WORK.
 build() {
     DOCKER_BUILDKIT=0 $DOCKER build --force-rm --build-arg PYTHON_IMAGE=$BASE \
         ${TORCH_ARGS:+--build-arg "TORCH_PIP_ARGS=$TORCH_ARGS"} \
         -f "$ROOT/deploy/docker/Dockerfile.$1" -t "dapo-$1:latest" "$ROOT" \
         >"$WORK/build-$1.log" 2>&1
 }
+# rebuild KIND: once more, from the layers cached so far: a download that broke mid-build
+# is not a failure of the images; the same error twice is.
+rebuild() {
+    tail -n 5 "$WORK/build-$1.log"
+    say "docker build dapo-$1 failed; once more"
+    build "$1" || fail "docker build dapo-$1, twice" "$WORK/build-$1.log"
+}
 say "docker build dapo-slim and dapo-cpu (legacy builder, side by side)"
 build slim & slim_pid=$!
 build cpu & cpu_pid=$!
-wait $slim_pid || fail "docker build dapo-slim" "$WORK/build-slim.log"
-wait $cpu_pid || fail "docker build dapo-cpu" "$WORK/build-cpu.log"
+BUILD_PIDS="$slim_pid $cpu_pid"
+wait $slim_pid || rebuild slim
+wait $cpu_pid || rebuild cpu
+BUILD_PIDS=
 [ -z "$WHEELS_PID" ] || { kill "$WHEELS_PID"; WHEELS_PID=; }
 say "built"
 
