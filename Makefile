@@ -33,6 +33,7 @@ test: install
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
+	$(MAKE) test-containers
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -86,7 +87,10 @@ test-vllm: $(VLLM_STAMP)
 
 # The CPU compose stack in real containers (Debian's docker.io + docker-compose 1.29, base
 # images from mmdebstrap): builds dapo-slim and dapo-cpu, runs the tiny preset to its last
-# step. Needs root and network to Debian and PyPI; not part of `make test`.
+# step and checks the run, the ledger, Prometheus and the dashboard's queries, and a
+# learner restart. The end of `make test`; skips (one line why) only where no container
+# engine can be had: not root, no docker.io, no dockerd, no network from a container;
+# DAPO_SKIP_CONTAINERS=1 skips it by request.
 test-containers:
 	./scripts/test_containers.sh
 

@@ -64,6 +64,8 @@ STEP_GAUGES = {
 VERSION = Gauge("dapo_learner_policy_version", "Latest committed policy version")
 STALENESS = Gauge("dapo_learner_batch_max_staleness", "Max staleness of the last batch")
 GROUPS = Counter("dapo_learner_groups_total", "Groups consumed", ["outcome"])
+for _outcome in ("trained", "dropped_stale"):  # at 0 from the start: a panel shows 0, not "No data"
+    GROUPS.labels(_outcome)
 STALE_TRAINED = Counter(
     "dapo_learner_stale_groups_trained_total",
     "Groups trained past the soft staleness bound (within the hard one, corrected)",

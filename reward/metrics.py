@@ -27,6 +27,9 @@ REQUEST_SECONDS = Histogram(
 POOL_RESTARTS = Counter(
     "dapo_reward_pool_restarts_total", "Verifier workers replaced, by reason", ["reason"]
 )
+# Each reason reward/pool.py gives, at 0 from the start: a panel shows 0, not "No data".
+for _reason in ("died", "timeout"):
+    POOL_RESTARTS.labels(_reason)
 REJECTED = Counter("dapo_reward_rejected_requests_total", "Requests refused for a limit", ["limit"])
 
 

