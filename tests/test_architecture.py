@@ -3,6 +3,7 @@ torch-free roles start without torch (the layer contract itself is `lint-imports
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -83,15 +84,23 @@ def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServ
          "--redis-url", redis_server.url, "--http-port", "0", "--grpc-port", "0",
          "--set", "reward.num_workers=1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True,  # the watchdog kills the role and its verifier workers
     )  # fmt: skip
-    watchdog = threading.Timer(120, proc.kill)  # a hung start fails here, not at the timeout
+    # The import log goes to stderr as it happens: read it while we wait for "ready", or a
+    # log larger than the pipe's buffer blocks the process before it can say it.
+    log: list[str] = []
+    drain = threading.Thread(target=lambda: log.append(proc.stderr.read() if proc.stderr else ""))
+    drain.start()
+    watchdog = threading.Timer(120, os.killpg, (proc.pid, signal.SIGKILL))  # a hung start
     watchdog.start()
     try:
         ready = proc.stdout.readline() if proc.stdout else ""
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, imports = proc.communicate(timeout=60)
         watchdog.cancel()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        drain.join(timeout=60)
+    imports = "".join(log)
     assert ready.startswith(f"dapo {role} ready"), (ready, imports[-3000:])
     imported = {line.rsplit("|", 1)[-1].strip() for line in imports.splitlines() if "|" in line}
     assert {"redis", "fastapi"} <= imported  # the log holds the whole start-up
