@@ -104,17 +104,11 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"bucket_bytes={request.bucket_bytes} < {floor} (the smallest served)",
                 )
-            size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
-            # A smaller size is re-cut per call, not cached: a copy per size asked would pile up.
-            cut = self._encoded if size == self.bucket_bytes else self._recut(size)
-            return self._version, cut
-
-    def _recut(self, size: int) -> list[bytes]:
-        assembler = WeightAssembler()
-        assert self._encoded is not None
-        for message in self._encoded.frames():
-            assembler.add(parse_bucket(message))
-        return list(encode_bucket_bytes(assembler.result(), self._version, size))
+            version, log = self._version, self._encoded
+        size = min(request.bucket_bytes or self.bucket_bytes, self.bucket_bytes)
+        # A smaller size is re-cut per call, not cached: a copy per size asked would pile up.
+        # Outside the lock: re-cutting waits for the version's publication to finish.
+        return version, log if size == self.bucket_bytes else _recut(log, version, size)
 
     def OpenWeightSocket(self, request: learner_pb2.FetchWeightsRequest, context):
         """A one-time ticket for the buckets `request` names, on the weight socket."""
@@ -136,6 +130,14 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def fetch_serialized(self, request: learner_pb2.FetchWeightsRequest, context):
         """Buckets as the serialized bytes cached by `publish`."""
         yield from self._buckets(request, context)
+
+
+def _recut(log: FrameLog, version: int, size: int) -> list[bytes]:
+    """The version's buckets cut again at `size`."""
+    assembler = WeightAssembler()
+    for message in log:
+        assembler.add(parse_bucket(message))
+    return list(encode_bucket_bytes(assembler.result(), version, size))
 
 
 def open_weight_socket(config: Any) -> WeightSocketServer | None:

@@ -40,10 +40,6 @@ class FrameLog:
             self._closed, self._error = True, error
             self._cond.notify_all()
 
-    @property
-    def complete(self) -> bool:
-        return self._closed and self._error is None
-
     def frames(self) -> list[bytes]:
         """Every frame, once the log is complete (waits for the writer)."""
         return list(self)
