@@ -263,10 +263,15 @@ class LossCounts(NamedTuple):
     sequences: int
 
 
+def loss_tokens(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) -> list[int]:
+    """Each response's tokens that count in the loss (0 where overlong filtering masks it)."""
+    return [0 if overlong_filtering and s.truncated else len(s.response_ids) for s in seqs]
+
+
 def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) -> LossCounts:
     """Loss tokens and sequences with at least one loss token, known before any forward."""
-    kept = [s for s in seqs if not (overlong_filtering and s.truncated) and len(s.response_ids)]
-    return LossCounts(tokens=sum(len(s.response_ids) for s in kept), sequences=len(kept))
+    tokens = loss_tokens(seqs, overlong_filtering)
+    return LossCounts(tokens=sum(tokens), sequences=sum(n > 0 for n in tokens))
 
 
 def mini_batches(n: int, mini_batch_size: int, seed: int | None = None) -> list[list[int]]:

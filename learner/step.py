@@ -47,6 +47,7 @@ from learner.batching import (
     assign_old_logprobs,
     collate,
     global_counts,
+    loss_tokens,
     plan_micro_batches,
     plan_step,
     sequences_from_groups,
@@ -135,7 +136,9 @@ def train_step(
         metrics.grad_norm = policy.step()
         metrics.updates += 1
     _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
-    metrics.longest_loss_share = longest_loss_share(loss_tokens(seqs, cfg), cfg.loss_agg_mode)
+    metrics.longest_loss_share = longest_loss_share(
+        loss_tokens(seqs, cfg.overlong_filtering), cfg.loss_agg_mode
+    )
     metrics.lr = policy.lr()
     metrics.seconds = time.monotonic() - started
     metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
@@ -338,8 +341,3 @@ def _fill_metrics(
     metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)
     informative = [g for g in groups if 0 < g.accuracy < 1]  # DAPO's rule (0 < acc < 1)
     metrics.informative_frac = len(informative) / max(len(groups), 1)
-
-
-def loss_tokens(seqs: Sequence[TrainSequence], cfg: LearnerConfig) -> list[int]:
-    """Each response's tokens that count in the loss (0 where overlong filtering masks it)."""
-    return [0 if cfg.overlong_filtering and s.truncated else len(s.response_ids) for s in seqs]

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.tools.ablation_plan import LOO_NAMES, RUNG_LABELS, Plan
+from services.tools.ablation_plan import HIGH_TARGET, LOO_NAMES, RUNG_LABELS, Plan
 
 
 def grid_curve(points: Sequence[tuple[int, float]], grid: Sequence[int]) -> list[float]:
@@ -65,7 +65,6 @@ def plan_info(plan: Plan) -> dict[str, Any]:
 MECHANISM = ("truncated_start", "truncated_end", "length_start", "length_end", "length_max_end",
              "entropy_start", "long_share_start", "long_share_end",
              "full_informative")  # fmt: skip
-HIGH_TARGET = 0.8  # the second "steps to" column (plans from before it lack the field)
 
 
 def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
