@@ -314,3 +314,51 @@ def test_outstanding_tickets_are_bounded(
     assert "outstanding" in err.value.details()
     assert len(redeem(granted[0])) >= 3
     assert ticket(plain).port == plain.socket.port
+
+
+class CountingSocket(socket.socket):
+    """A real socket that counts the sendmsg calls the kernel took only in part."""
+
+    partial = 0
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        buffers = list(buffers)
+        sent = super().sendmsg(buffers, *args)
+        self.partial += sent < sum(len(b) for b in buffers)
+        return sent
+
+
+def test_a_frame_goes_out_scatter_gather_whole_through_partial_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`send_frame` on a real loopback socket: 8 MiB of large parts with tiny ones between
+    (the metadata around each slice) arrive as exactly the length and the joined parts,
+    though the kernel takes sendmsg calls only in part (a small send buffer, a timeout as
+    the server sets) and a call carries at most IOV_MAX buffers (3 here)."""
+    monkeypatch.setattr(weight_socket, "IOV_MAX", 3)
+    parts: weight_socket.Frame = []
+    for i in range(32):
+        parts += [bytes([i, 1]), b"\x22", memoryview(bytes([i]) * (256 << 10))]
+    listener = socket.create_server(("127.0.0.1", 0))
+    with socket.create_connection(listener.getsockname(), timeout=10) as client:
+        accepted, _ = listener.accept()
+        server = CountingSocket(fileno=accepted.detach())
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        server.settimeout(10)
+        sender = threading.Thread(target=weight_socket.send_frame, args=(server, parts))
+        sender.start()
+        got = bytearray()
+        while len(got) < 8 + (8 << 20) + 32 * 3:
+            got += client.recv(1 << 16)
+        sender.join(10)
+        server.close()
+    listener.close()
+    assert got == weight_socket.FRAME.pack(len(got) - 8) + b"".join(parts)
+    assert server.partial > 0
+
+
+def test_small_parts_are_joined_and_large_ones_passed_as_they_are() -> None:
+    big, other = memoryview(bytes(weight_socket.COALESCE_BYTES)), bytes(1 << 20)
+    out = weight_socket.coalesce([b"ab", b"c", big, b"d", b"e", other])
+    assert out == [b"abc", big, b"de", other]
+    assert out[1] is big and out[3] is other  # no copy of the tensor bytes

@@ -12,11 +12,16 @@ that many bytes of one serialized `WeightBucket` (the very bytes FetchWeights st
 length 0 ends the stream. A wrong, reused or expired ticket gets the connection closed
 before any byte is sent. Under `security.tls` the socket uses the same certificates as
 gRPC (mTLS included).
+
+`send_frame` is the one frame sender, for the learner and the relays alike: a frame's
+parts (`Frame`: protobuf metadata bytes and views into a relay's assembled tensors) go
+out with one scatter/gather `sendmsg`, no user-space copy of the tensor bytes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import ssl
@@ -40,6 +45,12 @@ LINGER_S = 10.0  # after the last frame, how long we wait for the client to clos
 # whole transfer deadline.
 FRAME_TIMEOUT_S = 60.0
 MAX_TICKETS = 1024  # outstanding at once: a flood of OpenWeightSocket calls stays bounded
+COALESCE_BYTES = 64 << 10  # frame parts smaller than this are joined before sending
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per sendmsg call
+
+# One frame as parts (bytes, or 1-D byte views) that join to one serialized WeightBucket,
+# its length prefix excluded.
+Frame = list[bytes | memoryview]
 
 
 class WeightSocketError(DapoError):
@@ -151,16 +162,16 @@ class WeightSocketServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
             conn.settimeout(10.0)  # handshake and ticket: a silent peer holds no slot long
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the end marker too
             if self._context is not None:
                 conn = self._context.wrap_socket(conn, server_side=True)
             frames = self._redeem(recv_exact(conn, TICKET_BYTES))
             if frames is None:
                 log.warning("weight socket: bad, used or expired ticket from %s", peer)
                 return
-            conn.settimeout(self.frame_timeout_s)  # per sendall call, i.e. per frame
+            conn.settimeout(self.frame_timeout_s)  # per send call: a frozen reader times out
             for frame in frames:
-                conn.sendall(FRAME.pack(len(frame)))
-                conn.sendall(frame)
+                send_frame(conn, [frame])
             conn.sendall(FRAME.pack(0))
             linger(conn)
         except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
@@ -168,6 +179,45 @@ class WeightSocketServer:
         finally:
             conn.close()
             self._slots.release()
+
+
+def send_frame(conn: socket.socket, parts: Frame) -> None:
+    """One frame: its length, then its parts, without copying the large ones. Runs of
+    small parts (the protobuf metadata around each slice's data) are joined first: a
+    dozen tiny writes per frame would each wait on the peer's delayed ACK. A plain socket
+    takes the frame in one scatter/gather `sendmsg` (repeated after a partial send); TLS
+    (`ssl.SSLSocket` has no sendmsg) takes one `sendall` per joined part."""
+    chunks = coalesce([FRAME.pack(sum(len(p) for p in parts)), *parts])
+    if isinstance(conn, ssl.SSLSocket):
+        for chunk in chunks:
+            conn.sendall(chunk)
+        return
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    at = 0
+    while at < len(views):
+        sent = conn.sendmsg(views[at : at + IOV_MAX])
+        while at < len(views) and sent >= len(views[at]):
+            sent -= len(views[at])
+            at += 1
+        if sent:  # a partial send stopped inside this view
+            views[at] = views[at][sent:]
+
+
+def coalesce(parts: list[bytes | memoryview]) -> Frame:
+    """`parts` with each run of parts under COALESCE_BYTES joined into one `bytes`."""
+    out: Frame = []
+    small: Frame = []
+    for part in parts:
+        if len(part) < COALESCE_BYTES:
+            small.append(part)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(part)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 def linger(conn: socket.socket) -> None:
