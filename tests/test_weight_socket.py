@@ -108,7 +108,8 @@ def test_a_fetch_over_the_socket_is_bitwise_the_published_weights(plain: Learner
     granted = ticket(plain)
     assert granted.version == VERSION and granted.port == plain.socket.port
     sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
-    assert read_all(sock) == list(plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None))
+    published = plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None)
+    assert read_all(sock) == [b"".join(parts) for parts in published]
 
 
 def _publishing(learner: Learnerish, tensors: Iterator[RawTensor]) -> threading.Thread:
@@ -271,7 +272,7 @@ def test_a_frozen_reader_is_dropped_and_frees_its_slot() -> None:
     server, a partition) loses its connection: it must not hold one of the 16 slots for
     the whole transfer deadline."""
     server = WeightSocketServer("127.0.0.1", 0, TlsConfig(), frame_timeout_s=0.5).start()
-    frames = [bytes(8 << 20)] * 8  # 64 MiB: more than the loopback socket buffers hold
+    frames = [[bytes(8 << 20)]] * 8  # 64 MiB: more than the loopback socket buffers hold
     try:
         frozen = dial(server, frames)
         assert wait_for(lambda: connection_threads() == 1)  # serving it
@@ -283,7 +284,7 @@ def test_a_frozen_reader_is_dropped_and_frees_its_slot() -> None:
         server.stop()
 
 
-def dial(server: WeightSocketServer, frames: list[bytes]) -> socket.socket:
+def dial(server: WeightSocketServer, frames: list[weight_socket.Frame]) -> socket.socket:
     """A plaintext client that has sent a fresh ticket for `frames`."""
     return weight_socket.connect("127.0.0.1", server.port, server.issue(frames), TlsConfig(), 30)
 

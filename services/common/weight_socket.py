@@ -13,9 +13,10 @@ length 0 ends the stream. A wrong, reused or expired ticket gets the connection 
 before any byte is sent. Under `security.tls` the socket uses the same certificates as
 gRPC (mTLS included).
 
-`send_frame` is the one frame sender, for the learner and the relays alike: a frame's
-parts (`Frame`: protobuf metadata bytes and views into a relay's assembled tensors) go
-out with one scatter/gather `sendmsg`, no user-space copy of the tensor bytes.
+The server sends each frame from its parts (`Frame`: protobuf metadata bytes and views into
+the learner's snapshot, or a relay's assembled tensors) with one scatter/gather `sendmsg`,
+so no user-space copy of the tensor bytes is made; `send_frame` is the one frame sender,
+for the learner and the relays alike.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class WeightSocketServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
         self.port: int = self._listener.getsockname()[1]
-        self._tickets: dict[bytes, tuple[float, Iterable[bytes]]] = {}
+        self._tickets: dict[bytes, tuple[float, Iterable[Frame]]] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopped = threading.Event()
@@ -127,18 +128,24 @@ class WeightSocketServer:
         self._stopped.set()
         close_listener(self._listener, self._thread)
 
-    def issue(self, frames: Iterable[bytes]) -> bytes:
+    def issue(self, frames: Iterable[Frame]) -> bytes:
         """A ticket for one stream of `frames` (kept alive by the ticket until used)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
+        self.purge()
+        with self._lock:
+            if len(self._tickets) >= MAX_TICKETS:
+                raise TooManyTickets(f"{MAX_TICKETS} weight socket tickets are outstanding")
+            self._tickets[ticket] = (time.monotonic() + self.ticket_ttl_s, frames)
+        return ticket
+
+    def purge(self) -> None:
+        """Forget expired tickets: each holds its version's frames, and so the snapshot
+        they view, until it is redeemed or forgotten (the learner purges on publish too)."""
         now = time.monotonic()
         with self._lock:
             self._tickets = {t: v for t, v in self._tickets.items() if v[0] > now}
-            if len(self._tickets) >= MAX_TICKETS:
-                raise TooManyTickets(f"{MAX_TICKETS} weight socket tickets are outstanding")
-            self._tickets[ticket] = (now + self.ticket_ttl_s, frames)
-        return ticket
 
-    def _redeem(self, ticket: bytes) -> Iterable[bytes] | None:
+    def _redeem(self, ticket: bytes) -> Iterable[Frame] | None:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry[0] < time.monotonic():
@@ -171,7 +178,7 @@ class WeightSocketServer:
                 return
             conn.settimeout(self.frame_timeout_s)  # per send call: a frozen reader times out
             for frame in frames:
-                send_frame(conn, [frame])
+                send_frame(conn, frame)
             conn.sendall(FRAME.pack(0))
             linger(conn)
         except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
