@@ -127,7 +127,7 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
 
 def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str, Any]:
     """Per version, against a publisher in its own process (as the learner is): raw TCP,
-    then `publish` (serialize from the live weights), then two fetches over loopback gRPC
+    then `publish` (copy the live weights into a snapshot), then two fetches over loopback gRPC
     (the first rollout server, and every further one)."""
     import subprocess
     import sys

@@ -6,8 +6,8 @@ its `state_dict`, as the learner's `live_views` does (the tied head included).
 
 Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
 on a real gRPC server, as benchmarks/_weight_publication.py; malloc tuned and publishing
-in the background, as `dapo learner` does by default: the step snapshots the weights, a
-thread serializes them, and the version is offered from its first bucket) and R rollout
+in the background, as `dapo learner` does by default: the step snapshots the weights into
+a pooled buffer, a thread hands it to the servicer, which serves frames viewing it) and R rollout
 servers, each a torch engine behind the rollout server's own
 `WeightUpdater` and relay (rollout/relay.py), pulling with `rollout.weights.pull`: server
 0 from the learner's weight socket, server i from server i - 1's relay (the chain the
@@ -66,9 +66,9 @@ def save_model(out: Path) -> None:
 def serve_publisher(model_dir: str, background: bool = True) -> None:
     """The learner stand-in, publishing as `dapo learner` does by default
     (`learner.publish_in_background`): `publish V` on stdin snapshots the weights and
-    replies once the step would go on (serialization continues in the background, and
-    the version is offered from its first bucket); `wire` waits for it to finish and
-    replies with the bytes one stream sends; `streams` counts the streams served."""
+    replies once the step would go on (the snapshot is handed to the servicer in the
+    background); `wire` waits for it to be served and replies with the bytes one stream
+    sends; `streams` counts the streams served."""
 
     import torch
     from transformers import AutoModelForCausalLM
@@ -114,7 +114,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
         elif command == "wire":
             publisher.wait()
             assert servicer._encoded is not None
-            print("wire", sum(len(b) for b in servicer._encoded), flush=True)
+            print("wire", servicer._encoded.nbytes(), flush=True)
         else:
             print("streams", streams[0], flush=True)
     server.stop(0)

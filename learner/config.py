@@ -140,9 +140,9 @@ class LearnerConfig(StrictModel):
     )
     publish_in_background: bool = Field(
         True,
-        description="Snapshot each version's weights in the step and serialize them for "
-        "rollout servers in a background thread while the next step trains (at most one "
-        "publication in flight); false: serialize inside the step.",
+        description="Snapshot each version's weights in the step and hand the snapshot to "
+        "the WeightService in a background thread while the next step trains (at most one "
+        "publication in flight); false: publish inside the step.",
     )
     weight_transport: Literal["socket", "grpc"] = Field(
         "socket",

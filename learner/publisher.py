@@ -1,17 +1,19 @@
-"""Publication off the training critical path (double-buffered).
+"""Publication off the training critical path.
 
-Why: serializing a version into wire buckets is a full pass over the weights; done inside
-the step, every step waits for it. Here the step only *snapshots* its weights (one copy
-into a host buffer reused every other version; under ZeRO-3 this is where the weights are
-gathered, bucket by bucket, on every rank) and returns; a background thread serializes
-the snapshot into the `WeightServicer` while the next step trains.
+Why: the step should pay for nothing but its own copy of the weights. Here the step only
+*snapshots* them (one copy into a snapshot from the servicer's pool, whose buffers a
+later version reuses once nothing reads them: learner/snapshots.py; under ZeRO-3 this is
+where the weights are gathered, bucket by bucket, on every rank) and returns; a
+background thread hands the snapshot to the `WeightServicer`, which serves it as it is
+(frames viewing the snapshot: no second copy, no serialization of the tensor bytes).
 
-At most one publication is in flight: `submit` for version N+1 takes its snapshot into
-the other buffer, then waits until publication N is served before handing N+1 over. So
-versions reach the servicer one by one, in order, and a buffer is overwritten only after
-the publication that read it finished. The version protocol is unchanged: the step
-commits its version to Redis after `submit`, and a rollout server that sees a version
-the learner does not offer yet waits for it (`GetVersion`), as it always has.
+At most one publication is in flight: `submit` for version N+1 waits until publication
+N is served, then takes its snapshot and hands it over. So versions reach the servicer
+one by one, in order, and in the steady state the pool holds two snapshots: version N,
+served, and N+1 (N-1's came back once N superseded it and its readers finished). The
+version protocol is unchanged: the step commits its version to Redis after `submit`,
+and a rollout server that sees a version the learner does not offer yet waits for it
+(`GetVersion`), as it always has.
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-import numpy
-
+from learner.snapshots import Snapshot
 from learner.weights import WeightServicer
 from services.common.tensor_codec import RawTensor
 
@@ -30,22 +31,26 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundPublisher:
-    """Snapshots on the caller's thread, serializes and serves on a background one."""
+    """Snapshots on the caller's thread, publishes on a background one."""
 
     def __init__(self, servicer: WeightServicer) -> None:
         self.servicer = servicer
-        self._buffers: list[dict[str, numpy.ndarray]] = [{}, {}]
-        self._turn = 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.finished: list[tuple[int, float]] = []  # (version, monotonic time served)
 
     def submit(self, version: int, tensors: Iterable[RawTensor]) -> None:
         """Snapshot `tensors` now (they may view live weights), publish in the background."""
-        snapshot = self._snapshot(tensors)
-        self.wait()  # at most one in flight: N+1 is handed over once N is served
+        self.wait()  # at most one in flight; N superseded N-1, whose snapshot may be free
+        pool = self.servicer.pool
+        snapshot = pool.take()
+        try:
+            copies = list(snapshot.fill(tensors))
+        except BaseException:
+            pool.give_back(snapshot)  # never handed over: nothing reads it
+            raise
         self._thread = threading.Thread(
-            target=self._publish, args=(version, snapshot), daemon=True, name="publish"
+            target=self._publish, args=(version, snapshot, copies), daemon=True, name="publish"
         )
         self._thread.start()
 
@@ -58,23 +63,10 @@ class BackgroundPublisher:
             error, self._error = self._error, None
             raise error
 
-    def _publish(self, version: int, snapshot: list[RawTensor]) -> None:
+    def _publish(self, version: int, snapshot: Snapshot, copies: list[RawTensor]) -> None:
         try:
-            self.servicer.publish(version, snapshot, total=len(snapshot))
+            self.servicer.publish_snapshot(version, snapshot, copies)
             self.finished.append((version, time.monotonic()))
         except BaseException as exc:  # handed to the training thread by `wait`
             log.exception("publishing version %d failed", version)
             self._error = exc
-
-    def _snapshot(self, tensors: Iterable[RawTensor]) -> list[RawTensor]:
-        """Copies of `tensors` in this turn's buffer (kept, at their size, for reuse)."""
-        buffers, self._turn = self._buffers[self._turn], 1 - self._turn
-        out = []
-        for raw in tensors:
-            source = numpy.frombuffer(raw.data, dtype=numpy.uint8)
-            buffer = buffers.get(raw.name)
-            if buffer is None or buffer.size != source.size:
-                buffer = buffers[raw.name] = numpy.empty(source.size, dtype=numpy.uint8)
-            numpy.copyto(buffer, source)
-            out.append(RawTensor(raw.name, raw.dtype, raw.shape, memoryview(buffer)))  # type: ignore[arg-type]
-        return out

@@ -1,19 +1,22 @@
 """The learner's WeightService: rollout servers pull the latest weights from here.
 
-`publish` serializes a version into wire-ready buckets: that is the snapshot (one copy
-of every weight byte, so a fetch streams a consistent version even while the next step
-trains) and also the encoding, so every fetch (R rollout servers) streams the same
-bytes. The version is offered as soon as publication starts (a `FrameLog`): fetches
-stream the buckets already serialized while the rest are written. `add_weight_service`
-registers FetchWeights with a pass-through serializer; the bytes are exactly the
-generated `WeightBucket` messages (`encode_bucket_bytes`). With a `WeightSocketServer`,
-`OpenWeightSocket` hands out tickets for the same bytes over the faster data-plane
-socket (services/common/weight_socket.py).
+`publish` copies a version into a pooled host snapshot (learner/snapshots.py; one copy of
+every weight byte, so a fetch streams a consistent version even while the next step
+trains) and cuts it into frames: each bucket's protobuf metadata as bytes around views of
+the snapshot (`encode_bucket_parts`), so the tensor bytes are never serialized again and
+every fetch (R rollout servers) streams the same snapshot. `publish_snapshot` serves a
+snapshot already taken (the background publisher's) without any copy. The version is
+offered as soon as publication starts (a `FrameLog`): fetches stream the frames already
+built while the rest are copied. With a `WeightSocketServer`, `OpenWeightSocket` hands
+out tickets for the frames over the data-plane socket, which sends them scatter/gather
+(services/common/weight_socket.py). `add_weight_service` registers FetchWeights with a
+pass-through serializer: each frame joined, exactly the generated `WeightBucket` bytes.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,15 +24,16 @@ import grpc
 import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
+from learner.snapshots import Snapshot, SnapshotPool
 from services.common.frame_log import FrameLog
 from services.common.tensor_codec import (
     RawTensor,
     WeightAssembler,
-    encode_bucket_bytes,
+    encode_bucket_parts,
     parse_bucket,
 )
 from services.common.torch_codec import torch_view
-from services.common.weight_socket import TooManyTickets, WeightSocketServer
+from services.common.weight_socket import Frame, TooManyTickets, WeightSocketServer
 
 
 def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
@@ -40,7 +44,7 @@ def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:
 
 def stream_views(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[RawTensor]:
     """`live_views` one at a time: with `publish(..., total=)` a tensor (a gathered
-    ZeRO-3 weight) is let go once serialized."""
+    ZeRO-3 weight) is let go once copied into the snapshot."""
     return (torch_view(name, tensor) for name, tensor in named)
 
 
@@ -48,24 +52,45 @@ MIN_BUCKET_BYTES = 1024  # smaller: one message per few bytes (found by fuzzing)
 
 
 class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
-    """Serves the latest published version."""
+    """Serves the latest published version from its pooled snapshot."""
 
     def __init__(self, bucket_bytes: int, weight_socket: WeightSocketServer | None = None) -> None:
         self.bucket_bytes = bucket_bytes
         self.weight_socket = weight_socket
+        self.pool = SnapshotPool()
         self._lock = threading.Lock()
         self._version = 0
         self._encoded: FrameLog | None = None  # the latest version, in buckets of bucket_bytes
 
     def publish(self, version: int, tensors: Iterable[RawTensor], total: int | None = None) -> None:
-        """Serialize `tensors` now (they may view live weights; returns when done) and
-        serve them from the first bucket on; with `total` (their number) they are
-        consumed one at a time."""
+        """Copy `tensors` into a pooled snapshot (they may view live weights: returns once
+        every byte is copied) and serve it from the first bucket on; with `total` (their
+        number) they are consumed one at a time, each copied as its bucket is cut."""
+        if total is None:
+            tensors = list(tensors)  # views: the copies are still made bucket by bucket
+            total = len(tensors)
+        snapshot = self.pool.take()
+        self._serve(version, snapshot, snapshot.fill(tensors), total)
+
+    def publish_snapshot(self, version: int, snapshot: Snapshot, tensors: list[RawTensor]) -> None:
+        """Serve `tensors`, views of `snapshot` (taken from `self.pool`, filled by the
+        caller), without copying them; the snapshot goes back to the pool once nothing
+        can read this version any more."""
+        self._serve(version, snapshot, tensors, len(tensors))
+
+    def _serve(
+        self, version: int, snapshot: Snapshot, tensors: Iterable[RawTensor], total: int
+    ) -> None:
+        """Offer `version` now and append its frames as `tensors` (views of `snapshot`)
+        come; `snapshot` is given back when the version's FrameLog is freed."""
         log = FrameLog()
+        weakref.finalize(log, self.pool.give_back, snapshot)  # see learner/snapshots.py
+        if self.weight_socket is not None:
+            self.weight_socket.purge()  # an expired ticket must not pin its snapshot
         with self._lock:
             self._version, self._encoded = version, log
         try:
-            for frame in encode_bucket_bytes(tensors, version, self.bucket_bytes, total):
+            for frame in encode_bucket_parts(tensors, version, self.bucket_bytes, total):
                 log.append(frame)
         except BaseException as exc:
             log.close(exc)  # streams of this version end with an error, not short
@@ -83,12 +108,12 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def GetVersion(self, request, context):
         return learner_pb2.GetVersionResponse(version=self._version)
 
-    def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> Iterable[bytes]:
-        """The serialized buckets to stream, or abort the call."""
-        return self._snapshot(request, context)[1]
+    def _buckets(self, request: learner_pb2.FetchWeightsRequest, context) -> Iterable[Frame]:
+        """The frames to stream, or abort the call."""
+        return self._offered(request, context)[1]
 
-    def _snapshot(self, request, context) -> tuple[int, Iterable[bytes]]:
-        """(version, its serialized buckets) as `request` asks, or abort the call."""
+    def _offered(self, request, context) -> tuple[int, Iterable[Frame]]:
+        """(version, its frames) as `request` asks, or abort the call."""
         with self._lock:
             if self._encoded is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
@@ -118,7 +143,7 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
                 "no weight socket (learner.weight_transport=grpc): use FetchWeights",
             )
             raise AssertionError("abort raises")
-        version, buckets = self._snapshot(request, context)
+        version, buckets = self._offered(request, context)
         try:
             ticket = self.weight_socket.issue(buckets)
         except TooManyTickets as exc:
@@ -128,16 +153,18 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         )
 
     def fetch_serialized(self, request: learner_pb2.FetchWeightsRequest, context):
-        """Buckets as the serialized bytes cached by `publish`."""
-        yield from self._buckets(request, context)
+        """Each frame joined into one serialized bucket (gRPC sends `bytes`: on this
+        fallback path every fetch copies the version once)."""
+        for frame in self._buckets(request, context):
+            yield b"".join(frame)
 
 
-def _recut(log: FrameLog, version: int, size: int) -> list[bytes]:
-    """The version's buckets cut again at `size`."""
+def _recut(log: FrameLog, version: int, size: int) -> list[Frame]:
+    """The version's buckets cut again at `size` (frames viewing a copy of its own)."""
     assembler = WeightAssembler()
-    for message in log:
-        assembler.add(parse_bucket(message))
-    return list(encode_bucket_bytes(assembler.result(), version, size))
+    for frame in log:
+        assembler.add(parse_bucket(b"".join(frame)))
+    return list(encode_bucket_parts(assembler.result(), version, size))
 
 
 def open_weight_socket(config: Any) -> WeightSocketServer | None:

@@ -40,6 +40,7 @@ from services.common.weight_socket import (
     close_listener,
     frames_into,
     recv_exact,
+    send_frame,
 )
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ REQUEST = struct.Struct("<Q32s")  # the lowest version taken, sha256 of the toke
 # A parent holds a child's request this many relay timeouts for a version to arrive; the
 # child gives up sooner (`first_frame_timeout`).
 ACQUIRE_WAITS = 10
-COALESCE_BYTES = 64 << 10  # parts smaller than this are joined before sending
 LOOKAHEAD = 4  # frames read ahead of the assembler (4 MiB each by default)
 MAX_CHILDREN = 4  # connections served at once (a chain has one child; a few retries)
 
@@ -304,23 +304,6 @@ class RelayServer:
             send_frame(conn, parts)
         conn.sendall(FRAME.pack(0))
         weight_socket.linger(conn)
-
-
-def send_frame(conn: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """One frame: its length, then its parts, the small ones (the protobuf metadata around
-    each slice's data) joined into one write: many tiny writes per frame would each wait
-    on the peer's delayed ACK."""
-    pending = bytearray(FRAME.pack(sum(len(p) for p in parts)))
-    for part in parts:
-        if len(part) < COALESCE_BYTES:
-            pending += part
-            continue
-        if pending:
-            conn.sendall(pending)
-            pending = bytearray()
-        conn.sendall(part)
-    if pending:
-        conn.sendall(pending)
 
 
 def connect(host: str, port: int, min_version: int, tls: TlsConfig, token: str | None,

@@ -15,7 +15,7 @@ import errno
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -262,9 +262,11 @@ def send_and_read(port: int, data: bytes) -> bytes:
     return bytes(got)
 
 
-def stream_bytes(frames: list[bytes]) -> bytes:
-    """What the socket sends for a ticket to `frames`: length-prefixed frames, then 0."""
-    return b"".join(FRAME.pack(len(f)) + f for f in frames) + FRAME.pack(0)
+def stream_bytes(frames: Iterable[list[bytes | memoryview]]) -> bytes:
+    """What the socket sends for a ticket to `frames` (each a list of parts): the joined
+    frames, length-prefixed, then 0."""
+    joined = [b"".join(parts) for parts in frames]
+    return b"".join(FRAME.pack(len(f)) + f for f in joined) + FRAME.pack(0)
 
 
 def serving_threads() -> int:

@@ -270,9 +270,10 @@ def test_weight_socket_input_after_the_ticket_does_not_cut_the_stream() -> None:
     server = WeightSocketServer("127.0.0.1", 0, TlsConfig()).start()
     frames = [bytes([i]) * (4 << 20) for i in range(8)]
     expected = b"".join(FRAME.pack(len(f)) + f for f in frames) + FRAME.pack(0)
+    frames_as_parts = [[f] for f in frames]
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=30) as client:
-            client.sendall(server.issue(frames) + b"junk")
+            client.sendall(server.issue(frames_as_parts) + b"junk")
             client.shutdown(socket.SHUT_WR)
             got = bytearray()
             while chunk := client.recv(1 << 20):  # a reset raises here

@@ -1,6 +1,6 @@
 """Publication off the critical path (learner/publisher.py): a real Learner (torch policy)
 trains on real Redis while its WeightService (real gRPC) serves a real rollout server that
-syncs through the registry. Serializing a version is made slow (1 s) so that overlap is
+syncs through the registry. Publishing a version is made slow (1 s) so that overlap is
 observable: step N+1 starts training before version N is served, and the rollout server
 still loads every version, in order, with the learner's exact weights.
 """
@@ -27,15 +27,15 @@ from services.common.registry import Registration
 from services.common.server_config import ServerConfig
 from services.tools.config import load_config
 
-STEPS, BATCH, SERIALIZE_S = 3, 2, 1.0
+STEPS, BATCH, PUBLISH_S = 3, 2, 1.0
 
 
 class SlowServicer(WeightServicer):
-    """The learner's WeightService, taking SERIALIZE_S longer to serialize a version."""
+    """The learner's WeightService, taking PUBLISH_S longer to publish a snapshot."""
 
-    def publish(self, version, tensors, total=None) -> None:
-        time.sleep(SERIALIZE_S)
-        super().publish(version, tensors, total)
+    def publish_snapshot(self, version, snapshot, tensors) -> None:
+        time.sleep(PUBLISH_S)
+        super().publish_snapshot(version, snapshot, tensors)
 
 
 def _learner(model: Path, client: redis.Redis, run: str) -> Learner:

@@ -108,7 +108,8 @@ def test_a_fetch_over_the_socket_is_bitwise_the_published_weights(plain: Learner
     granted = ticket(plain)
     assert granted.version == VERSION and granted.port == plain.socket.port
     sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
-    assert read_all(sock) == list(plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None))
+    published = plain.servicer._buckets(learner_pb2.FetchWeightsRequest(), None)
+    assert read_all(sock) == [b"".join(parts) for parts in published]
 
 
 def _publishing(learner: Learnerish, tensors: Iterator[RawTensor]) -> threading.Thread:
@@ -271,7 +272,7 @@ def test_a_frozen_reader_is_dropped_and_frees_its_slot() -> None:
     server, a partition) loses its connection: it must not hold one of the 16 slots for
     the whole transfer deadline."""
     server = WeightSocketServer("127.0.0.1", 0, TlsConfig(), frame_timeout_s=0.5).start()
-    frames = [bytes(8 << 20)] * 8  # 64 MiB: more than the loopback socket buffers hold
+    frames = [[bytes(8 << 20)]] * 8  # 64 MiB: more than the loopback socket buffers hold
     try:
         frozen = dial(server, frames)
         assert wait_for(lambda: connection_threads() == 1)  # serving it
@@ -283,7 +284,7 @@ def test_a_frozen_reader_is_dropped_and_frees_its_slot() -> None:
         server.stop()
 
 
-def dial(server: WeightSocketServer, frames: list[bytes]) -> socket.socket:
+def dial(server: WeightSocketServer, frames: list[weight_socket.Frame]) -> socket.socket:
     """A plaintext client that has sent a fresh ticket for `frames`."""
     return weight_socket.connect("127.0.0.1", server.port, server.issue(frames), TlsConfig(), 30)
 
@@ -314,3 +315,51 @@ def test_outstanding_tickets_are_bounded(
     assert "outstanding" in err.value.details()
     assert len(redeem(granted[0])) >= 3
     assert ticket(plain).port == plain.socket.port
+
+
+class CountingSocket(socket.socket):
+    """A real socket that counts the sendmsg calls the kernel took only in part."""
+
+    partial = 0
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        buffers = list(buffers)
+        sent = super().sendmsg(buffers, *args)
+        self.partial += sent < sum(len(b) for b in buffers)
+        return sent
+
+
+def test_a_frame_goes_out_scatter_gather_whole_through_partial_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`send_frame` on a real loopback socket: 8 MiB of large parts with tiny ones between
+    (the metadata around each slice) arrive as exactly the length and the joined parts,
+    though the kernel takes sendmsg calls only in part (a small send buffer, a timeout as
+    the server sets) and a call carries at most IOV_MAX buffers (3 here)."""
+    monkeypatch.setattr(weight_socket, "IOV_MAX", 3)
+    parts: weight_socket.Frame = []
+    for i in range(32):
+        parts += [bytes([i, 1]), b"\x22", memoryview(bytes([i]) * (256 << 10))]
+    listener = socket.create_server(("127.0.0.1", 0))
+    with socket.create_connection(listener.getsockname(), timeout=10) as client:
+        accepted, _ = listener.accept()
+        server = CountingSocket(fileno=accepted.detach())
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+        server.settimeout(10)
+        sender = threading.Thread(target=weight_socket.send_frame, args=(server, parts))
+        sender.start()
+        got = bytearray()
+        while len(got) < 8 + (8 << 20) + 32 * 3:
+            got += client.recv(1 << 16)
+        sender.join(10)
+        server.close()
+    listener.close()
+    assert got == weight_socket.FRAME.pack(len(got) - 8) + b"".join(parts)
+    assert server.partial > 0
+
+
+def test_small_parts_are_joined_and_large_ones_passed_as_they_are() -> None:
+    big, other = memoryview(bytes(weight_socket.COALESCE_BYTES)), bytes(1 << 20)
+    out = weight_socket.coalesce([b"ab", b"c", big, b"d", b"e", other])
+    assert out == [b"abc", big, b"de", other]
+    assert out[1] is big and out[3] is other  # no copy of the tensor bytes

@@ -18,6 +18,7 @@ from services.common.tensor_codec import (
     TensorWireError,
     WeightAssembler,
     encode_bucket_bytes,
+    encode_bucket_parts,
     encode_buckets,
     parse_bucket,
 )
@@ -108,6 +109,19 @@ def test_zero_copy_path_is_the_protobuf_wire_format_and_bitwise(bucket_bytes: in
         assert torch.equal(out[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))
     out["w"].fill_(0)  # the received tensors own their memory: the sender's are untouched
     assert not torch.equal(out["w"], tensors["w"])
+
+
+@pytest.mark.parametrize("bucket_bytes", [7, 1 << 20])
+def test_bucket_parts_join_to_the_wire_format_and_view_the_tensors(bucket_bytes: int) -> None:
+    """What the weight socket sends scatter/gather: each bucket's parts join to exactly
+    its serialized message, and the tensor bytes in them are views, not copies."""
+    tensors = _tensors()
+    raws = [torch_view(n, t) for n, t in tensors.items()]
+    frames = list(encode_bucket_parts(raws, 5, bucket_bytes))
+    joined = [b"".join(parts) for parts in frames]
+    assert joined == [b.SerializeToString() for b in encode_buckets(raws, 5, bucket_bytes)]
+    tensors["w"].add_(1.0)  # the parts see the change: they view the tensor
+    assert [b"".join(parts) for parts in frames] != joined
 
 
 def test_parse_bucket_reads_any_valid_field_order() -> None:

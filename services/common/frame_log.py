@@ -1,10 +1,15 @@
-"""A version's serialized weight buckets, readable while they are still being written.
+"""A version's weight buckets as wire frames, readable while they are still being written.
 
-Why: serializing a version is a full pass over the weights (a copy of every byte). When a
-rollout server could only start fetching once the last bucket was serialized, that pass
-and the transfer ran one after the other. A `FrameLog` is offered as soon as publication
-starts: each reader streams the buckets already written and waits for the next, so the
-serialization overlaps the transfer (and, behind a relay, every server's reception).
+Why: a rollout server should not wait for the last bucket of a version to start fetching
+it. A `FrameLog` is offered as soon as publication starts: each reader streams the frames
+already appended and waits for the next, so building the frames overlaps the transfer
+(and, behind a relay, every server's reception).
+
+A frame is a list of parts (`bytes` of protobuf metadata, `memoryview`s into the
+publisher's snapshot buffers) that join to exactly one serialized `WeightBucket`: the
+weight socket sends them with scatter/gather, nothing copies the tensor bytes again. The
+snapshot must therefore outlive every reader: the learner's `SnapshotPool` takes a
+snapshot back only once its FrameLog is unreachable (learner/snapshots.py).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from services.common.weight_socket import WeightSocketError
+from services.common.weight_socket import Frame, WeightSocketError
 
 
 class PublicationFailed(WeightSocketError):
@@ -24,12 +29,12 @@ class FrameLog:
     """Append-only frames of one version; iterating yields them as they arrive, to the end."""
 
     def __init__(self) -> None:
-        self._frames: list[bytes] = []
+        self._frames: list[Frame] = []
         self._closed = False
         self._error: BaseException | None = None
         self._cond = threading.Condition()
 
-    def append(self, frame: bytes) -> None:
+    def append(self, frame: Frame) -> None:
         with self._cond:
             self._frames.append(frame)
             self._cond.notify_all()
@@ -40,11 +45,16 @@ class FrameLog:
             self._closed, self._error = True, error
             self._cond.notify_all()
 
-    def frames(self) -> list[bytes]:
+    def frames(self) -> list[Frame]:
         """Every frame, once the log is complete (waits for the writer)."""
         return list(self)
 
-    def __iter__(self) -> Iterator[bytes]:
+    def nbytes(self) -> int:
+        """The bytes of every frame (what one stream sends, less the length prefixes);
+        waits for the writer."""
+        return sum(len(part) for frame in self for part in frame)
+
+    def __iter__(self) -> Iterator[Frame]:
         at = 0
         while True:
             with self._cond:

@@ -4,8 +4,8 @@ Weights travel as a sequence of `WeightBucket` messages (proto/dapo/v1/tensor.pr
 `encode_buckets` splits named tensors into buckets of at most `bucket_bytes` payload;
 `WeightAssembler` rebuilds them and refuses anything inconsistent, so a receiver either
 gets a complete, well-formed update or an error — never half an update.
-`encode_bucket_bytes` / `parse_bucket` are the same wire format without protobuf
-copying the tensor bytes (docs/weight_publication.md).
+`encode_bucket_parts` / `encode_bucket_bytes` / `parse_bucket` are the same wire format
+without protobuf copying the tensor bytes (docs/weight_publication.md).
 
 The module is torch-free at import; `to_torch` / `from_torch` import torch lazily for
 the processes that have it.
@@ -202,17 +202,26 @@ def _slice_bytes(piece: tensor_pb2.TensorSlice, data: memoryview) -> list[bytes 
     return [meta, _DATA_TAG, _varint_bytes(len(data)), data]
 
 
-def encode_bucket_bytes(
+def encode_bucket_parts(
     tensors: Iterable[RawTensor], version: int, bucket_bytes: int, total: int | None = None
-) -> Iterator[bytes]:
-    """`encode_buckets(...)` serialized, byte for byte, copying tensor data only once.
-    With `total` (the number of tensors) `tensors` is consumed lazily: a tensor is let go
-    once its last byte is in a serialized bucket (a gathered weight need not outlive it)."""
+) -> Iterator[list[bytes | memoryview]]:
+    """`encode_buckets(...)` serialized without copying tensor data: each bucket a list of
+    parts (metadata bytes, views into the tensors) that joins to exactly the message, for a
+    scatter/gather send. With `total` (the tensors' number) `tensors` is consumed lazily."""
     if total is None:
         tensors = list(tensors)
         total = len(tensors)
     for bucket, views in _plan(tensors, version, bucket_bytes, total):
-        yield b"".join(_bucket_parts(bucket, list(bucket.slices), views))
+        yield _bucket_parts(bucket, list(bucket.slices), views)
+
+
+def encode_bucket_bytes(
+    tensors: Iterable[RawTensor], version: int, bucket_bytes: int, total: int | None = None
+) -> Iterator[bytes]:
+    """`encode_bucket_parts` joined: each bucket one `bytes` (one copy of the tensor data,
+    so with `total` a tensor is let go once its last byte is in a bucket)."""
+    for parts in encode_bucket_parts(tensors, version, bucket_bytes, total):
+        yield b"".join(parts)
 
 
 def wire_bucket_parts(bucket: WireBucket, views: list[memoryview]) -> list[bytes | memoryview]:
@@ -258,18 +267,12 @@ def _plan(
             offset, room = offset + take, room - take
             if room == 0:
                 yield bucket, views
-                bucket, views = _next_bucket(bucket), []
-                room = bucket_bytes
+                index, views, room = bucket.index + 1, [], bucket_bytes
+                bucket = tensor_pb2.WeightBucket(version=version, index=index, total_tensors=total)
             if offset >= len(view):
                 break
     bucket.last = True
     yield bucket, views
-
-
-def _next_bucket(bucket: tensor_pb2.WeightBucket) -> tensor_pb2.WeightBucket:
-    return tensor_pb2.WeightBucket(
-        version=bucket.version, index=bucket.index + 1, total_tensors=bucket.total_tensors
-    )
 
 
 # ---------------------------------------------------------------- assembly

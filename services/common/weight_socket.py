@@ -12,11 +12,17 @@ that many bytes of one serialized `WeightBucket` (the very bytes FetchWeights st
 length 0 ends the stream. A wrong, reused or expired ticket gets the connection closed
 before any byte is sent. Under `security.tls` the socket uses the same certificates as
 gRPC (mTLS included).
+
+The server sends each frame from its parts (`Frame`: protobuf metadata bytes and views into
+the learner's snapshot, or a relay's assembled tensors) with one scatter/gather `sendmsg`,
+so no user-space copy of the tensor bytes is made; `send_frame` is the one frame sender,
+for the learner and the relays alike.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import ssl
@@ -40,6 +46,12 @@ LINGER_S = 10.0  # after the last frame, how long we wait for the client to clos
 # whole transfer deadline.
 FRAME_TIMEOUT_S = 60.0
 MAX_TICKETS = 1024  # outstanding at once: a flood of OpenWeightSocket calls stays bounded
+COALESCE_BYTES = 64 << 10  # frame parts smaller than this are joined before sending
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)  # buffers per sendmsg call
+
+# One frame as parts (bytes, or 1-D byte views) that join to one serialized WeightBucket,
+# its length prefix excluded.
+Frame = list[bytes | memoryview]
 
 
 class WeightSocketError(DapoError):
@@ -102,7 +114,7 @@ class WeightSocketServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
         self.port: int = self._listener.getsockname()[1]
-        self._tickets: dict[bytes, tuple[float, Iterable[bytes]]] = {}
+        self._tickets: dict[bytes, tuple[float, Iterable[Frame]]] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopped = threading.Event()
@@ -116,18 +128,24 @@ class WeightSocketServer:
         self._stopped.set()
         close_listener(self._listener, self._thread)
 
-    def issue(self, frames: Iterable[bytes]) -> bytes:
+    def issue(self, frames: Iterable[Frame]) -> bytes:
         """A ticket for one stream of `frames` (kept alive by the ticket until used)."""
         ticket = secrets.token_bytes(TICKET_BYTES)
+        self.purge()
+        with self._lock:
+            if len(self._tickets) >= MAX_TICKETS:
+                raise TooManyTickets(f"{MAX_TICKETS} weight socket tickets are outstanding")
+            self._tickets[ticket] = (time.monotonic() + self.ticket_ttl_s, frames)
+        return ticket
+
+    def purge(self) -> None:
+        """Forget expired tickets: each holds its version's frames, and so the snapshot
+        they view, until it is redeemed or forgotten (the learner purges on publish too)."""
         now = time.monotonic()
         with self._lock:
             self._tickets = {t: v for t, v in self._tickets.items() if v[0] > now}
-            if len(self._tickets) >= MAX_TICKETS:
-                raise TooManyTickets(f"{MAX_TICKETS} weight socket tickets are outstanding")
-            self._tickets[ticket] = (now + self.ticket_ttl_s, frames)
-        return ticket
 
-    def _redeem(self, ticket: bytes) -> Iterable[bytes] | None:
+    def _redeem(self, ticket: bytes) -> Iterable[Frame] | None:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry[0] < time.monotonic():
@@ -151,16 +169,16 @@ class WeightSocketServer:
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
             conn.settimeout(10.0)  # handshake and ticket: a silent peer holds no slot long
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the end marker too
             if self._context is not None:
                 conn = self._context.wrap_socket(conn, server_side=True)
             frames = self._redeem(recv_exact(conn, TICKET_BYTES))
             if frames is None:
                 log.warning("weight socket: bad, used or expired ticket from %s", peer)
                 return
-            conn.settimeout(self.frame_timeout_s)  # per sendall call, i.e. per frame
+            conn.settimeout(self.frame_timeout_s)  # per send call: a frozen reader times out
             for frame in frames:
-                conn.sendall(FRAME.pack(len(frame)))
-                conn.sendall(frame)
+                send_frame(conn, frame)
             conn.sendall(FRAME.pack(0))
             linger(conn)
         except (OSError, WeightSocketError) as exc:  # ssl.SSLError is an OSError
@@ -168,6 +186,45 @@ class WeightSocketServer:
         finally:
             conn.close()
             self._slots.release()
+
+
+def send_frame(conn: socket.socket, parts: Frame) -> None:
+    """One frame: its length, then its parts, without copying the large ones. Runs of
+    small parts (the protobuf metadata around each slice's data) are joined first: a
+    dozen tiny writes per frame would each wait on the peer's delayed ACK. A plain socket
+    takes the frame in one scatter/gather `sendmsg` (repeated after a partial send); TLS
+    (`ssl.SSLSocket` has no sendmsg) takes one `sendall` per joined part."""
+    chunks = coalesce([FRAME.pack(sum(len(p) for p in parts)), *parts])
+    if isinstance(conn, ssl.SSLSocket):
+        for chunk in chunks:
+            conn.sendall(chunk)
+        return
+    views = [memoryview(c).cast("B") for c in chunks if len(c)]
+    at = 0
+    while at < len(views):
+        sent = conn.sendmsg(views[at : at + IOV_MAX])
+        while at < len(views) and sent >= len(views[at]):
+            sent -= len(views[at])
+            at += 1
+        if sent:  # a partial send stopped inside this view
+            views[at] = views[at][sent:]
+
+
+def coalesce(parts: list[bytes | memoryview]) -> Frame:
+    """`parts` with each run of parts under COALESCE_BYTES joined into one `bytes`."""
+    out: Frame = []
+    small: Frame = []
+    for part in parts:
+        if len(part) < COALESCE_BYTES:
+            small.append(part)
+            continue
+        if small:
+            out.append(b"".join(small))
+            small = []
+        out.append(part)
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 def linger(conn: socket.socket) -> None:
