@@ -21,13 +21,9 @@ import grpc
 import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
+from services.common.assembly import WeightAssembler
 from services.common.frame_log import FrameLog
-from services.common.tensor_codec import (
-    RawTensor,
-    WeightAssembler,
-    encode_bucket_bytes,
-    parse_bucket,
-)
+from services.common.tensor_codec import RawTensor, encode_bucket_bytes, parse_bucket
 from services.common.torch_codec import torch_view
 from services.common.weight_socket import TooManyTickets, WeightSocketServer
 

@@ -24,16 +24,18 @@ from typing import Any, Protocol
 import grpc
 import redis
 
-from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
+from dapo.v1 import learner_pb2, learner_pb2_grpc
 from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
 from rollout.relay import RelayHub, RelaySource, chain_index, relay_parent
 from services.common import weight_socket
+from services.common.assembly import Assembling
+from services.common.frame_reader import PlacedBuckets
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import TensorWireError, WeightAssembler, parse_bucket
+from services.common.tensor_codec import TensorWireError, parse_bucket
 from services.common.torch_codec import to_torch
 from services.common.weight_socket import WeightSocketError
 
@@ -57,8 +59,11 @@ class WeightUpdater:
         with self._loaded:
             return self._loaded.wait_for(lambda: self.engine.version >= version, timeout)
 
-    def apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
-        """Assemble, check and load one update; raise (old weights stay) on anything wrong."""
+    def apply(self, buckets: Iterable[Any]) -> int:
+        """Assemble, check and load one update; raise (old weights stay) on anything wrong.
+        `buckets`: WeightBuckets (generated or parsed), or a source that assembles as it
+        receives (`PlacedBuckets`, a relay's reception): `Assembled` items and its
+        `assembler`."""
         started = time.perf_counter()
         try:
             version = self._apply(buckets)
@@ -68,20 +73,19 @@ class WeightUpdater:
         self.metrics.weight_seconds.observe(time.perf_counter() - started)
         return version
 
-    def _apply(self, buckets: Iterable[tensor_pb2.WeightBucket]) -> int:
-        # a relay's reception forwards each bucket once it is assembled (rollout/relay.py)
-        assembler = WeightAssembler(on_bucket=getattr(buckets, "on_assembled", None))
+    def _apply(self, buckets: Iterable[Any]) -> int:
+        items = buckets if hasattr(buckets, "assembler") else Assembling(buckets)
         try:
-            for bucket in buckets:
+            for bucket, completed in items:
                 self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
-                assembler.add(bucket)
-                for raw in assembler.pop_completed():  # checked while the next one arrives
+                for raw in completed:  # checked while the next bucket arrives
                     check_finite(raw.name, to_torch(raw))
+            assembler = items.assembler  # type: ignore[union-attr]
+            named = [(t.name, to_torch(t)) for t in assembler.result()]
         except BaseException as exc:
             if hasattr(buckets, "abandon"):
                 buckets.abandon(exc)  # its relay children stop too
             raise
-        named = [(t.name, to_torch(t)) for t in assembler.result()]
         version = assembler.version or 0
         with self._lock:
             self._check_newer(version)
@@ -222,8 +226,7 @@ def socket_buckets(
         return None
     if hub is not None:
         return hub.receive(sock)
-    frames = weight_socket.read_frames(sock, config.shared.rpc.max_message_bytes)
-    return map(parse_bucket, frames)
+    return PlacedBuckets(sock, config.shared.rpc.max_message_bytes)  # in place, no copy
 
 
 def pull(sources: Iterable[WeightSource], updater: WeightUpdater) -> tuple[str, int]:

@@ -202,7 +202,8 @@ def test_unusable_temperatures_are_refused(temperature: float) -> None:
 
 
 def test_buckets_announcing_different_tensor_counts_are_refused() -> None:
-    from services.common.tensor_codec import TensorWireError, WeightAssembler
+    from services.common.assembly import WeightAssembler
+    from services.common.tensor_codec import TensorWireError
 
     tensors = [from_torch(f"w{i}", torch.arange(8, dtype=torch.float32)) for i in range(2)]
     first, second, *_ = encode_buckets(tensors, 3, 32)

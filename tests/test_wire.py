@@ -13,10 +13,10 @@ import torch
 
 from dapo.v1 import records_pb2, tensor_pb2
 from services.common.adapters import decode_group, encode_group
+from services.common.assembly import WeightAssembler
 from services.common.tensor_codec import (
     RawTensor,
     TensorWireError,
-    WeightAssembler,
     encode_bucket_bytes,
     encode_buckets,
     parse_bucket,
