@@ -35,7 +35,7 @@ from services.common.frame_reader import PlacedBuckets
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import TensorWireError, parse_bucket
+from services.common.tensor_codec import RawTensor, TensorWireError, parse_bucket
 from services.common.torch_codec import to_torch
 from services.common.weight_socket import WeightSocketError
 
@@ -79,7 +79,7 @@ class WeightUpdater:
             for bucket, completed in items:
                 self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
                 for raw in completed:  # checked while the next bucket arrives
-                    check_finite(raw.name, to_torch(raw))
+                    check_finite(raw)
             assembler = items.assembler  # type: ignore[union-attr]
             named = [(t.name, to_torch(t)) for t in assembler.result()]
         except BaseException as exc:
@@ -99,22 +99,41 @@ class WeightUpdater:
             raise StaleUpdate(f"version {version} is not newer than served {self.engine.version}")
 
 
-def check_finite(name: str, tensor: Any) -> None:
-    """Refuse NaN or infinite values: one would poison every later sample's log-probs."""
-    import torch
+# dtype → (signed and unsigned integer views of its bits, the exponent's bits all set)
+_FLOAT_BITS = {
+    "bfloat16": ("int16", "uint16", 0x7F80),
+    "float16": ("int16", "uint16", 0x7C00),
+    "float32": ("int32", "uint32", 0x7F800000),
+    "float64": ("int64", "uint64", 0x7FF0000000000000),
+}
+FINITE_CHUNK = 1 << 18  # bytes per step: both reductions read it from cache
 
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+
+def check_finite(raw: RawTensor) -> None:
+    """Refuse NaN or infinite values: one would poison every later sample's log-probs.
+
+    A float is NaN or infinite exactly when its exponent bits are all set, i.e. its bits
+    without the sign are at least `exponent`. On the bits viewed as integers: a positive
+    one has signed value >= exponent, a negative one unsigned value >= sign | exponent
+    (negative finite ones stay below). Two max reductions per cache-sized chunk: exact (no
+    false alarm from a sum that overflows), and numpy's single-threaded reductions leave
+    the second core to the socket copy (torch's spinning OpenMP threads took it: the
+    sum-based check went from 0.08 s alone to 1.1 s per 1.26 GB during a fetch)."""
+    import numpy
+
+    if raw.dtype not in _FLOAT_BITS or not len(raw.data):
         return
-    # NaN and ±inf propagate into a sum (inf - inf is NaN): one read, no temporary, 3x
-    # faster than aminmax on bf16 and 25x faster than isfinite().all(). A non-finite sum
-    # may also be an overflow of finite values (fp16's sum overflows easily: skip it), so
-    # the exact check below decides.
-    if tensor.dtype != torch.float16 and bool(torch.isfinite(tensor.sum())):
-        return
-    # min and max in one pass: NaN propagates into both, an infinity is one of them.
-    low, high = torch.aminmax(tensor)
-    if not bool(torch.isfinite(low) & torch.isfinite(high)):
-        raise ValueError(f"weight {name!r} holds NaN or infinite values; weights left unchanged")
+    signed, unsigned, exponent = _FLOAT_BITS[raw.dtype]
+    bits = numpy.frombuffer(raw.data, dtype=unsigned)
+    # the sign bit set too; as a numpy scalar: against a Python int, uint64 compares as float
+    negative = numpy.array(exponent | 1 << (8 * bits.itemsize - 1), dtype=unsigned)
+    step = FINITE_CHUNK // bits.itemsize
+    for start in range(0, bits.size, step):
+        chunk = bits[start : start + step]
+        if chunk.view(signed).max() >= exponent or chunk.max() >= negative:
+            raise ValueError(
+                f"weight {raw.name!r} holds NaN or infinite values; weights left unchanged"
+            )
 
 
 class WeightStub(learner_pb2_grpc.WeightServiceStub):
