@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo.v1 import tensor_pb2
+from services.common.recycled import RECEIVED
 from services.common.tensor_codec import (
     DTYPE_NAMES,
     MAX_TENSOR_BYTES,
@@ -51,14 +52,6 @@ class _Partial:
     filled: int = 0
 
 
-def _uninitialized(nbytes: int) -> Any:
-    """A writable buffer that is not zeroed first (every byte gets written by a slice);
-    zero-filling a bytearray cost as much as the copy itself here."""
-    import numpy
-
-    return numpy.empty(nbytes, dtype=numpy.uint8)
-
-
 @dataclass
 class WeightAssembler:
     """Collects the buckets of one update; `result()` only once every byte arrived.
@@ -75,6 +68,7 @@ class WeightAssembler:
     max_tensor_bytes: int = MAX_TENSOR_BYTES
     _tensors: dict[str, _Partial] = field(default_factory=dict)
     _completed: list[str] = field(default_factory=list)
+    allocate: Callable[[int], Any] = RECEIVED.take  # a tensor's uninitialized uint8 array
     # called with (bucket, the slices' views in their tensors) once a bucket is copied in
     on_bucket: Callable[[Any, list[memoryview]], None] | None = None
 
@@ -151,7 +145,9 @@ class WeightAssembler:
         """The tensor's final buffer, sized from its announced shape (bounded first)."""
         if total > self.max_tensor_bytes:
             raise TensorWireError(f"{name}: {total} bytes exceeds {self.max_tensor_bytes}")
-        part = self._tensors[name] = _Partial(dtype, shape, total, _uninitialized(total))
+        # not zeroed (every byte gets written by a slice; zero-filling cost as much as the
+        # copy), and memory a collected version used: no fresh pages to fault in
+        part = self._tensors[name] = _Partial(dtype, shape, total, self.allocate(total))
         return part
 
     def result(self) -> list[RawTensor]:
