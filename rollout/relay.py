@@ -65,7 +65,9 @@ class Reception:
         self.parts: list[list[bytes | memoryview]] = []  # assembled frames, for children
         self.done = False  # every frame read (or the transfer failed)
         self.error: Exception | None = None
-        self.assembler = WeightAssembler(on_bucket=self._assembled)
+        # no reference back to self: a cycle would keep the version's tensors (their
+        # recycled memory) until the garbage collector runs, not until the next version
+        self.assembler = WeightAssembler(on_bucket=_keep_for_children(self.parts, cond))
         self._taken: dict[int, Assembled] = {}  # assembled, not yet seen by the updater
         self._cond = cond  # the hub's: it waits for versions
 
@@ -126,13 +128,6 @@ class Reception:
             yield item
             index += 1
 
-    def _assembled(self, bucket: Any, views: list[memoryview]) -> None:
-        """A bucket is in its tensors: children may have it."""
-        parts = wire_bucket_parts(bucket, views)
-        with self._cond:
-            self.parts.append(parts)
-            self._cond.notify_all()
-
     def iter_parts(self) -> Iterator[list[bytes | memoryview]]:
         """Every assembled frame in order, for a child; raises if the transfer failed."""
         index = 0
@@ -150,6 +145,21 @@ class Reception:
 
     def _ended(self, index: int) -> bool:
         return self.error is not None or (self.done and index >= len(self.parts))
+
+
+def _keep_for_children(
+    parts: list[list[bytes | memoryview]], cond: threading.Condition
+) -> Callable[[Any, list[memoryview]], None]:
+    """What a reception's assembler calls when a bucket is in its tensors: children may
+    have it (its frame, as views into the tensors)."""
+
+    def keep(bucket: Any, views: list[memoryview]) -> None:
+        frame = wire_bucket_parts(bucket, views)
+        with cond:
+            parts.append(frame)
+            cond.notify_all()
+
+    return keep
 
 
 class RelayedBuckets:
