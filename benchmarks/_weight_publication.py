@@ -103,23 +103,21 @@ def serve_publication(bucket_bytes: int) -> None:
 
 def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
     """One fetch as a rollout server runs it, over the weight socket (`socket_buckets`)
-    or the FetchWeights stream: parsed in place, assembled, to torch."""
+    or the FetchWeights stream: received in place (parsed in place, assembled), to torch."""
     from dapo.v1 import learner_pb2
     from rollout.weights import WeightStub, socket_buckets
-    from services.common.tensor_codec import WeightAssembler
+    from services.common.assembly import assemble_update
     from services.common.torch_codec import to_torch
     from services.tools.config import DapoConfig
 
     started = time.perf_counter()
-    stub, assembler = WeightStub(channel), WeightAssembler()
+    stub = WeightStub(channel)
     if transport == "socket":
         buckets = socket_buckets(stub, "127.0.0.1:0", DapoConfig())
         assert buckets is not None, "the publisher offered no weight socket"
     else:
         buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest())
-    for bucket in buckets:
-        assembler.add(bucket)
-    out = [to_torch(t) for t in assembler.result()]
+    out = [to_torch(t) for t in assemble_update(buckets)[1]]
     seconds = time.perf_counter() - started
     assert sum(t.numel() * t.element_size() for t in out) == nbytes
     return seconds

@@ -25,13 +25,9 @@ import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.snapshots import Snapshot, SnapshotPool
+from services.common.assembly import WeightAssembler
 from services.common.frame_log import FrameLog
-from services.common.tensor_codec import (
-    RawTensor,
-    WeightAssembler,
-    encode_bucket_parts,
-    parse_bucket,
-)
+from services.common.tensor_codec import RawTensor, encode_bucket_parts, parse_bucket
 from services.common.torch_codec import torch_view
 from services.common.weight_socket import Frame, TooManyTickets, WeightSocketServer
 

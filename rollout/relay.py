@@ -8,9 +8,9 @@ as soon as it assembled it, while the next bucket is still on the wire: the chai
 rather than storing and forwarding the whole model. What it forwards are views into the
 tensors it assembled (no copy of its own), kept until its next version starts.
 
-`Reception` is one version arriving: a thread reads frames into a small ring (reading
-ahead while the updater assembles and checks), this server's `WeightUpdater` assembles
-them in order, and relay children read the assembled buckets.
+`Reception` is one version arriving: a thread receives its frames straight into the
+tensors (services/common/frame_reader.py), this server's `WeightUpdater` checks each
+tensor as it completes, and relay children read the assembled buckets.
 `RelayServer` is the listening side (same frames, same TLS as the learner's weight
 socket; a request names the lowest version the child takes and carries a digest of the
 shared token). A child whose parent is gone, slow past `relay_timeout_s`, or serving an
@@ -32,13 +32,14 @@ from typing import Any
 
 from rollout.config import RolloutSettings
 from services.common import weight_socket
+from services.common.assembly import Assembled, Assembling, WeightAssembler
+from services.common.frame_reader import PlacedBuckets
 from services.common.security import TlsConfig
 from services.common.tensor_codec import parse_bucket, wire_bucket_parts
 from services.common.weight_socket import (
     FRAME,
     WeightSocketError,
     close_listener,
-    frames_into,
     recv_exact,
     send_frame,
 )
@@ -49,7 +50,6 @@ REQUEST = struct.Struct("<Q32s")  # the lowest version taken, sha256 of the toke
 # A parent holds a child's request this many relay timeouts for a version to arrive; the
 # child gives up sooner (`first_frame_timeout`).
 ACQUIRE_WAITS = 10
-LOOKAHEAD = 4  # frames read ahead of the assembler (4 MiB each by default)
 MAX_CHILDREN = 4  # connections served at once (a chain has one child; a few retries)
 
 
@@ -59,18 +59,21 @@ def token_digest(token: str | None) -> bytes:
 
 
 class Reception:
-    """One version arriving: a thread reads its frames into a small ring, this server's
-    updater assembles them in order (`buckets`), and each assembled bucket is kept, as
-    views into the assembled tensors, for relay children (`iter_parts`)."""
+    """One version arriving: a thread receives its buckets into this server's assembler
+    (in place, from a weight socket), the updater checks each as it lands (`buckets`),
+    and each assembled bucket is kept, as views into the assembled tensors, for relay
+    children (`iter_parts`)."""
 
-    def __init__(self, cond: threading.Condition, lookahead: int = LOOKAHEAD) -> None:
+    def __init__(self, cond: threading.Condition) -> None:
         self.version: int | None = None
-        self.received = 0  # frames read
+        self.received = 0  # buckets assembled
         self.parts: list[list[bytes | memoryview]] = []  # assembled frames, for children
         self.done = False  # every frame read (or the transfer failed)
         self.error: Exception | None = None
-        self._ring = [bytearray() for _ in range(lookahead)]
-        self._frames: dict[int, memoryview] = {}  # read, not yet assembled
+        # no reference back to self: a cycle would keep the version's tensors (their
+        # recycled memory) until the garbage collector runs, not until the next version
+        self.assembler = WeightAssembler(on_bucket=_keep_for_children(self.parts, cond))
+        self._taken: dict[int, Assembled] = {}  # assembled, not yet seen by the updater
         self._cond = cond  # the hub's: it waits for versions
 
     def start(
@@ -78,36 +81,32 @@ class Reception:
     ) -> Reception:
         """Receive a weight socket's frames (the socket's timeout applies per read;
         `first_timeout`, when given, to the first frame)."""
-        frames = self._from_socket(sock, max_frame_bytes, first_timeout)
-        return self._spawn(frames, sock.close)
+        return self._spawn(PlacedBuckets(sock, max_frame_bytes, self.assembler, first_timeout))
 
     def start_frames(self, frames: Iterable[bytes]) -> Reception:
         """Receive frames read elsewhere (the FetchWeights stream's messages)."""
-        return self._spawn(self._paced(frames), lambda: None)
+        return self._spawn(Assembling(map(parse_bucket, frames), self.assembler))
 
-    def _paced(self, frames: Iterable[bytes]) -> Iterator[memoryview]:
-        for frame in frames:
-            yield memoryview(frame)
-            self._wait_room()
-
-    def _spawn(self, views: Iterator[memoryview], close: Callable[[], None]) -> Reception:
-        threading.Thread(target=self._run, args=(views, close), daemon=True,
+    def _spawn(self, items: Iterable[Assembled]) -> Reception:
+        threading.Thread(target=self._run, args=(iter(items),), daemon=True,
                          name="relay-recv").start()  # fmt: skip
         return self
 
-    def _run(self, views: Iterator[memoryview], close: Callable[[], None]) -> None:
+    def _run(self, items: Iterator[Assembled]) -> None:
         try:
-            for view in views:
+            for item in items:
                 with self._cond:
+                    if self.error is not None:
+                        return  # the updater gave up (a stale version, a bad tensor)
                     if self.version is None:
-                        self.version = parse_bucket(view).version
-                    self._frames[self.received] = view
+                        self.version = item[0].version
+                    self._taken[self.received] = item
                     self.received += 1
                     self._cond.notify_all()
         except Exception as exc:  # the transfer's error is every reader's error
             self.fail(exc)
         finally:
-            close()
+            getattr(items, "close", lambda: None)()  # the socket goes with it
             with self._cond:
                 self.done = True
                 self._cond.notify_all()
@@ -119,54 +118,20 @@ class Reception:
                 self.error = exc if isinstance(exc, WeightSocketError) else WeightSocketError(exc)
             self._cond.notify_all()
 
-    def _from_socket(
-        self, sock: socket.socket, max_frame_bytes: int, first_timeout: float | None
-    ) -> Iterator[memoryview]:
-        timeout = sock.gettimeout()
-        if first_timeout is not None:
-            sock.settimeout(first_timeout)
-        for view in frames_into(sock, max_frame_bytes, self._slot):
-            sock.settimeout(timeout)  # the first frame may wait longer, the rest may not
-            yield view
-
-    def _wait_room(self) -> None:
-        """Until the assembler is at most `lookahead` frames behind the reader."""
-        index = self.received
-        with self._cond:
-            self._cond.wait_for(lambda: len(self.parts) > index - len(self._ring) or self.error)
-            if self.error is not None:
-                raise self.error
-
-    def _slot(self, size: int) -> memoryview:
-        """The ring buffer for the next frame, once the frame it held was assembled."""
-        self._wait_room()
-        ring = self._ring
-        at = self.received % len(ring)
-        if len(ring[at]) < size:
-            ring[at] = bytearray(size)
-        return memoryview(ring[at])[:size]
-
-    def buckets(self) -> Iterator[Any]:
-        """The buckets in order, for this server's updater (whose assembler must call
-        `assembled` for each: `WeightUpdater` does, through `on_assembled`)."""
+    def buckets(self) -> Iterator[Assembled]:
+        """The buckets in order as they are assembled, with the tensors each completed,
+        for this server's updater."""
         index = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda at=index: at in self._frames or self.done or self.error)  # type: ignore[misc]
+                self._cond.wait_for(lambda at=index: at in self._taken or self.done or self.error)  # type: ignore[misc]
                 if self.error is not None:
                     raise self.error
-                frame = self._frames.pop(index, None)
-            if frame is None:
+                item = self._taken.pop(index, None)
+            if item is None:
                 return
-            yield parse_bucket(frame)
+            yield item
             index += 1
-
-    def assembled(self, bucket: Any, views: list[memoryview]) -> None:
-        """A bucket is in its tensors: its frame's slot is free and children may have it."""
-        parts = wire_bucket_parts(bucket, views)
-        with self._cond:
-            self.parts.append(parts)
-            self._cond.notify_all()
 
     def iter_parts(self) -> Iterator[list[bytes | memoryview]]:
         """Every assembled frame in order, for a child; raises if the transfer failed."""
@@ -184,25 +149,38 @@ class Reception:
             index += 1
 
     def _ended(self, index: int) -> bool:
-        return self.error is not None or (self.done and index >= self.received)
+        return self.error is not None or (self.done and index >= len(self.parts))
+
+
+def _keep_for_children(
+    parts: list[list[bytes | memoryview]], cond: threading.Condition
+) -> Callable[[Any, list[memoryview]], None]:
+    """What a reception's assembler calls when a bucket is in its tensors: children may
+    have it (its frame, as views into the tensors)."""
+
+    def keep(bucket: Any, views: list[memoryview]) -> None:
+        frame = wire_bucket_parts(bucket, views)
+        with cond:
+            parts.append(frame)
+            cond.notify_all()
+
+    return keep
 
 
 class RelayedBuckets:
-    """A reception's buckets, as a weight source returns them: `WeightUpdater` hands its
-    assembler's progress to `on_assembled` and calls `close` when it stops early."""
+    """A reception's buckets, as a weight source returns them: `Assembled` items from the
+    reception's `assembler`; `WeightUpdater` calls `abandon` when it stops early."""
 
     def __init__(self, reception: Reception) -> None:
         self.reception = reception
+        self.assembler = reception.assembler
         self._buckets = reception.buckets()
 
     def __iter__(self) -> RelayedBuckets:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> Assembled:
         return next(self._buckets)
-
-    def on_assembled(self, bucket: Any, views: list[memoryview]) -> None:
-        self.reception.assembled(bucket, views)
 
     def abandon(self, error: BaseException) -> None:
         self.reception.fail(error)

@@ -131,25 +131,29 @@ def test_weight_update_with_non_finite_values_is_refused(tiny_model: Path, value
     assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_check_finite_finds_one_bad_element_anywhere_in_a_large_tensor(dtype: torch.dtype) -> None:
-    """The check reduces with min/max (fast on bf16): one NaN or infinity at any position,
-    inside or at the end of a vectorised block, must still be found."""
-    from rollout.weights import check_finite
+    """The check reduces the bits per chunk: one NaN (of either sign) or infinity at any
+    position, inside a chunk or at its edges, must be found; every finite value (the
+    largest of both signs, subnormals, -0.0) passes."""
+    from rollout.weights import FINITE_CHUNK, check_finite
 
     clean = torch.randn(1 << 20 | 13, generator=torch.Generator().manual_seed(0)).to(dtype)
-    check_finite("w", clean)
-    check_finite("empty", torch.zeros(0, 4, dtype=dtype))
-    # Finite values whose sum overflows (the fast path's false alarm) are still accepted.
-    huge = torch.full((1 << 12,), torch.finfo(dtype).max / 2, dtype=dtype)
-    assert not torch.isfinite(huge.sum())
-    check_finite("huge", huge)
-    for value in (math.nan, math.inf, -math.inf):
-        for at in (0, 31, 1 << 19, clean.numel() - 1):
+    info = torch.finfo(dtype)
+    edges = [info.max, -info.max, info.tiny / 4, -info.tiny / 4, -0.0, 0.0]
+    clean[:6] = torch.tensor(edges, dtype=dtype)
+    check_finite(from_torch("w", clean))
+    check_finite(from_torch("empty", torch.zeros(0, 4, dtype=dtype)))
+    # Finite values whose sum overflows (a sum-based check's false alarm) are accepted.
+    check_finite(from_torch("huge", torch.full((1 << 12,), info.max / 2, dtype=dtype)))
+    per_chunk = FINITE_CHUNK // clean.element_size()
+    negative_nan = torch.tensor(-math.nan, dtype=dtype)
+    for value in (math.nan, negative_nan, math.inf, -math.inf):
+        for at in (0, 31, per_chunk - 1, per_chunk, 1 << 19, clean.numel() - 1):
             bad = clean.clone()
             bad[at] = value
             with pytest.raises(ValueError, match="NaN or infinite"):
-                check_finite("w", bad)
+                check_finite(from_torch("w", bad))
 
 
 @pytest.mark.parametrize("keep", [0, 3])
@@ -202,7 +206,8 @@ def test_unusable_temperatures_are_refused(temperature: float) -> None:
 
 
 def test_buckets_announcing_different_tensor_counts_are_refused() -> None:
-    from services.common.tensor_codec import TensorWireError, WeightAssembler
+    from services.common.assembly import WeightAssembler
+    from services.common.tensor_codec import TensorWireError
 
     tensors = [from_torch(f"w{i}", torch.arange(8, dtype=torch.float32)) for i in range(2)]
     first, second, *_ = encode_buckets(tensors, 3, 32)

@@ -21,17 +21,13 @@ from rollout_fixtures import make_config, perturbed, serve, wait_for
 
 from learner.weights import WeightServicer, add_weight_service
 from rollout.relay import RelayHub, relay_parent
+from services.common.assembly import WeightAssembler
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import (
-    WeightAssembler,
-    encode_bucket_bytes,
-    parse_bucket,
-    wire_bucket_parts,
-)
+from services.common.tensor_codec import encode_bucket_bytes, parse_bucket, wire_bucket_parts
 from services.common.torch_codec import from_torch
 from services.common.weight_socket import WeightSocketServer
 
@@ -211,14 +207,12 @@ def test_a_bucket_is_forwarded_before_the_next_one_arrives() -> None:
 
     hub = RelayHub(1 << 20, timeout_s=5.0)
     buckets = hub.receive_frames(learner_stream())
-    assembler = WeightAssembler(on_bucket=buckets.on_assembled)
-    assembler.add(next(buckets))
+    first, _ = next(buckets)
     reception = hub.acquire(min_version=7, timeout=5.0)
-    assert reception is not None
+    assert reception is not None and first.index == 0
     child = reception.iter_parts()
     assert b"".join(next(child)) == frames[0] and not release.is_set()
     release.set()
-    for bucket in buckets:
-        assembler.add(bucket)
+    assert [b.index for b, _ in buckets] == list(range(1, len(frames)))
     assert [b"".join(p) for p in child] == frames[1:]
     assert hub.acquire(min_version=8, timeout=0.1) is None  # nothing newer: the learner

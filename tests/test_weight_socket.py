@@ -21,10 +21,11 @@ from dapo.v1 import learner_pb2
 from learner.weights import WeightServicer, add_weight_service
 from rollout.weights import WeightStub, fetch_buckets
 from services.common import weight_socket
+from services.common.assembly import assemble_update
 from services.common.grpc_server import channel, start_grpc_server
 from services.common.security import AuthConfig, SecurityConfig, TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor, assemble_update, parse_bucket
+from services.common.tensor_codec import RawTensor, parse_bucket
 from services.common.weight_socket import WeightSocketError, WeightSocketServer
 from services.tools.config import DapoConfig
 from tests.pki import Pki, make_pki

@@ -2,8 +2,7 @@
 
 Weights travel as a sequence of `WeightBucket` messages (proto/dapo/v1/tensor.proto).
 `encode_buckets` splits named tensors into buckets of at most `bucket_bytes` payload;
-`WeightAssembler` rebuilds them and refuses anything inconsistent, so a receiver either
-gets a complete, well-formed update or an error — never half an update.
+`WeightAssembler` (services/common/assembly.py) rebuilds them, checked.
 `encode_bucket_parts` / `encode_bucket_bytes` / `parse_bucket` are the same wire format
 without protobuf copying the tensor bytes (docs/weight_publication.md).
 
@@ -14,8 +13,8 @@ the processes that have it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from dapo.v1 import tensor_pb2
@@ -174,12 +173,12 @@ class WireBucket:
 
 def _parse_slice(buf: memoryview) -> WireSlice:
     meta, data = _split(buf, _DATA_FIELD)
-    m = _from_string(tensor_pb2.TensorSlice, meta)
+    m = from_string(tensor_pb2.TensorSlice, meta)
     view = data[-1] if data else memoryview(b"")  # proto3: the last occurrence wins
     return WireSlice(m.name, m.dtype, tuple(m.shape), m.offset, m.total_bytes, view)
 
 
-def _from_string(message: Any, data: bytes) -> Any:
+def from_string(message: Any, data: bytes) -> Any:
     try:
         return message.FromString(data)
     except Exception as exc:  # protobuf's DecodeError, kept out of callers' types
@@ -189,7 +188,7 @@ def _from_string(message: Any, data: bytes) -> Any:
 def parse_bucket(data: bytes | memoryview) -> WireBucket:
     """A serialized WeightBucket → WireBucket, tensor bytes viewed in place."""
     header, slices = _split(memoryview(data).cast("B"), _SLICES_FIELD)
-    h = _from_string(tensor_pb2.WeightBucket, header)
+    h = from_string(tensor_pb2.WeightBucket, header)
     pieces = [_parse_slice(s) for s in slices]
     return WireBucket(h.version, h.index, h.last, h.total_tensors, pieces)
 
@@ -273,126 +272,3 @@ def _plan(
                 break
     bucket.last = True
     yield bucket, views
-
-
-# ---------------------------------------------------------------- assembly
-@dataclass
-class _Partial:
-    """One tensor being received: its final buffer, filled slice by slice in place."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    total: int
-    buffer: Any  # a numpy uint8 array
-    filled: int = 0
-
-    def write(self, data: bytes | memoryview, end: int) -> None:
-        """Copy the next slice in (one memcpy)."""
-        memoryview(self.buffer)[self.filled : end] = data
-        self.filled = end
-
-
-def _uninitialized(nbytes: int) -> Any:
-    """A writable buffer that is not zeroed first (every byte gets written by a slice);
-    zero-filling a bytearray cost as much as the copy itself here."""
-    import numpy
-
-    return numpy.empty(nbytes, dtype=numpy.uint8)
-
-
-@dataclass
-class WeightAssembler:
-    """Collects the buckets of one update; `result()` only once every byte arrived.
-
-    Takes generated `WeightBucket` messages or `parse_bucket`'s WireBuckets. Each slice
-    is copied once, straight into its tensor's final buffer, so a received message can
-    be freed (and its memory reused for the next one) as soon as it was added.
-    """
-
-    version: int | None = None
-    next_index: int = 0
-    total_tensors: int | None = None
-    complete: bool = False
-    max_tensor_bytes: int = MAX_TENSOR_BYTES
-    _tensors: dict[str, _Partial] = field(default_factory=dict)
-    _completed: list[str] = field(default_factory=list)
-    # called with (bucket, the slices' views in their tensors) once a bucket is copied in
-    on_bucket: Callable[[Any, list[memoryview]], None] | None = None
-
-    def add(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
-        """Take the next bucket; raise TensorWireError on anything inconsistent."""
-        if self.complete:
-            raise TensorWireError("bucket after the last one")
-        if self.version is None:
-            self.version, self.total_tensors = bucket.version, bucket.total_tensors
-        if bucket.version != self.version:
-            raise TensorWireError(f"bucket for version {bucket.version} inside {self.version}")
-        if bucket.total_tensors != self.total_tensors:
-            raise TensorWireError(
-                f"bucket {bucket.index} announces {bucket.total_tensors} tensors, "
-                f"the first announced {self.total_tensors}"
-            )
-        if bucket.index != self.next_index:
-            raise TensorWireError(f"bucket {bucket.index} out of order (want {self.next_index})")
-        self.next_index += 1
-        views = [self._add_slice(piece) for piece in bucket.slices]
-        self.complete = bucket.last
-        if self.on_bucket is not None:
-            self.on_bucket(bucket, views)
-
-    def _add_slice(self, piece: tensor_pb2.TensorSlice | WireSlice) -> memoryview:
-        dtype = DTYPE_NAMES.get(piece.dtype)
-        if dtype is None:
-            raise TensorWireError(f"{piece.name}: unknown dtype enum {piece.dtype}")
-        shape = tuple(piece.shape)
-        total = expected_nbytes(dtype, shape)
-        if piece.total_bytes != total:
-            raise TensorWireError(f"{piece.name}: total_bytes {piece.total_bytes} != {total}")
-        part = self._tensors.get(piece.name) or self._start(piece.name, dtype, shape, total)
-        if (part.dtype, part.shape) != (dtype, shape):
-            raise TensorWireError(f"{piece.name}: dtype/shape changed between slices")
-        data = piece.data  # a protobuf message copies on each access: read it once
-        end = piece.offset + len(data)
-        if piece.offset != part.filled or end > total:
-            raise TensorWireError(f"{piece.name}: slice at {piece.offset} does not follow")
-        part.write(data, end)
-        if end == total:
-            self._completed.append(piece.name)
-        return memoryview(part.buffer)[piece.offset : end]
-
-    def pop_completed(self) -> list[RawTensor]:
-        """The tensors completed since the last call (to check them while more arrive)."""
-        done, self._completed = self._completed, []
-        return [self._raw(name) for name in done]
-
-    def _raw(self, name: str) -> RawTensor:
-        p = self._tensors[name]
-        return RawTensor(name, p.dtype, p.shape, memoryview(p.buffer))
-
-    def _start(self, name: str, dtype: str, shape: tuple[int, ...], total: int) -> _Partial:
-        """The tensor's final buffer, sized from its announced shape (bounded first)."""
-        if total > self.max_tensor_bytes:
-            raise TensorWireError(f"{name}: {total} bytes exceeds {self.max_tensor_bytes}")
-        part = self._tensors[name] = _Partial(dtype, shape, total, _uninitialized(total))
-        return part
-
-    def result(self) -> list[RawTensor]:
-        """The complete tensors, in arrival order."""
-        if not self.complete:
-            raise TensorWireError("update incomplete: the last bucket never arrived")
-        if self.total_tensors != len(self._tensors):
-            raise TensorWireError(
-                f"update holds {len(self._tensors)} tensors, announced {self.total_tensors}"
-            )
-        short = [n for n, p in self._tensors.items() if p.filled != p.total]
-        if short:
-            raise TensorWireError(f"incomplete tensors: {', '.join(short[:5])}")
-        return [self._raw(name) for name in self._tensors]
-
-
-def assemble_update(buckets: Iterable[tensor_pb2.WeightBucket]) -> tuple[int, list[RawTensor]]:
-    """Receive a whole update: (version, tensors), or TensorWireError if incomplete."""
-    assembler = WeightAssembler()
-    for bucket in buckets:
-        assembler.add(bucket)
-    return assembler.version or 0, assembler.result()

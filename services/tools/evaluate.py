@@ -268,8 +268,8 @@ def final_export(config: DapoConfig) -> Path:
 def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
     from rollout.weights import WeightStub, fetch_buckets
+    from services.common.assembly import assemble_update
     from services.common.grpc_server import channel as grpc_channel
-    from services.common.tensor_codec import assemble_update
     from services.common.torch_codec import to_torch
 
     learners = registered_learners(config)
