@@ -326,7 +326,7 @@ class RelaySource:
     name: str = "relay"
     fallible: bool = True
 
-    def fetch(self) -> Iterator[Any] | None:
+    def fetch(self) -> Iterable[Any] | None:
         host = self.parent["address"].rsplit(":", 1)[0].strip("[]")
         security = self.config.security
         try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,7 +80,7 @@ class WeightUpdater:
                 self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
                 for raw in completed:  # checked while the next bucket arrives
                     check_finite(raw)
-            assembler = items.assembler  # type: ignore[union-attr]
+            assembler = items.assembler
             named = [(t.name, to_torch(t)) for t in assembler.result()]
         except BaseException as exc:
             if hasattr(buckets, "abandon"):
@@ -159,7 +159,7 @@ class WeightSource(Protocol):
 
     name: str  # for logs: "loaded weights ... over the <name>"
 
-    def fetch(self) -> Iterator[Any] | None:
+    def fetch(self) -> Iterable[Any] | None:
         """The latest version's buckets, or None when this source is not on offer."""
         ...
 
@@ -174,7 +174,7 @@ class WeightSocketSource:
     hub: RelayHub | None = None  # relay what arrives to the next server in the chain
     name: str = "weight socket"
 
-    def fetch(self) -> Iterator[Any] | None:
+    def fetch(self) -> Iterable[Any] | None:
         return socket_buckets(self.stub, self.address, self.config, self.hub)
 
 
@@ -187,7 +187,7 @@ class FetchWeightsSource:
     hub: RelayHub | None = None
     name: str = "FetchWeights stream"
 
-    def fetch(self) -> Iterator[Any]:
+    def fetch(self) -> Iterable[Any]:
         request = learner_pb2.FetchWeightsRequest(version=0)
         timeout = self.config.shared.rpc.weights_timeout_s
         if self.hub is not None:
@@ -202,7 +202,7 @@ def learner_sources(
     return [WeightSocketSource(stub, address, config, hub), FetchWeightsSource(stub, config, hub)]
 
 
-def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterator[Any]]:
+def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterable[Any]]:
     """(source name, buckets) of the first source that offers the latest version."""
     for source in sources:
         buckets = source.fetch()
@@ -213,7 +213,7 @@ def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterator[Any]]:
 
 def fetch_buckets(
     stub: WeightStub, address: str, config: RolloutSettings
-) -> tuple[str, Iterator[Any]]:
+) -> tuple[str, Iterable[Any]]:
     """(transport, the latest version's buckets): over the learner's weight socket when it
     offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
     return first_offered(learner_sources(stub, address, config))
@@ -221,7 +221,7 @@ def fetch_buckets(
 
 def socket_buckets(
     stub: WeightStub, address: str, config: RolloutSettings, hub: RelayHub | None = None
-) -> Iterator[Any] | None:
+) -> Iterable[Any] | None:
     """The latest version's buckets over the weight socket; None when the learner offers
     none (learner.weight_transport=grpc) or it cannot be reached (a warning says why).
     With a `hub` the frames are kept and relayed to the next server as they arrive."""

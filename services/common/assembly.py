@@ -171,7 +171,7 @@ def assemble_update(buckets: Iterable[Any]) -> tuple[int, list[RawTensor]]:
     items = buckets if hasattr(buckets, "assembler") else Assembling(buckets)
     for _ in items:
         pass
-    assembler = items.assembler  # type: ignore[union-attr]
+    assembler = items.assembler
     return assembler.version or 0, assembler.result()
 
 
