@@ -13,7 +13,9 @@ weight socket ticket (until redeemed or purged as expired), a weight socket stre
 FetchWeights generator, a re-cut. So the snapshot goes back to the pool only once the
 version was superseded AND the last of those let the log go. Steady state: 2 snapshots
 (the version served, the next one being taken); a reader still streaming an old version
-pins it and the pool allocates one more (logged at INFO).
+pins it and the pool allocates one more (logged at INFO). A publication that broke off
+keeps its log in a reference cycle (its error's traceback), so that snapshot comes back
+when the garbage collector runs; until then the pool allocates, never overwrites.
 """
 
 from __future__ import annotations
