@@ -146,15 +146,19 @@ def test_a_mangled_frame_is_refused_or_read_as_the_copying_path_reads_it() -> No
     assert outcomes["same"] > 0 and outcomes["refused"] > len(frame)
 
 
-def test_data_before_a_slices_metadata_is_refused() -> None:
+def test_data_before_a_slices_metadata_parses_but_is_refused_in_place() -> None:
+    """Valid protobuf in an order no serializer writes: `parse_bucket` (FetchWeights)
+    reads any order; the in-place reader needs the metadata first and says so."""
     data = torch.arange(6, dtype=torch.int32)
     piece = tensor_pb2.TensorSlice(data=data.numpy().tobytes()).SerializeToString()
     piece += tensor_pb2.TensorSlice(name="x", dtype=tensor_pb2.DTYPE_INT32, shape=[2, 3],
                                     total_bytes=24).SerializeToString()  # fmt: skip
     message = tensor_pb2.WeightBucket(total_tensors=1, last=True, version=3).SerializeToString()
     message += b"\x22" + bytes([len(piece)]) + piece
-    assert _copying([message]) == [("x", data.numpy().tobytes())]  # valid protobuf
-    with pytest.raises(TensorWireError):
+    bucket = parse_bucket(message)
+    assert (bucket.version, bucket.index, bucket.last, bucket.total_tensors) == (3, 0, True, 1)
+    assert _copying([message]) == [("x", data.numpy().tobytes())]
+    with pytest.raises(TensorWireError, match="metadata|last field"):
         _in_place([message])
 
 

@@ -124,21 +124,6 @@ def test_bucket_parts_join_to_the_wire_format_and_view_the_tensors(bucket_bytes:
     assert [b"".join(parts) for parts in frames] != joined
 
 
-def test_parse_bucket_reads_any_valid_field_order() -> None:
-    data = torch.arange(6, dtype=torch.int32)
-    piece = tensor_pb2.TensorSlice(data=data.numpy().tobytes()).SerializeToString()
-    piece += tensor_pb2.TensorSlice(name="x", dtype=tensor_pb2.DTYPE_INT32, shape=[2, 3],
-                                    total_bytes=24).SerializeToString()  # fmt: skip
-    message = tensor_pb2.WeightBucket(total_tensors=1, last=True, version=3).SerializeToString()
-    message += b"\x22" + bytes([len(piece)]) + piece
-    bucket = parse_bucket(message)
-    assert (bucket.version, bucket.index, bucket.last, bucket.total_tensors) == (3, 0, True, 1)
-    assembler = WeightAssembler()
-    assembler.add(bucket)
-    (raw,) = assembler.result()
-    assert raw.name == "x" and torch.equal(to_torch(raw), data.reshape(2, 3))
-
-
 def test_malformed_serialized_buckets_are_refused() -> None:
     good = next(encode_bucket_bytes([from_torch("w", torch.ones(4))], 1, 1 << 20))
     for bad, why in [

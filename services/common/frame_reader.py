@@ -136,6 +136,8 @@ def _read_slice(frame: _Frame, stop: int, assembler: WeightAssembler) -> WireSli
         if view is not None:
             raise TensorWireError("a slice's data must be its last field")
         if key == _DATA_KEY:
+            if not meta:
+                raise TensorWireError("a slice's data came before its metadata")
             length = frame.varint()[0]
             if length > frame.left - stop:
                 raise TensorWireError("weight bucket truncated")
