@@ -1,14 +1,16 @@
 """`dapo bench weights`: a new policy from the learner to 1 and to 4 rollout servers.
 
 Model: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV, FFN 4864, vocabulary
-151,936, tied embeddings), random weights, bf16: 494M parameters. The learner publishes
-its `state_dict`, as the learner's `live_views` does (the tied head included).
+151,936, tied embeddings), random weights, bf16: 494M parameters. The stand-in publishes
+what the learner's policies publish: each tensor of the state once
+(`learner.model_io.unique_weights`: the tied head is the embedding, sent once), 0.99 GB.
 
 Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
 on a real gRPC server, as benchmarks/_weight_publication.py; malloc tuned and publishing
-in the background, as `dapo learner` does by default: the step snapshots the weights into
-a pooled buffer, a thread hands it to the servicer, which serves frames viewing it) and R rollout
-servers, each a torch engine behind the rollout server's own
+in the background, as `dapo learner` does by default with the torch engine or ZeRO 0-2:
+the step goes on at once while a thread copies the weights into a pooled snapshot and
+the servicer offers the version from its first bucket, frames viewing the snapshot) and
+R rollout servers, each a torch engine behind the rollout server's own
 `WeightUpdater` and relay (rollout/relay.py), pulling with `rollout.weights.pull`: server
 0 from the learner's weight socket, server i from server i - 1's relay (the chain the
 registry's order gives a real run), every server falling back to the learner. Per
@@ -65,14 +67,15 @@ def save_model(out: Path) -> None:
 
 def serve_publisher(model_dir: str, background: bool = True) -> None:
     """The learner stand-in, publishing as `dapo learner` does by default
-    (`learner.publish_in_background`): `publish V` on stdin snapshots the weights and
-    replies once the step would go on (the snapshot is handed to the servicer in the
-    background); `wire` waits for it to be served and replies with the bytes one stream
+    (`learner.publish_in_background`, weights copied in the background): `publish V` on
+    stdin replies once the step would go on (at once: the copy and the offer run in a
+    thread); `wire` waits for it to be served and replies with the bytes one stream
     sends; `streams` counts the streams served."""
 
     import torch
     from transformers import AutoModelForCausalLM
 
+    from learner.model_io import unique_weights
     from learner.publisher import BackgroundPublisher
     from learner.weights import WeightServicer, add_weight_service, live_views
     from services.common.grpc_server import start_grpc_server
@@ -83,7 +86,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
 
     keep_freed_memory()  # as `dapo learner` does
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
-    tensors = live_views(model.state_dict().items())
+    tensors = live_views((n, t.detach()) for n, t in unique_weights(model))
     streams = [0]
 
     class CountingServicer(WeightServicer):
@@ -106,7 +109,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
     for line in sys.stdin:
         command, version = line.split()
         if command == "publish" and background:
-            publisher.submit(int(version), tensors)
+            publisher.submit(int(version), tensors, len(tensors), overlap=True)
             print("published", version, flush=True)
         elif command == "publish":  # learner.publish_in_background: false
             servicer.publish(int(version), tensors)

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states, output_head
-from learner.model_io import enable_activation_checkpointing, save_hf
+from learner.model_io import enable_activation_checkpointing, save_hf, unique_weights
 from learner.optim import adamw, warmup_factor
 from services.common.buckets import runs_by_size
 from services.common.net import free_port
@@ -146,7 +146,7 @@ class DeepSpeedPolicy:
 
     # ------------------------------------------------------------ weights out
     def weight_count(self) -> int:
-        return len(self.module.state_dict(keep_vars=True))
+        return len(unique_weights(self.module))
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full weights in `state_dict` order; under ZeRO-3 gathered a bucket of at most
@@ -157,8 +157,7 @@ class DeepSpeedPolicy:
         """
         import deepspeed
 
-        named = list(self.module.state_dict(keep_vars=True).items())
-        for group in gather_groups(named, self.cfg.gather_bucket_bytes):
+        for group in gather_groups(unique_weights(self.module), self.cfg.gather_bucket_bytes):
             sharded = [t for _, t in group if hasattr(t, "ds_id")]
             gathering = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
             with gathering if sharded else contextlib.nullcontext():

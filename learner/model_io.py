@@ -35,6 +35,21 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def unique_weights(module: torch.nn.Module) -> list[tuple[str, Tensor]]:
+    """The module's state, each tensor once: a tied weight (one Parameter under two names,
+    the LM head and the embedding of a tied model) under its first name only. Rollout
+    engines cover the other name by the tie (`rollout.engine_base.uncovered`; vLLM
+    skips a tied head), so publishing it again would send the same bytes twice: 22% of
+    a Qwen2.5-0.5B. The tensors are the module's own (`keep_vars`): detach before use."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append((name, tensor))
+    return out
+
+
 def save_hf(
     module: PreTrainedModel,
     state: dict[str, Tensor],

@@ -51,7 +51,8 @@ class Policy(CausalLM, Protocol):
     def lr(self) -> float: ...
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Full (gathered) weights for publishing to rollout servers."""
+        """Full (gathered) weights for publishing to rollout servers, each tensor once (a
+        tied weight under its first name: `model_io.unique_weights`)."""
         ...
 
     def weight_count(self) -> int:

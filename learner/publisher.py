@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from learner.snapshots import Snapshot
 from learner.weights import WeightServicer
@@ -37,11 +37,26 @@ class BackgroundPublisher:
         self.servicer = servicer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied: threading.Event | None = None  # set once a background copy is done
         self.finished: list[tuple[int, float]] = []  # (version, monotonic time served)
 
-    def submit(self, version: int, tensors: Iterable[RawTensor]) -> None:
-        """Snapshot `tensors` now (they may view live weights), publish in the background."""
+    def submit(
+        self,
+        version: int,
+        tensors: Iterable[RawTensor],
+        total: int | None = None,
+        overlap: bool = False,
+    ) -> None:
+        """Publish `tensors` (they may view live weights) in the background. The copy into
+        a snapshot happens now, or with `overlap` in the background as well, the version
+        offered from its first bucket: then the weights must stay put until `settle()`
+        (the caller's next optimizer step waits for it), and reading them must take no
+        collective (ZeRO-3's gathers must run on the training thread, in step)."""
         self.wait()  # at most one in flight; N superseded N-1, whose snapshot may be free
+        if overlap:
+            self._copied = threading.Event()
+            self._start(self._publish_live, version, tensors, total, self._copied)
+            return
         pool = self.servicer.pool
         snapshot = pool.take()
         try:
@@ -49,9 +64,16 @@ class BackgroundPublisher:
         except BaseException:
             pool.give_back(snapshot)  # never handed over: nothing reads it
             raise
-        self._thread = threading.Thread(
-            target=self._publish, args=(version, snapshot, copies), daemon=True, name="publish"
-        )
+        self._start(self._publish, version, snapshot, copies)
+
+    def settle(self) -> None:
+        """Until the weights submitted with `overlap` are copied: call before they change."""
+        if self._copied is not None:
+            self._copied.wait()
+            self._copied = None
+
+    def _start(self, target: Callable[..., None], *args: object) -> None:
+        self._thread = threading.Thread(target=target, args=args, daemon=True, name="publish")
         self._thread.start()
 
     def wait(self) -> None:
@@ -62,6 +84,24 @@ class BackgroundPublisher:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def _publish_live(
+        self,
+        version: int,
+        tensors: Iterable[RawTensor],
+        total: int | None,
+        copied: threading.Event,
+    ) -> None:
+        """Copy and serve bucket by bucket (`WeightServicer.publish`), then let the
+        weights change."""
+        try:
+            self.servicer.publish(version, tensors, total)
+            self.finished.append((version, time.monotonic()))
+        except BaseException as exc:
+            log.exception("publishing version %d failed", version)
+            self._error = exc
+        finally:
+            copied.set()
 
     def _publish(self, version: int, snapshot: Snapshot, copies: list[RawTensor]) -> None:
         try:

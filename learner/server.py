@@ -129,6 +129,12 @@ class Learner:
         self.weights.publish(self.version, *self._weights())
         VERSION.set(self.version)
 
+    def _copy_overlaps(self) -> bool:
+        """Whether a version's copy may run in the background (until the next step):
+        not under ZeRO-3, whose gathers are collectives on the training thread."""
+        learner = self.config.learner
+        return not (learner.engine == "deepspeed" and learner.zero_stage == 3)
+
     def _weights(self) -> tuple[Iterator[RawTensor], int]:
         """The policy's weights as `publish` streams them (gathered bucket by bucket)."""
         return stream_views(self.policy.named_weights()), self.policy.weight_count()
@@ -204,6 +210,7 @@ class Learner:
         batch, self._batch = self._batch[:need], self._batch[need:]
         groups = [g for _, g in batch]
         seed = self.config.shared.seed + self.step
+        self.publisher.settle()  # the last version's weights are copied: they may change
         self._tell(OP_TRAIN, seed, struct.pack("<q", self.version) + pack_groups(groups))
         metrics = self.trainer.train(groups, seed, self.version)
         lag = max(staleness(g, self.version) for g in groups)
@@ -227,7 +234,7 @@ class Learner:
         """
         new_version = self.version + 1
         if self.config.learner.publish_in_background:
-            self.publisher.submit(new_version, self._weights()[0])
+            self.publisher.submit(new_version, *self._weights(), overlap=self._copy_overlaps())
         else:
             self.weights.publish(new_version, *self._weights())
         step = self.step + 1

@@ -18,7 +18,13 @@ from transformers import PreTrainedModel
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import LocalCausalLM
-from learner.model_io import enable_activation_checkpointing, load_state, save_hf, save_state
+from learner.model_io import (
+    enable_activation_checkpointing,
+    load_state,
+    save_hf,
+    save_state,
+    unique_weights,
+)
 from learner.optim import adamw, warmup_factor
 from services.common.errors import DapoError
 
@@ -70,10 +76,11 @@ class TorchPolicy(LocalCausalLM):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def weight_count(self) -> int:
-        return len(self.model.state_dict())
+        return len(unique_weights(self.model))
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        yield from self.model.state_dict().items()
+        for name, tensor in unique_weights(self.model):
+            yield name, tensor.detach()
 
     def save_pretrained(self, out_dir: str | Path, tokenizer_dir: str | Path | None) -> None:
         save_hf(self.model, dict(self.model.state_dict()), out_dir, tokenizer_dir)

@@ -150,7 +150,8 @@ def gather_worker(model: str, out: str) -> None:
     )
     if torch.distributed.get_rank() == 0:
         result = {"peak": peak[0], "bucket": bucket, "largest": max(sizes), "total": sum(sizes),
-                  "same": same, "whole_peak": whole_peak}  # fmt: skip
+                  "same": same, "whole_peak": whole_peak, "names": sorted(whole),
+                  "count": policy.weight_count()}  # fmt: skip
         with open(out, "w") as f:
             json.dump(result, f)
 

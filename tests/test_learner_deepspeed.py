@@ -170,8 +170,8 @@ def test_world2_every_zero_stage_and_dtype_trains_the_same_steps(
 def test_zero3_publication_gathers_one_bucket_at_a_time(tiny_model: Path, tmp_path: Path) -> None:
     """2 ranks (gloo), ZeRO-3: while the weights stream out for publication, the bytes of
     parameters DeepSpeed holds gathered stay within `gather_bucket_bytes` plus one
-    parameter (far below the whole model, which a one-bucket gather does hold), and the
-    weights are the same."""
+    parameter (far below the whole model, which a one-bucket gather does hold), the
+    weights are the same, and a tied weight comes once."""
     out = tmp_path / "gather.json"
     _run_ranks(tiny_model, out, "3", "-", cmd_name="gather")
     got = json.loads(out.read_text())
@@ -179,3 +179,5 @@ def test_zero3_publication_gathers_one_bucket_at_a_time(tiny_model: Path, tmp_pa
     assert got["whole_peak"] == got["total"]  # the watch sees a whole-model gather
     assert 0 < got["peak"] <= got["bucket"] + got["largest"]
     assert got["peak"] < got["total"] / 2
+    # the tiny model's tied head is the embedding: gathered and published once
+    assert "lm_head.weight" not in got["names"] and len(got["names"]) == got["count"]

@@ -69,3 +69,22 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_model: Path) -> No
     for name, grad in off.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(on[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_published_weights_hold_a_tied_tensor_once(tiny_model: Path, tied: bool) -> None:
+    """A tied LM head is the embedding under a second name: published once (the rollout
+    engines cover the tie), every other weight published, `weight_count` exact."""
+    model = load_model(tiny_model)
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    policy = TorchPolicy(model, LearnerConfig(dtype="float32"))
+    published = dict(policy.named_weights())
+    everything = model.state_dict()
+    assert len(published) == policy.weight_count()
+    assert ("lm_head.weight" in published) is not tied
+    assert set(everything) - set(published) == ({"lm_head.weight"} if tied else set())
+    assert all(torch.equal(published[n], everything[n]) for n in published)
+    storages = {t.untyped_storage().data_ptr() for t in published.values()}
+    assert len(storages) == len(published)

@@ -1,8 +1,13 @@
 """Publication off the critical path (learner/publisher.py): a real Learner (torch policy)
 trains on real Redis while its WeightService (real gRPC) serves a real rollout server that
 syncs through the registry. Publishing a version is made slow (1 s) so that overlap is
-observable: step N+1 starts training before version N is served, and the rollout server
-still loads every version, in order, with the learner's exact weights.
+observable, in both modes:
+- the snapshot taken in the step (ZeRO-3's mode): step N+1 starts training before
+  version N is served;
+- the copy in the background too (every other engine): the step goes on (commits)
+  before version N is copied, and step N+1 trains only once it is (its weights change).
+Either way the rollout server loads every version, in order, with the learner's exact
+weights.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 import torch
 from learner_fixtures import make_groups
@@ -31,11 +37,15 @@ STEPS, BATCH, PUBLISH_S = 3, 2, 1.0
 
 
 class SlowServicer(WeightServicer):
-    """The learner's WeightService, taking PUBLISH_S longer to publish a snapshot."""
+    """The learner's WeightService, taking PUBLISH_S longer to publish a version."""
 
     def publish_snapshot(self, version, snapshot, tensors) -> None:
         time.sleep(PUBLISH_S)
         super().publish_snapshot(version, snapshot, tensors)
+
+    def publish(self, version, tensors, total=None) -> None:
+        time.sleep(PUBLISH_S)
+        super().publish(version, tensors, total)
 
 
 def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
@@ -55,14 +65,22 @@ def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
     return learner
 
 
-def test_next_step_trains_while_the_last_version_is_published(
-    tiny_model: Path, redis_client: redis.Redis
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_goes_on_while_the_last_version_is_published(
+    tiny_model: Path, redis_client: redis.Redis, overlap: bool
 ) -> None:
     run = f"bg-{uuid.uuid4().hex[:6]}"
     learner = _learner(tiny_model, redis_client, run)
+    learner._copy_overlaps = lambda: overlap  # type: ignore[method-assign]
     started: list[float] = []
     train = learner.trainer.train
     learner.trainer.train = lambda *a, **k: (started.append(time.monotonic()), train(*a, **k))[1]
+    submitted: list[float] = []  # when `submit` returned, the step going on to its commit
+    submit = learner.publisher.submit
+    learner.publisher.submit = lambda *a, **k: (
+        submit(*a, **k),
+        submitted.append(time.monotonic()),
+    )[0]  # type: ignore[method-assign]
     loaded: list[int] = []
 
     def recording(engine):
@@ -86,8 +104,11 @@ def test_next_step_trains_while_the_last_version_is_published(
                 learner.train_once()
             learner.publisher.wait()
             served = dict(learner.publisher.finished)
-            for version in range(1, STEPS):  # step N+1 began before version N was served
-                assert started[version] < served[version]
+            for version in range(1, STEPS):  # started[N]: step N+1; submitted[N-1]: step N
+                if overlap:  # step N committed before N was copied; N+1 trained after
+                    assert submitted[version - 1] < served[version] < started[version]
+                else:  # step N+1 began before version N was served
+                    assert started[version] < served[version]
             wait_for(lambda: rollout.engine.version == STEPS)
             assert loaded == list(range(1, STEPS + 1))  # every version, in order
             final = dict(rollout.engine.model.state_dict())
