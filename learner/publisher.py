@@ -23,7 +23,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from learner.snapshots import Snapshot
 from learner.weights import WeightServicer
 from services.common.tensor_codec import RawTensor
 
@@ -31,13 +30,14 @@ log = logging.getLogger(__name__)
 
 
 class BackgroundPublisher:
-    """Snapshots on the caller's thread, publishes on a background one."""
+    """Snapshots on the caller's thread (or, with `overlap`, on its own), publishes on a
+    background one."""
 
     def __init__(self, servicer: WeightServicer) -> None:
         self.servicer = servicer
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._copied: threading.Event | None = None  # set once a background copy is done
+        self._reads_weights = False  # the thread in flight copies the live weights
         self.finished: list[tuple[int, float]] = []  # (version, monotonic time served)
 
     def submit(
@@ -53,9 +53,9 @@ class BackgroundPublisher:
         (the caller's next optimizer step waits for it), and reading them must take no
         collective (ZeRO-3's gathers must run on the training thread, in step)."""
         self.wait()  # at most one in flight; N superseded N-1, whose snapshot may be free
+        self._reads_weights = overlap
         if overlap:
-            self._copied = threading.Event()
-            self._start(self._publish_live, version, tensors, total, self._copied)
+            self._start(version, lambda: self.servicer.publish(version, tensors, total))
             return
         pool = self.servicer.pool
         snapshot = pool.take()
@@ -64,17 +64,15 @@ class BackgroundPublisher:
         except BaseException:
             pool.give_back(snapshot)  # never handed over: nothing reads it
             raise
-        self._start(self._publish, version, snapshot, copies)
+        self._start(version, lambda: self.servicer.publish_snapshot(version, snapshot, copies))
 
     def settle(self) -> None:
-        """Until the weights submitted with `overlap` are copied: call before they change."""
-        if self._copied is not None:
-            self._copied.wait()
-            self._copied = None
-
-    def _start(self, target: Callable[..., None], *args: object) -> None:
-        self._thread = threading.Thread(target=target, args=args, daemon=True, name="publish")
-        self._thread.start()
+        """Until the publication thread is done with the weights: with `overlap` it copies
+        them, so call this before they change. That thread ends once the last bucket is
+        copied (rollout servers go on streaming the snapshot); its error, if any, is raised
+        by the next `wait`. Without `overlap` the weights were copied in `submit`."""
+        if self._thread is not None and self._reads_weights:
+            self._thread.join()
 
     def wait(self) -> None:
         """Until the publication in flight (if any) is served; re-raises its error."""
@@ -85,27 +83,15 @@ class BackgroundPublisher:
             error, self._error = self._error, None
             raise error
 
-    def _publish_live(
-        self,
-        version: int,
-        tensors: Iterable[RawTensor],
-        total: int | None,
-        copied: threading.Event,
-    ) -> None:
-        """Copy and serve bucket by bucket (`WeightServicer.publish`), then let the
-        weights change."""
-        try:
-            self.servicer.publish(version, tensors, total)
-            self.finished.append((version, time.monotonic()))
-        except BaseException as exc:
-            log.exception("publishing version %d failed", version)
-            self._error = exc
-        finally:
-            copied.set()
+    def _start(self, version: int, publish: Callable[[], None]) -> None:
+        self._thread = threading.Thread(
+            target=self._publish, args=(version, publish), daemon=True, name="publish"
+        )
+        self._thread.start()
 
-    def _publish(self, version: int, snapshot: Snapshot, copies: list[RawTensor]) -> None:
+    def _publish(self, version: int, publish: Callable[[], None]) -> None:
         try:
-            self.servicer.publish_snapshot(version, snapshot, copies)
+            publish()
             self.finished.append((version, time.monotonic()))
         except BaseException as exc:  # handed to the training thread by `wait`
             log.exception("publishing version %d failed", version)

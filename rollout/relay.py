@@ -38,6 +38,7 @@ from services.common.security import TlsConfig
 from services.common.tensor_codec import parse_bucket, wire_bucket_parts
 from services.common.weight_socket import (
     FRAME,
+    Frame,
     WeightSocketError,
     close_listener,
     recv_exact,
@@ -67,7 +68,7 @@ class Reception:
     def __init__(self, cond: threading.Condition) -> None:
         self.version: int | None = None
         self.received = 0  # buckets assembled
-        self.parts: list[list[bytes | memoryview]] = []  # assembled frames, for children
+        self.parts: list[Frame] = []  # assembled frames, for children
         self.done = False  # every frame read (or the transfer failed)
         self.error: Exception | None = None
         # no reference back to self: a cycle would keep the version's tensors (their
@@ -133,7 +134,7 @@ class Reception:
             yield item
             index += 1
 
-    def iter_parts(self) -> Iterator[list[bytes | memoryview]]:
+    def iter_parts(self) -> Iterator[Frame]:
         """Every assembled frame in order, for a child; raises if the transfer failed."""
         index = 0
         while True:
@@ -153,7 +154,7 @@ class Reception:
 
 
 def _keep_for_children(
-    parts: list[list[bytes | memoryview]], cond: threading.Condition
+    parts: list[Frame], cond: threading.Condition
 ) -> Callable[[Any, list[memoryview]], None]:
     """What a reception's assembler calls when a bucket is in its tensors: children may
     have it (its frame, as views into the tensors)."""

@@ -30,7 +30,7 @@ from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
 from rollout.relay import RelayHub, RelaySource, chain_index, relay_parent
 from services.common import weight_socket
-from services.common.assembly import Assembling
+from services.common.assembly import assembling
 from services.common.frame_reader import PlacedBuckets
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
@@ -74,7 +74,7 @@ class WeightUpdater:
         return version
 
     def _apply(self, buckets: Iterable[Any]) -> int:
-        items = buckets if hasattr(buckets, "assembler") else Assembling(buckets)
+        items = assembling(buckets)
         try:
             for bucket, completed in items:
                 self._check_newer(bucket.version)  # refuse early, before gigabytes arrive

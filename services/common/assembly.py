@@ -19,26 +19,12 @@ from services.common.tensor_codec import (
     DTYPE_NAMES,
     MAX_TENSOR_BYTES,
     RawTensor,
+    SliceMeta,
     TensorWireError,
     WireBucket,
     WireSlice,
     expected_nbytes,
 )
-
-
-@dataclass(frozen=True)
-class SliceMeta:
-    """A TensorSlice without its data: what a receiver needs to place the data."""
-
-    name: str
-    dtype: int
-    shape: tuple[int, ...]
-    offset: int
-    total_bytes: int
-
-    @classmethod
-    def of(cls, piece: Any) -> SliceMeta:
-        return cls(piece.name, piece.dtype, tuple(piece.shape), piece.offset, piece.total_bytes)
 
 
 @dataclass
@@ -165,14 +151,11 @@ class WeightAssembler:
 
 
 def assemble_update(buckets: Iterable[Any]) -> tuple[int, list[RawTensor]]:
-    """Receive a whole update: (version, tensors), or TensorWireError if incomplete.
-    `buckets`: WeightBuckets, or a source that assembles them itself (it has an
-    `assembler`, e.g. `PlacedBuckets`)."""
-    items = buckets if hasattr(buckets, "assembler") else Assembling(buckets)
+    """Receive a whole update: (version, tensors), or TensorWireError if incomplete."""
+    items = assembling(buckets)
     for _ in items:
         pass
-    assembler = items.assembler
-    return assembler.version or 0, assembler.result()
+    return items.assembler.version or 0, items.assembler.result()
 
 
 Assembled = tuple[Any, list[RawTensor]]
@@ -192,3 +175,10 @@ class Assembling:
         for bucket in self._buckets:
             self.assembler.add(bucket)
             yield bucket, self.assembler.pop_completed()
+
+
+def assembling(buckets: Iterable[Any]) -> Any:
+    """`buckets` as `Assembled` items with their `assembler`: a source that assembles as
+    it receives (`PlacedBuckets`, a relay's reception) as it is, WeightBuckets (generated
+    or parsed) through an `Assembling`."""
+    return buckets if hasattr(buckets, "assembler") else Assembling(buckets)

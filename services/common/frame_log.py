@@ -45,10 +45,6 @@ class FrameLog:
             self._closed, self._error = True, error
             self._cond.notify_all()
 
-    def frames(self) -> list[Frame]:
-        """Every frame, once the log is complete (waits for the writer)."""
-        return list(self)
-
     def nbytes(self) -> int:
         """The bytes of every frame (what one stream sends, less the length prefixes);
         waits for the writer."""

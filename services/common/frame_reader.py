@@ -17,18 +17,21 @@ import socket
 from collections.abc import Iterator
 
 from dapo.v1 import tensor_pb2
-from services.common.assembly import Assembled, SliceMeta, WeightAssembler
+from services.common.assembly import Assembled, WeightAssembler
 from services.common.tensor_codec import (
+    DATA_KEY,
+    FIXED_WIDTHS,
+    SLICES_KEY,
+    SliceMeta,
     TensorWireError,
     WireBucket,
     WireSlice,
     from_string,
+    read_varint,
 )
-from services.common.weight_socket import FRAME, WeightSocketError, recv_exact
+from services.common.weight_socket import WeightSocketError, frame_size, recv_exact
 
 STAGE_BYTES = 4096  # read ahead for metadata; the data past it land in place
-_SLICES_KEY, _DATA_KEY = 4 << 3 | 2, 6 << 3 | 2  # WeightBucket.slices, TensorSlice.data
-_FIXED = {1: 8, 5: 4}  # wire type → width
 
 
 class _Frame:
@@ -86,12 +89,10 @@ class _Frame:
 
     def varint(self) -> tuple[int, bytes]:
         """(value, its encoding)."""
-        raw = bytearray()
-        while len(raw) < 10:
+        raw = bytearray([self.byte()])
+        while raw[-1] >= 0x80 and len(raw) < 10:  # a varint of 64 bits takes 10 bytes
             raw.append(self.byte())
-            if raw[-1] < 0x80:
-                return sum((b & 0x7F) << (7 * i) for i, b in enumerate(raw)), bytes(raw)
-        raise TensorWireError("malformed varint in weight bucket")
+        return read_varint(memoryview(raw), 0)[0], bytes(raw)
 
     def field(self, key: int, key_bytes: bytes) -> bytes:
         """A whole field (key included) whose key was just read, for protobuf to parse."""
@@ -101,8 +102,8 @@ class _Frame:
         if wire_type == 2:
             length, length_bytes = self.varint()
             return key_bytes + length_bytes + self.take(length)
-        if wire_type in _FIXED:
-            return key_bytes + self.take(_FIXED[wire_type])
+        if wire_type in FIXED_WIDTHS:
+            return key_bytes + self.take(FIXED_WIDTHS[wire_type])
         raise TensorWireError(f"unsupported wire type {wire_type} in weight bucket")
 
 
@@ -115,7 +116,7 @@ def read_bucket(
     slices: list[WireSlice] = []
     while frame.left:
         key, key_bytes = frame.varint()
-        if key != _SLICES_KEY:
+        if key != SLICES_KEY:
             header.append(frame.field(key, key_bytes))
             continue
         length = frame.varint()[0]
@@ -135,7 +136,7 @@ def _read_slice(frame: _Frame, stop: int, assembler: WeightAssembler) -> WireSli
         key, key_bytes = frame.varint()
         if view is not None:
             raise TensorWireError("a slice's data must be its last field")
-        if key == _DATA_KEY:
+        if key == DATA_KEY:
             if not meta:
                 raise TensorWireError("a slice's data came before its metadata")
             length = frame.varint()[0]
@@ -173,12 +174,12 @@ class PlacedBuckets:
         self.first_timeout = first_timeout  # for the first frame (a relay may wait longer)
 
     def __iter__(self) -> Iterator[Assembled]:
-        stage, header = memoryview(bytearray(STAGE_BYTES)), bytearray(FRAME.size)
+        stage = memoryview(bytearray(STAGE_BYTES))
         timeout = self.sock.gettimeout()
         try:
             if self.first_timeout is not None:
                 self.sock.settimeout(self.first_timeout)
-            while size := self._next_size(header):
+            while size := frame_size(self.sock, self.max_frame_bytes):
                 bucket, views = read_bucket(self.sock, size, self.assembler, stage)
                 self.sock.settimeout(timeout)  # the first frame may wait longer, not the rest
                 self.assembler.add_placed(bucket, views)
@@ -187,13 +188,3 @@ class PlacedBuckets:
             raise WeightSocketError(f"weight socket failed: {exc}") from exc
         finally:
             self.sock.close()
-
-    def _next_size(self, header: bytearray) -> int:
-        recv_exact(self.sock, FRAME.size, memoryview(header))
-        (size,) = FRAME.unpack(header)
-        if size > self.max_frame_bytes:
-            raise WeightSocketError(
-                f"weight socket frame of {size} bytes exceeds the limit of "
-                f"{self.max_frame_bytes} (shared.rpc.max_message_bytes)"
-            )
-        return size

@@ -88,6 +88,7 @@ def encode_buckets(
 # (sender: one copy into the message) or viewed in place (receiver: a memoryview).
 _SLICE_TAG, _DATA_TAG = b"\x22", b"\x32"  # WeightBucket.slices = 4, TensorSlice.data = 6
 _SLICES_FIELD, _DATA_FIELD = 4, 6
+SLICES_KEY, DATA_KEY = _SLICES_FIELD << 3 | 2, _DATA_FIELD << 3 | 2  # length-delimited keys
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -99,7 +100,7 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     """(value, position after it); TensorWireError when truncated or too long."""
     value = shift = 0
     while pos < len(buf) and shift < 64:
@@ -112,22 +113,22 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     raise TensorWireError("malformed varint in weight bucket")
 
 
-_FIXED = {1: 8, 5: 4}  # wire type → width (64-bit, 32-bit)
+FIXED_WIDTHS = {1: 8, 5: 4}  # wire type → width (64-bit, 32-bit)
 
 
 def _fields(buf: memoryview) -> Iterator[tuple[int, int, int, int]]:
     """(key, start of the key, start of the value, end) of each field of a message."""
     pos = 0
     while pos < len(buf):
-        key, start = _read_varint(buf, pos)
+        key, start = read_varint(buf, pos)
         wire_type = key & 7
         if wire_type == 0:
-            end = _read_varint(buf, start)[1]
+            end = read_varint(buf, start)[1]
         elif wire_type == 2:
-            length, start = _read_varint(buf, start)
+            length, start = read_varint(buf, start)
             end = start + length
-        elif wire_type in _FIXED:
-            end = start + _FIXED[wire_type]
+        elif wire_type in FIXED_WIDTHS:
+            end = start + FIXED_WIDTHS[wire_type]
         else:
             raise TensorWireError(f"unsupported wire type {wire_type} in weight bucket")
         if end > len(buf):
@@ -149,14 +150,24 @@ def _split(buf: memoryview, big_field: int) -> tuple[bytes, list[memoryview]]:
 
 
 @dataclass(frozen=True)
-class WireSlice:
-    """A TensorSlice whose `data` is a view into the received message (no copy)."""
+class SliceMeta:
+    """A TensorSlice without its data: what a receiver needs to place the data."""
 
     name: str
     dtype: int
     shape: tuple[int, ...]
     offset: int
     total_bytes: int
+
+    @classmethod
+    def of(cls, piece: Any) -> SliceMeta:
+        return cls(piece.name, piece.dtype, tuple(piece.shape), piece.offset, piece.total_bytes)
+
+
+@dataclass(frozen=True)
+class WireSlice(SliceMeta):
+    """A TensorSlice whose `data` is a view into the received message (no copy)."""
+
     data: memoryview | bytes
 
 

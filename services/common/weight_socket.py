@@ -29,7 +29,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from services.common.errors import DapoError
 from services.common.security import TlsConfig, read_pem
@@ -282,39 +282,31 @@ def connect(host: str, port: int, ticket: bytes, tls: TlsConfig, timeout_s: floa
 
 def read_frames(sock: socket.socket, max_frame_bytes: int) -> Iterator[memoryview]:
     """The frames of one stream, each a view into one reused buffer: a view is valid
-    only until the next one is taken (consume it first). Closes `sock` at the end."""
+    only until the next one is taken (consume it first). Closes `sock` at the end.
+    (Rollout servers receive in place instead: services/common/frame_reader.py.)"""
     buf = bytearray()
-
-    def reused(size: int) -> memoryview:
-        nonlocal buf
-        if size > len(buf):
-            buf = bytearray(size)
-        return memoryview(buf)[:size]
-
     try:
-        yield from frames_into(sock, max_frame_bytes, reused)
+        while size := frame_size(sock, max_frame_bytes):
+            if size > len(buf):
+                buf = bytearray(size)
+            view = memoryview(buf)[:size]
+            recv_exact(sock, size, view)
+            yield view
     except OSError as exc:  # a reset, a timeout, a TLS alert (e.g. our cert refused)
         raise WeightSocketError(f"weight socket failed: {exc}") from exc
     finally:
         sock.close()
 
 
-def frames_into(
-    sock: socket.socket, max_frame_bytes: int, buffer_for: Callable[[int], memoryview]
-) -> Iterator[memoryview]:
-    """Read length-prefixed frames until the 0-length end marker, each into the view
-    `buffer_for(size)` hands out (a reused buffer, or a relay's ring slot)."""
+def frame_size(sock: socket.socket, max_frame_bytes: int) -> int:
+    """The next frame's length (0: the stream's end), refused before its bytes are read
+    when over `max_frame_bytes`."""
     header = bytearray(FRAME.size)
-    while True:
-        recv_exact(sock, FRAME.size, memoryview(header))
-        (size,) = FRAME.unpack(header)
-        if size == 0:
-            return
-        if size > max_frame_bytes:
-            raise WeightSocketError(
-                f"weight socket frame of {size} bytes exceeds the limit of "
-                f"{max_frame_bytes} (shared.rpc.max_message_bytes)"
-            )
-        view = buffer_for(size)
-        recv_exact(sock, size, view)
-        yield view
+    recv_exact(sock, FRAME.size, memoryview(header))
+    (size,) = FRAME.unpack(header)
+    if size > max_frame_bytes:
+        raise WeightSocketError(
+            f"weight socket frame of {size} bytes exceeds the limit of "
+            f"{max_frame_bytes} (shared.rpc.max_message_bytes)"
+        )
+    return size
