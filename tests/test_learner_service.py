@@ -269,7 +269,8 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     try:
         deadline = time.monotonic() + 240
         while redis_client.get(keys.done) is None:
-            assert all(p.poll() is None for p in procs), _output(procs)
+            # a crash fails at once; the follower may finish (exit 0) before rank 0 sets done
+            assert all(p.poll() in (None, 0) for p in procs), _output(procs)
             assert time.monotonic() < deadline, _output(procs)
             time.sleep(0.2)
         assert _counts(redis_client, run) == (3 * BATCH, 0, 3)
