@@ -156,17 +156,29 @@ def gather_worker(model: str, out: str) -> None:
             json.dump(result, f)
 
 
+def teardown() -> None:
+    """Both ranks done before either closes the process group: a rank that exits while
+    its peer's gloo threads still talk to it can abort the peer at exit ("terminate
+    called without an active exception", seen under load)."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _, cmd, model_dir, out_path, stages, last = sys.argv
     if cmd == "gather":
         gather_worker(model_dir, out_path)
-        sys.exit(0)
-    for zero in stages.split(","):
+    else:
+        for zero in stages.split(","):
+            if cmd == "grads":
+                grads_worker(model_dir, out_path, int(zero), int(last))
+            else:
+                for dtype in last.split(","):
+                    train_worker(model_dir, out_path, int(zero), dtype)
         if cmd == "grads":
-            grads_worker(model_dir, out_path, int(zero), int(last))
-        else:
-            for dtype in last.split(","):
-                train_worker(model_dir, out_path, int(zero), dtype)
-    if cmd == "grads":
-        broadcast_check(out_path)
+            broadcast_check(out_path)
+    teardown()
