@@ -89,6 +89,9 @@ class DeepSpeedPolicy:
         self.engine, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer, config=ds_config(cfg)
         )
+        # from_pretrained leaves the model in eval mode, and transformers checkpoints a
+        # layer only while `self.training`: without this, checkpointing did nothing.
+        self.engine.train()
         self._set_lr()
 
     @property

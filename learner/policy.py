@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class CausalLM(Protocol):
@@ -35,6 +38,12 @@ class CausalLM(Protocol):
 
 class Policy(CausalLM, Protocol):
     """What the DAPO step needs from a training engine."""
+
+    @property
+    def module(self) -> PreTrainedModel:
+        """The transformers model being trained, in train mode (checkpointing acts only
+        while `training` is true)."""
+        ...
 
     def backward(self, loss: Tensor, last: bool = True) -> None:
         """Accumulate gradients of `loss` (no scaling); `last`: the mini-batch's last one."""

@@ -59,6 +59,10 @@ class TorchPolicy(LocalCausalLM):
             self.optimizer, lambda s: warmup_factor(s, cfg.warmup_steps)
         )
 
+    @property
+    def module(self) -> PreTrainedModel:
+        return self.model
+
     def backward(self, loss: Tensor, last: bool = True) -> None:
         loss.backward()
 
