@@ -1,27 +1,30 @@
-"""Learner memory at long sequence lengths: chunked log-probs against full-vocabulary logits.
+"""`dapo bench learner_memory`: the learner's peak memory at long lengths, in the process
+users run.
 
-One DAPO step (`learner.backends.build_policy` + `learner.step.train_step`, plain torch,
-fp32) of a Qwen2-shaped model with the real Qwen2.5 vocabulary (151,936) and a small
-body, on one group: a sequence of 256 prompt tokens + a response up to 1k, 4k, 8k and
-16k tokens in all, and a second, one-token response (so the advantages are ±0.7, not 0).
-Each row runs in its own process: a short warm-up step (it allocates the optimizer
-state, so every row holds it at its peak), then the measured steps. Peak RSS
-(`ru_maxrss`) is taken after the first measured step, so every row is charged for the
-same work; the step time is the fastest measured step. Rows: chunked log-probs
-(`logprob_chunk_tokens` 512) with and without activation checkpointing at every length;
-the full-logits path (`logprob_chunk_tokens` 0, no checkpointing: the learner before
-chunking) at 1k and 4k only, as the baseline (beyond 4k it runs out of memory here).
-Each process keeps glibc malloc's defaults, so RSS follows live tensors (blocks over
-32 MiB are mapped and returned on free); `--malloc-tuning` applies what `dapo learner`
-sets (`services.common.malloc`), under which freed logits chunks stay in the heap and
-its high-water mark grows with fragmentation.
+Every measured row is a real `dapo learner` process (`python -m services.tools.cli learner`,
+the command `dapo up` runs, with the launcher's child environment), configured by the
+project's loader from `--preset tiny` plus the row's settings, on a real Redis: it sets
+itself up (`services.common.process.configure_process`: threads, malloc), serves its
+weights and trains on groups read from the `train` stream in their wire encoding. Two
+steps: a short warm-up (the optimizer state exists from then on), then the peak RSS
+counter is reset (`/proc/PID/clear_refs`) and the measured step runs on one group: a
+256-token prompt with a long correct response (`tokens` in all) and a one-token wrong
+one. Peak = the process's VmHWM over the measured step; step time = the step's own
+`seconds` metric.
 
-Checks:
-1. the 16k step completes (chunked, checkpointing on: the default configuration);
-2. memory slope: (peak(16k) − peak(4k)) ÷ (12k × V × 4 bytes) ≤ 0.10, i.e. each extra
-   token costs under a tenth of one fp32 row of logits;
-3. step time at 4k (default configuration) ≤ 1.3 × the full-logits path at 4k, both
-   measured in the same run, back to back, twice (the fastest of four steps each).
+Model: a random Qwen2 with the real Qwen2.5 vocabulary (151,936), 4 layers, hidden 256,
+tied head (42M parameters, 39M of them the embedding).
+
+Configurations: `fp32_zero0` (the tiny preset's engine: DeepSpeed ZeRO-0 fp32) with
+activation checkpointing at 1k-16k, and at 4k with full-vocabulary logits (the baseline
+of the time check); `bf16_zero2` (the GPU default) and `bf16_zero3` at 16k. For each
+16k configuration a `bare` row runs the same step in a plain process that only builds
+`Trainer(settings)` (no service, glibc malloc defaults): the launched learner must stay
+within 1.2x of it.
+
+Checks: the 16k step of each configuration completes as launched, within 1.2x of its bare
+peak; memory slope of `fp32_zero0` from 4k to 16k <= 0.10 fp32 logit rows per token; step
+time at 4k <= 1.3x the full-logits path.
 
 Writes benchmarks/results/learner_memory.json (details + `checks`).
 """
@@ -32,7 +35,7 @@ import argparse
 import json
 import os
 import platform
-import resource
+import random
 import subprocess
 import sys
 import tempfile
@@ -42,21 +45,34 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "learner_memory.json"
-VOCAB, PROMPT, CHUNK = 151_936, 256, 512
-LENGTHS = (1024, 4096, 8192, 16384)
-FULL_LENGTHS = (1024, 4096)  # the full path needs ~10 GiB at 4k; never beyond
-TARGET_SLOPE, TARGET_TIME = 0.10, 1.3
-ROW_TIMEOUT_S = 3600
+VOCAB, PROMPT, CHUNK, THREADS = 151_936, 256, 512, 2
+TARGET_SLOPE, TARGET_TIME, TARGET_BARE = 0.10, 1.3, 1.2
+ROW_TIMEOUT_S = 1800
+ENGINES = {
+    "fp32_zero0": {"learner.zero_stage": 0, "learner.dtype": "float32"},
+    "bf16_zero2": {"learner.zero_stage": 2, "learner.dtype": "bfloat16"},
+    "bf16_zero3": {"learner.zero_stage": 3, "learner.dtype": "bfloat16"},
+}
 
 
 def build_model(out: Path) -> dict[str, int]:
-    """A random Qwen2 with the Qwen2.5 vocabulary: 4 layers, hidden 256, tied head."""
+    """A random Qwen2 with the Qwen2.5 vocabulary and a small body, plus a tokenizer."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=768,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, max_position_embeddings=32768)  # fmt: skip
+    from learner.init_model import init_model
+
+    init_model(out, preset="tiny", seed=0)  # its tokenizer; the model is replaced below
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out)
@@ -64,170 +80,279 @@ def build_model(out: Path) -> dict[str, int]:
     return {"parameters": total, "embedding_parameters": VOCAB * config.hidden_size}
 
 
-def make_group(tokens: int, seed: int = 0) -> Any:
-    """One prompt, two responses: `tokens` − 256 tokens (correct) and 1 token (wrong)."""
-    import random
-
+def make_group(tokens: int, name: str) -> Any:
+    """One prompt, two responses: `tokens` - 256 tokens (correct) and 1 token (wrong)."""
     from services.common.types import Group, Sample
 
-    rng = random.Random(seed)
+    rng = random.Random(tokens)
     prompt = [rng.randrange(1, VOCAB) for _ in range(PROMPT)]
     long = [rng.randrange(1, VOCAB) for _ in range(tokens - PROMPT)]
     samples = [
         Sample(long, [-2.0] * len(long), "", "stop", 0, 1.0, True),
         Sample(long[:1], [-2.0], "", "stop", 0, -1.0, False),
     ]
-    return Group("g", "p", "", prompt, "", samples=samples)
+    return Group(name, "p", "", prompt, "", samples=samples)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def overrides(model_dir: Path, row: dict[str, Any], run: str) -> list[str]:
+    """The row's settings over `--preset tiny`, as `--set` pairs."""
+    sets = {
+        "shared.run_name": run,
+        "shared.model_path": str(model_dir),
+        "shared.model_init": "null",
+        "shared.max_prompt_length": PROMPT,
+        "shared.max_response_length": row["tokens"],
+        "shared.train_batch_groups": 1,
+        "shared.max_staleness": 100,
+        "shared.torch_threads": THREADS,
+        "learner.engine": "deepspeed",
+        "learner.lr": 1e-6,
+        "learner.mini_batch_responses": 2,
+        "learner.micro_batch_tokens": row["tokens"] + PROMPT,
+        "learner.logprob_chunk_tokens": row["chunk"],
+        "learner.gradient_checkpointing": str(row["checkpointing"]).lower(),
+        "learner.total_steps": 2,
+        "learner.linger_s": 3600,
+        **ENGINES[row["engine"]],
+    }
+    return [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
 
 
-def run_row(model_dir: str, tokens: int, chunk: int, checkpointing: bool, reps: int) -> dict:
-    """In this process: build the policy, a warm-up step, then `reps` timed steps."""
-    from learner.backends import build_policy
-    from learner.config import LearnerConfig
-    from learner.step import train_step
-
-    cfg = LearnerConfig(
-        engine="torch", dtype="float32", lr=1e-6, warmup_steps=0, mini_batch_responses=2,
-        micro_batch_tokens=tokens, logprob_chunk_tokens=chunk,
-        gradient_checkpointing=checkpointing,
-    )  # fmt: skip
-    policy = build_policy(model_dir, cfg)
-    train_step(policy, [make_group(PROMPT + 256)], cfg, 0, 1.0, tokens)  # optimizer state
-    base, seconds, peaks = rss_bytes(), [], []
-    for k in range(reps):
-        started = time.perf_counter()
-        metrics = train_step(policy, [make_group(tokens)], cfg, 0, 1.0, tokens, seed=k)
-        seconds.append(time.perf_counter() - started)
-        peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
-        assert metrics.updates == 1 and metrics.grad_norm > 0
-    return {"step_s": min(seconds), "steps_s": seconds, "peak_rss_bytes": peaks[0],
-            "peak_rss_after_each_step_bytes": peaks, "rss_after_warmup_bytes": base}  # fmt: skip
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
 
 
-def row_in_subprocess(model_dir: Path, row: dict, tuned: bool) -> dict:
-    """One row in a fresh process (its own peak RSS); a crash or OOM kill is recorded."""
-    # As a module from the root: run as a script, `import learner` would find
-    # benchmarks/learner.py instead of the package.
-    cmd = [sys.executable, "-m", "benchmarks.learner_memory", "--row", str(model_dir),
-           str(row["tokens"]), str(row["chunk"]), str(int(row["checkpointing"])),
-           str(row["reps"])]  # fmt: skip
-    if tuned:
-        cmd.append("--malloc-tuning")
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'proto'}", DS_ACCELERATOR="cpu")
-    started = time.monotonic()
+def reset_peak(pid: int) -> None:
+    """Restart the process's VmHWM from its current RSS (Linux >= 4.0)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def launched_row(model_dir: Path, row: dict[str, Any], log: Path) -> dict[str, Any]:
+    """The row in a real `dapo learner` process, as `dapo up` starts it."""
+    from services.common.adapters import encode_group
+    from services.common.keys import RunKeys
+    from services.common.redis_server import connect, start_redis
+    from services.tools.launcher import child_env
+
+    server = start_redis()
+    client, keys = connect(server.url), RunKeys("bench")
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.tools.cli",
+        "learner",
+        "--preset",
+        "tiny",
+        "--redis-url",
+        server.url,
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        *overrides(model_dir, row, "bench"),
+    ]
+    env = child_env() | {"PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
-                              timeout=ROW_TIMEOUT_S)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return row | {"ok": False, "error": f"timed out after {ROW_TIMEOUT_S} s"}
-    wall = round(time.monotonic() - started, 1)
+        client.xadd(keys.train, {"group": encode_group(make_group(PROMPT + 256, "warm"))})
+        wait_version(client, keys, proc, 1)
+        reset_peak(proc.pid)
+        client.xadd(keys.train, {"group": encode_group(make_group(row["tokens"], "long"))})
+        wait_version(client, keys, proc, 2)
+        peak = status_kib(proc.pid, "VmHWM") * 1024
+        (entry,) = client.xrevrange(keys.metrics, count=1)
+        seconds = json.loads(entry[1][b"json"])["seconds"]
+        return {"ok": True, "peak_rss_bytes": peak, "step_s": seconds}
+    except RuntimeError as exc:
+        return {"ok": False, "error": str(exc), "log_tail": log.read_text()[-2000:]}
+    finally:
+        proc.kill()
+        proc.wait()
+        server.stop()
+
+
+def wait_version(client: Any, keys: Any, proc: subprocess.Popen, version: int) -> None:
+    deadline = time.monotonic() + ROW_TIMEOUT_S
+    while int(client.get(keys.version) or 0) < version:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the learner exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no version {version} after {ROW_TIMEOUT_S} s")
+        time.sleep(0.2)
+
+
+def bare_step(model_dir: str, row: dict[str, Any]) -> dict[str, Any]:
+    """In this process (glibc defaults): `Trainer` alone, warm-up, reset, measured step."""
+    import torch
+
+    from learner.config import LearnerSettings
+    from learner.dist import Single
+    from learner.trainer import Trainer
+    from services.common.adapters import decode_group, encode_group
+    from services.common.config_loader import load_settings
+
+    torch.set_num_threads(THREADS)
+    settings = load_settings(
+        LearnerSettings,
+        None,
+        preset="tiny",
+        overrides=overrides(Path(model_dir), row, "bare")[1::2],
+    )
+    trainer = Trainer(settings, Single())
+    for name, tokens in (("warm", PROMPT + 256), ("long", row["tokens"])):
+        if name == "long":
+            reset_peak(os.getpid())
+        group = decode_group(encode_group(make_group(tokens, name)))
+        metrics = trainer.train([group], seed=0, version=0)
+    return {
+        "ok": True,
+        "peak_rss_bytes": status_kib(os.getpid(), "VmHWM") * 1024,
+        "step_s": metrics.seconds,
+    }
+
+
+def bare_row(model_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.learner_memory",
+        "--bare",
+        str(model_dir),
+        json.dumps(row),
+    ]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'proto'}", DS_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=ROW_TIMEOUT_S
+    )
     if proc.returncode != 0:
-        return row | {"ok": False, "wall_s": wall, "returncode": proc.returncode,
-                      "error": proc.stderr[-2000:]}  # fmt: skip
-    return row | {"ok": True, "wall_s": wall} | json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"ok": False, "returncode": proc.returncode, "error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def plan_rows() -> list[dict[str, Any]]:
-    """Per length: chunked (default), the full path where it fits, chunked without
-    checkpointing; the rows timed against each other run back to back."""
-    rows = []
-    for tokens in LENGTHS:
-        reps = 2 if tokens <= 4096 else 1
-        row = {"path": "chunked", "tokens": tokens, "chunk": CHUNK, "reps": reps}
-        rows.append(row | {"checkpointing": True})
-        if tokens in FULL_LENGTHS:
-            rows.append(row | {"path": "full_logits", "chunk": 0, "checkpointing": False})
-        rows.append(row | {"checkpointing": False, "reps": 1})
-    # The timed pair once more at the end: other processes on a shared machine can slow
-    # one row down, so the check takes each configuration's fastest step over both.
-    pair = [rows[3], rows[4]]
-    assert [(r["path"], r["tokens"]) for r in pair] == [("chunked", 4096), ("full_logits", 4096)]
-    return rows + [r | {"repeat": True} for r in pair]
+    def row(engine: str, tokens: int, process: str = "launched", chunk: int = CHUNK) -> dict:
+        return {
+            "engine": engine,
+            "tokens": tokens,
+            "process": process,
+            "chunk": chunk,
+            "checkpointing": chunk > 0,
+        }
+
+    rows = [row("fp32_zero0", t) for t in (1024, 4096)]
+    rows.append(row("fp32_zero0", 4096, chunk=0))  # full logits: the time check's baseline
+    rows += [row("fp32_zero0", 8192), row("fp32_zero0", 16384)]
+    for engine in ENGINES:
+        if engine != "fp32_zero0":
+            rows.append(row(engine, 16384))
+        rows.append(row(engine, 16384, process="bare"))
+    return rows
 
 
-def find(rows: list[dict], path: str, tokens: int, checkpointing: bool) -> dict:
-    """The first row of that configuration (the memory measurement)."""
-    for row in rows:
-        if (row["path"], row["tokens"], row["checkpointing"]) == (path, tokens, checkpointing):
-            return row
+def find(
+    rows: list[dict], engine: str, tokens: int, process: str = "launched", chunk: int = CHUNK
+) -> dict:
+    for r in rows:
+        if (r["engine"], r["tokens"], r["process"], r["chunk"]) == (engine, tokens, process, chunk):
+            return r
     return {"ok": False}
 
 
-def fastest(rows: list[dict], path: str, checkpointing: bool) -> float | None:
-    """The fastest 4k step of that configuration over all its rows."""
-    steps = [t for r in rows if r["ok"] and (r["path"], r["tokens"], r["checkpointing"])
-             == (path, 4096, checkpointing) for t in r["steps_s"]]  # fmt: skip
-    return min(steps) if steps else None
-
-
-def slope(rows: list[dict], checkpointing: bool) -> float | None:
-    """Peak RSS per extra token from 4k to 16k, in fp32 rows of full-vocabulary logits."""
-    a, b = find(rows, "chunked", 4096, checkpointing), find(rows, "chunked", 16384, checkpointing)
-    if not (a["ok"] and b["ok"]):
-        return None
-    return (b["peak_rss_bytes"] - a["peak_rss_bytes"]) / (12288 * VOCAB * 4)
+def check(name: str, value: Any, target: str, ok: bool) -> dict[str, Any]:
+    value = round(value, 4) if isinstance(value, float) else value
+    return {"name": name, "value": value, "target": target, "ok": bool(ok)}
 
 
 def checks(rows: list[dict]) -> list[dict[str, Any]]:
-    def check(name: str, value: Any, target: str, ok: bool) -> dict[str, Any]:
-        value = round(value, 4) if isinstance(value, float) else value
-        return {"name": name, "value": value, "target": target, "ok": bool(ok)}
-
-    done = find(rows, "chunked", 16384, True)["ok"]
-    mem = slope(rows, True)
-    new, old = fastest(rows, "chunked", True), fastest(rows, "full_logits", False)
-    ratio = new / old if new and old else None
-    return [
-        check("step_16k_completes", done, "true", done),
-        check("memory_slope_4k_to_16k_in_logit_rows", mem, f"<= {TARGET_SLOPE}",
-              mem is not None and mem <= TARGET_SLOPE),
-        check("step_time_4k_vs_full_logits", ratio, f"<= {TARGET_TIME}",
-              ratio is not None and ratio <= TARGET_TIME),
-    ]  # fmt: skip
+    out = []
+    for engine in ENGINES:
+        launched, bare = find(rows, engine, 16384), find(rows, engine, 16384, "bare")
+        ratio = (
+            launched["peak_rss_bytes"] / bare["peak_rss_bytes"]
+            if launched["ok"] and bare["ok"]
+            else None
+        )
+        out.append(
+            check(
+                f"{engine}_16k_launched_peak_vs_bare",
+                ratio,
+                f"<= {TARGET_BARE}",
+                ratio is not None and ratio <= TARGET_BARE,
+            )
+        )
+    a, b = find(rows, "fp32_zero0", 4096), find(rows, "fp32_zero0", 16384)
+    slope = (
+        (b["peak_rss_bytes"] - a["peak_rss_bytes"]) / (12288 * VOCAB * 4)
+        if a["ok"] and b["ok"]
+        else None
+    )
+    out.append(
+        check(
+            "fp32_zero0_memory_slope_4k_to_16k_in_logit_rows",
+            slope,
+            f"<= {TARGET_SLOPE}",
+            slope is not None and slope <= TARGET_SLOPE,
+        )
+    )
+    new, old = find(rows, "fp32_zero0", 4096), find(rows, "fp32_zero0", 4096, chunk=0)
+    ratio = new["step_s"] / old["step_s"] if new["ok"] and old["ok"] else None
+    out.append(
+        check(
+            "step_time_4k_vs_full_logits",
+            ratio,
+            f"<= {TARGET_TIME}",
+            ratio is not None and ratio <= TARGET_TIME,
+        )
+    )
+    return out
 
 
 def summary(row: dict) -> str:
-    head = f"{row['path']:<11} {row['tokens']:>6} checkpointing={row['checkpointing']!s:<5}"
+    head = f"{row['engine']:<10} {row['process']:<8} {row['tokens']:>6} chunk={row['chunk']:<4}"
     if not row["ok"]:
-        return f"{head} FAILED"
+        return f"{head} FAILED: {row.get('error', '')[-300:]}"
     return f"{head} peak {row['peak_rss_bytes'] / 2**30:6.2f} GiB  step {row['step_s']:7.1f} s"
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run every row, write the JSON; 0 when every check is ok."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--row", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--malloc-tuning", action="store_true",
-                        help="what dapo learner sets instead of glibc's defaults")  # fmt: skip
+    parser.add_argument("--bare", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv if argv is not None else [])
-    tuned = args.malloc_tuning
-    if args.row:
-        from services.common.malloc import keep_freed_memory
-
-        if tuned:
-            keep_freed_memory()
-        model_dir, tokens, chunk, ckpt, reps = args.row
-        print(json.dumps(run_row(model_dir, int(tokens), int(chunk), ckpt == "1", int(reps))))
+    if args.bare:
+        print(json.dumps(bare_step(args.bare[0], json.loads(args.bare[1]))))
         return 0
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp))
-        for row in plan_rows():
-            rows.append(row_in_subprocess(Path(tmp), row, tuned))
+    with tempfile.TemporaryDirectory(prefix="dapo-bench-memory-") as tmp:
+        model = build_model(Path(tmp) / "model")
+        for i, row in enumerate(plan_rows()):
+            started = time.monotonic()
+            if row["process"] == "bare":
+                result = bare_row(Path(tmp) / "model", row)
+            else:
+                result = launched_row(Path(tmp) / "model", row, Path(tmp) / f"learner-{i}.log")
+            rows.append(row | result | {"wall_s": round(time.monotonic() - started, 1)})
             print(summary(rows[-1]), flush=True)
     result = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_avg_1m": os.getloadavg()[0]},
-        "model": model | {"vocab": VOCAB, "dtype": "float32", "engine": "torch"},
-        "prompt_tokens": PROMPT, "logprob_chunk_tokens": CHUNK, "malloc_tuned": tuned,
-        "rows": rows, "slope_without_checkpointing": slope(rows, False),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
+        "process": "launched rows: `python -m services.tools.cli learner --preset tiny` with "
+        "the launcher's child environment, configured by configure_process('learner')",
+        "model": model | {"vocab": VOCAB},
+        "prompt_tokens": PROMPT,
+        "torch_threads": THREADS,
+        "logprob_chunk_tokens": CHUNK,
+        "rows": rows,
         "checks": checks(rows),
-    }  # fmt: skip
+    }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(c["ok"] for c in result["checks"]) else 1

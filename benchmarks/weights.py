@@ -6,7 +6,8 @@ what the learner's policies publish: each tensor of the state once
 (`learner.model_io.unique_weights`: the tied head is the embedding, sent once), 0.99 GB.
 
 Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
-on a real gRPC server, as benchmarks/_weight_publication.py; malloc tuned and publishing
+on a real gRPC server, as benchmarks/_weight_publication.py; set up by
+`services.common.process.configure_process` as `dapo learner` is, and publishing
 in the background, as `dapo learner` does by default with the torch engine or ZeRO 0-2:
 the step goes on at once while a thread copies the weights into a pooled snapshot and
 the servicer offers the version from its first bucket, frames viewing the snapshot) and
@@ -79,12 +80,12 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
     from learner.publisher import BackgroundPublisher
     from learner.weights import WeightServicer, add_weight_service, live_views
     from services.common.grpc_server import start_grpc_server
-    from services.common.malloc import keep_freed_memory
+    from services.common.process import configure_process
     from services.common.security import TlsConfig
     from services.common.server_config import ServerConfig
     from services.common.weight_socket import WeightSocketServer
 
-    keep_freed_memory()  # as `dapo learner` does
+    setup = configure_process("learner", None)  # as `dapo learner` does
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     tensors = live_views((n, t.detach()) for n, t in unique_weights(model))
     streams = [0]
@@ -105,7 +106,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
     )
     listener = _weight_publication.serve_raw(tensors)
     nbytes = sum(len(t.data) for t in tensors)
-    print("ready", grpc_port, listener.getsockname()[1], nbytes, flush=True)
+    print("ready", grpc_port, listener.getsockname()[1], nbytes, json.dumps(setup), flush=True)
     for line in sys.stdin:
         command, version = line.split()
         if command == "publish" and background:
@@ -132,10 +133,10 @@ def serve_rollout(model_dir: str, grpc_port: str, index: int, parent_relay: int)
     from rollout.torch_engine import TorchEngine
     from rollout.weights import WeightStub, WeightUpdater, learner_sources, pull
     from services.common.grpc_server import insecure_channel
-    from services.common.malloc import keep_freed_memory
+    from services.common.process import configure_process
     from services.tools.config import DapoConfig
 
-    keep_freed_memory()  # as `dapo rollout` does
+    configure_process("rollout", None)  # as `dapo rollout` does
     engine = TorchEngine(model_dir, dtype="bfloat16", device="cpu")
     updater, config = WeightUpdater(engine, RolloutMetrics()), DapoConfig()
     relay = start_relay(config)
@@ -201,8 +202,8 @@ def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str
 def run(model_dir: Path, fan_outs: list[int], versions: int, sync: bool) -> dict[str, Any]:
     publisher = _spawn("publisher", str(model_dir), *(["sync"] if sync else []))
     assert publisher.stdout
-    _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
-    results: dict[str, Any] = {"model_bytes": int(nbytes)}
+    _, grpc_port, tcp_port, nbytes, setup = publisher.stdout.readline().split(maxsplit=4)
+    results: dict[str, Any] = {"model_bytes": int(nbytes), "learner_process": json.loads(setup)}
     version = 0
     try:
         for count in fan_outs:

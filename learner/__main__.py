@@ -14,14 +14,10 @@ from services.common.entry import role_main
 
 
 def run(config: LearnerSettings) -> None:
-    from services.common.malloc import keep_freed_memory
+    from services.common.process import configure_process
     from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
-    if config.shared.torch_threads:  # several torch processes must not oversubscribe
-        import torch
-
-        torch.set_num_threads(config.shared.torch_threads)
-    keep_freed_memory()  # weight buckets reuse warm memory (services/common/malloc.py)
+    configure_process("learner", config.shared.torch_threads)
     if int(os.environ.get("RANK", "0")) > 0:
         from learner.trainer import Follower
 

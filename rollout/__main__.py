@@ -11,14 +11,10 @@ from services.common.entry import role_main
 
 def run(config: RolloutSettings) -> None:
     from rollout.server import create_server
-    from services.common.malloc import keep_freed_memory
+    from services.common.process import configure_process
     from services.common.service import serve  # HTTP and gRPC stacks: not for --help
 
-    if config.shared.torch_threads:  # several torch processes must not oversubscribe
-        import torch
-
-        torch.set_num_threads(config.shared.torch_threads)
-    keep_freed_memory()  # received weights reuse warm memory (services/common/malloc.py)
+    configure_process("rollout", config.shared.torch_threads)
     serve("rollout", create_server(config))
 
 

@@ -1,4 +1,4 @@
-"""glibc malloc tuning for processes that move weights (learner, rollout servers).
+"""glibc malloc tuning for processes that receive weights (rollout servers; see process.py).
 
 By default glibc serves large blocks (≥ 128 KiB, rising to at most 32 MiB) with mmap and
 gives them back to the kernel on free, and trims the heap top: every weight bucket and
