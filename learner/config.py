@@ -56,6 +56,29 @@ Correction = Annotated[
 DEFAULT_CORRECTION = TokenTIS()
 
 
+class LearnerLaunch(StrictModel):
+    """How `dapo learner` starts its data-parallel ranks on this machine (learner/launch.py)."""
+
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Ranks on this machine; > 1: `dapo learner` re-executes itself under "
+        "torchrun (--standalone), one process per rank (learner.engine must be deepspeed).",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="torchrun restarts of the whole rank group after any rank dies; each "
+        "restart resumes from the last checkpoint.",
+    )
+    shutdown_timeout_s: int = Field(
+        120,
+        ge=1,
+        description="Seconds torchrun waits after SIGTERM before it SIGKILLs the ranks: the "
+        "step in progress plus a checkpoint must fit (a pod's grace period must exceed it).",
+    )
+
+
 class LearnerConfig(StrictModel):
     """Defaults are the paper's (DAPO.md, Qwen2.5-32B); presets and files override them."""
 
@@ -155,11 +178,17 @@ class LearnerConfig(StrictModel):
     linger_s: float = Field(
         30.0, ge=0, description="After the last step, keep serving the final weights this long."
     )
+    launch: LearnerLaunch = Field(default_factory=LearnerLaunch)
 
     @model_validator(mode="after")
     def _clip_order(self) -> LearnerConfig:
         if self.clip_ratio_low >= 1:
             raise ValueError("clip_ratio_low must be < 1")
+        if self.launch.ranks > 1 and self.engine != "deepspeed":
+            raise ValueError(
+                f"learner.launch.ranks={self.launch.ranks} needs learner.engine=deepspeed "
+                "(the torch engine trains in one process)"
+            )
         return self
 
 

@@ -45,6 +45,13 @@ def init_distributed(cfg: LearnerConfig) -> None:
 
     if get_accelerator().device_name() == "cpu" and not cfg.cpu_shm_allreduce:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    if not torch.distributed.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        torch.distributed.init_process_group(
+            "gloo" if get_accelerator().device_name() == "cpu" else None,
+            store=attempt_store(),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
         # A world of one, without writing launcher variables into os.environ: child
         # processes (e.g. services started by this one) must not inherit them.
@@ -54,6 +61,27 @@ def init_distributed(cfg: LearnerConfig) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it is set
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend)
+
+
+def attempt_store() -> torch.distributed.Store:
+    """torchrun's store, under a prefix of this restart's own.
+
+    torchrun keeps one rendezvous store across the group's restarts, so without a prefix
+    a restarted rank read the dead group's gloo addresses and every restart failed
+    ("connectFullMesh failed ... Connection refused").
+    """
+    from datetime import timedelta
+
+    agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=not agent_hosts_it and os.environ["RANK"] == "0",
+        timeout=timedelta(minutes=30),
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return torch.distributed.PrefixStore(f"dapo/attempt_{attempt}/", store)
 
 
 def ds_config(cfg: LearnerConfig) -> dict[str, Any]:

@@ -33,6 +33,10 @@ class DataParallel(Protocol):
 
     def broadcast_bytes(self, payload: bytes | None) -> bytes: ...
 
+    def close(self) -> None:
+        """Every rank done with the group (call on all ranks at a clean stop)."""
+        ...
+
 
 class Single:
     """One process: every collective is the identity."""
@@ -53,6 +57,9 @@ class Single:
                 "learner.engine=deepspeed (any zero_stage), launched with torchrun"
             )
         return payload
+
+    def close(self) -> None:
+        pass
 
 
 class TorchDist:
@@ -87,6 +94,13 @@ class TorchDist:
         if buf.numel():
             self.dist.broadcast(buf, src=0)
         return buf.cpu().numpy().tobytes()
+
+    def close(self) -> None:
+        """A barrier, then the group destroyed. Left to interpreter exit, gloo's teardown
+        took ~10 s per rank (torchrun's SIGKILL deadline counts it), and a rank exiting
+        while its peer's gloo threads still talk to it can abort the peer."""
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
 
 def data_parallel(device: str = "cpu") -> DataParallel:

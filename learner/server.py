@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -36,10 +35,16 @@ import redis
 from prometheus_client import Counter, Gauge
 
 from learner.config import LearnerSettings
-from learner.dist import pack_groups
 from learner.publisher import BackgroundPublisher
 from learner.step import StepMetrics
-from learner.trainer import OP_CHECKPOINT, OP_EXPORT, OP_STOP, OP_TRAIN, Trainer
+from learner.trainer import (
+    OP_CHECKPOINT,
+    OP_EXPORT,
+    OP_STOP,
+    Command,
+    Trainer,
+    any_rank_stopping,
+)
 from learner.weights import WeightServicer, add_weight_service, open_weight_socket, stream_views
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
@@ -72,6 +77,7 @@ STALE_TRAINED = Counter(
 )
 CHECKPOINTS = Counter("dapo_learner_checkpoints_total", "Checkpoints written")
 CONSUMER_GROUP = "learner"
+STOPPED_EXIT = 143  # stopped before total_steps (128 + SIGTERM): a supervisor restarts it
 
 
 def stream_id(entry_id: str) -> tuple[int, int]:
@@ -103,6 +109,7 @@ class Learner:
         self._pending_after: str | None = "0-0"  # replay own pending entries first
         self.last: StepMetrics | None = None
         self._batch: list[tuple[Entry, Group]] = []
+        self._stop = threading.Event()  # `run`'s: a signal, or any rank's after a step
         self._restore()
 
     @property
@@ -189,6 +196,8 @@ class Learner:
 
     def fill_batch(self, stop: threading.Event) -> bool:
         """Block until train_batch_groups fresh groups are held (False if stopping)."""
+        if stop.is_set():
+            return False
         need = self.config.shared.train_batch_groups
         self._recheck_held()
         while self._pending_after is not None and len(self._batch) < need:
@@ -200,10 +209,10 @@ class Learner:
         return True
 
     # --------------------------------------------------------------- training
-    def _tell(self, op: int, arg: int = 0, body: bytes = b"") -> None:
+    def _tell(self, command: Command) -> None:
         """Send a command to the follower ranks (nothing to do on one rank)."""
         if self.trainer.dp.world_size > 1:
-            self.trainer.dp.broadcast_bytes(struct.pack("<Bq", op, arg) + body)
+            self.trainer.dp.broadcast_bytes(command.encode())
 
     def train_once(self) -> StepMetrics:
         need = self.config.shared.train_batch_groups
@@ -211,8 +220,10 @@ class Learner:
         groups = [g for _, g in batch]
         seed = self.config.shared.seed + self.step
         self.publisher.settle()  # the last version's weights are copied: they may change
-        self._tell(OP_TRAIN, seed, struct.pack("<q", self.version) + pack_groups(groups))
+        self._tell(Command.train(seed, self.version, groups))
         metrics = self.trainer.train(groups, seed, self.version)
+        if any_rank_stopping(self.trainer.dp, self._stop):  # before commit's collectives
+            log.info("stop requested: checkpointing after this step")
         lag = max(staleness(g, self.version) for g in groups)
         beyond = sum(self._verdict(g) == "stale_trained" for g in groups)
         STALE_TRAINED.inc(beyond)
@@ -265,7 +276,7 @@ class Learner:
             return
         tag = f"step{self.step}"
         state = {"step": self.step, "version": self.version, "cursor": self.cursor}
-        self._tell(OP_CHECKPOINT, 0, tag.encode())
+        self._tell(Command(OP_CHECKPOINT, 0, tag.encode()))
         self.trainer.checkpoint(tag, state)
         self._ack_trained(self.unacked)
         self.unacked, self.last_checkpoint_step = [], self.step
@@ -273,7 +284,10 @@ class Learner:
         log.info("checkpoint %s version=%d cursor=%s", tag, self.version, self.cursor)
 
     def run(self, stop: threading.Event) -> None:
-        total = self.config.learner.total_steps
+        """Train to `total_steps` or until stopped, then checkpoint; the other ranks exit
+        with 0 when the run is done, 143 when it stopped early, 1 on an error."""
+        self._stop = stop
+        total, code = self.config.learner.total_steps, 1
         try:
             while self.step < total and self.fill_batch(stop):
                 m = self.train_once()
@@ -285,12 +299,15 @@ class Learner:
             self.publisher.wait()  # the last version is served before the run ends
             self.checkpoint()
             if self.step >= total:
-                self._tell(OP_EXPORT)
+                self._tell(Command(OP_EXPORT))
                 self.trainer.export()
                 self.client.set(self.keys.done, self.version)
                 log.info("reached total_steps=%d; run done", total)
+            code = 0 if self.step >= total else STOPPED_EXIT
         finally:
-            self._tell(OP_STOP)
+            self._tell(Command(OP_STOP, code))
+            if code != 1:  # every rank got here: close the group together
+                self.trainer.dp.close()
 
     def status(self) -> dict[str, Any]:
         return {
@@ -341,7 +358,7 @@ class LearnerServer:
     def wait(self, stop: threading.Event) -> None:
         self.learner.run(stop)
         if self.learner.step < self.config.learner.total_steps:  # stopped: not a success
-            raise SystemExit(143)  # so a Kubernetes Job or `restart: on-failure` resumes it
+            raise SystemExit(STOPPED_EXIT)  # a Job or `restart: on-failure` resumes it
         stop.wait(self.config.learner.linger_s)  # evaluation and late rollout servers
 
     def stop(self) -> None:

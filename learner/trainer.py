@@ -1,17 +1,26 @@
 """What every data-parallel rank holds (`Trainer`) and how ranks > 0 follow rank 0.
 
-Rank 0 (`learner.server`) sends each command as bytes: an op, an int64 argument and a
-body (for OP_TRAIN: the int64 policy version of the weights, then the packed groups).
+Rank 0 (`learner.server`) sends each `Command` as bytes: an op, an int64 argument and a
+body (for OP_TRAIN: the int64 policy version of the weights, then the packed groups; for
+OP_STOP the argument is the exit code, so a stopped, unfinished run fails on every rank
+and a supervisor restarts the whole group).
+
+Stopping: every rank handles SIGTERM by asking to stop, never by dying, since rank 0's
+checkpoint is a collective. After each training step the ranks agree on whether any of
+them was asked (a max all-reduce of the flag); rank 0 then checkpoints and tells all to
+stop.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from learner.backends import build_policy
 from learner.config import LearnerSettings
-from learner.dist import DataParallel, data_parallel, unpack_groups
+from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
 from learner.policy import Policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
@@ -19,6 +28,34 @@ from services.common.errors import DapoError
 from services.common.types import Group
 
 OP_STOP, OP_TRAIN, OP_CHECKPOINT, OP_EXPORT = range(4)
+HEADER = struct.Struct("<Bq")  # op, argument
+VERSION = struct.Struct("<q")  # OP_TRAIN's body starts with the weights' policy version
+
+
+@dataclass(frozen=True)
+class Command:
+    """One instruction from rank 0 to the other ranks."""
+
+    op: int
+    arg: int = 0
+    body: bytes = b""
+
+    def encode(self) -> bytes:
+        return HEADER.pack(self.op, self.arg) + self.body
+
+    @classmethod
+    def decode(cls, message: bytes) -> Command:
+        op, arg = HEADER.unpack_from(message)
+        return cls(op, arg, message[HEADER.size :])
+
+    @classmethod
+    def train(cls, seed: int, version: int, groups: list[Group]) -> Command:
+        return cls(OP_TRAIN, seed, VERSION.pack(version) + pack_groups(groups))
+
+    def train_batch(self) -> tuple[int, list[Group]]:
+        """OP_TRAIN's policy version and groups."""
+        (version,) = VERSION.unpack_from(self.body)
+        return version, unpack_groups(self.body[VERSION.size :])
 
 
 def model_dir(config: LearnerSettings) -> str:
@@ -86,7 +123,13 @@ class Trainer:
 class Follower:
     """A rank > 0: runs whatever rank 0 sends until told to stop."""
 
-    def __init__(self, config: LearnerSettings, dp: DataParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: LearnerSettings,
+        dp: DataParallel | None = None,
+        stopping: threading.Event | None = None,
+    ) -> None:
+        self.stopping = stopping or threading.Event()  # set by this rank's SIGTERM
         self.trainer = Trainer(config, dp)
         resume = self.trainer.dp.broadcast_bytes(None) == b"\x01"  # Learner._restore decides
         self.trainer.restore(resume)
@@ -96,18 +139,27 @@ class Follower:
         for _ in self.trainer.policy.named_weights():  # ZeRO-3 gathers are collective
             pass
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Follow until OP_STOP; its exit code (0: the run is done)."""
         while True:
-            msg = self.trainer.dp.broadcast_bytes(None)
-            op, arg = struct.unpack_from("<Bq", msg)
-            body = msg[9:]
-            if op == OP_STOP:
-                return
-            if op == OP_TRAIN:
-                (version,) = struct.unpack_from("<q", body)
-                self.trainer.train(unpack_groups(body[8:]), seed=arg, version=version)
+            command = Command.decode(self.trainer.dp.broadcast_bytes(None))
+            if command.op == OP_STOP:
+                if command.arg != 1:  # rank 0 closes the group too (not after an error)
+                    self.trainer.dp.close()
+                return command.arg
+            if command.op == OP_TRAIN:
+                version, groups = command.train_batch()
+                self.trainer.train(groups, seed=command.arg, version=version)
+                any_rank_stopping(self.trainer.dp, self.stopping)
                 self._gather()
-            elif op == OP_CHECKPOINT:
-                self.trainer.checkpoint(body.decode(), {})
-            elif op == OP_EXPORT:
+            elif command.op == OP_CHECKPOINT:
+                self.trainer.checkpoint(command.body.decode(), {})
+            elif command.op == OP_EXPORT:
                 self.trainer.export()
+
+
+def any_rank_stopping(dp: DataParallel, stopping: threading.Event) -> bool:
+    """After each step, on every rank: whether any rank was asked to stop (then all know)."""
+    if dp.all_reduce_max(int(stopping.is_set())):
+        stopping.set()
+    return stopping.is_set()
