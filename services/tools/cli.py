@@ -56,6 +56,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     overrides = flag_overrides(args, None)
     if args.eval_every is not None:
         overrides.append(f"controller.eval.every_steps={args.eval_every}")
+    if args.learner_ranks is not None:
+        overrides.append(f"learner.launch.ranks={args.learner_ranks}")
     config = load_config(args.config, preset=args.preset, overrides=overrides)
     return launch(config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts)
 
@@ -168,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
     p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
     p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
+    p.add_argument(
+        "--learner-ranks",
+        type=int,
+        metavar="N",
+        help="run the learner as N data-parallel ranks under torchrun (learner.launch.ranks; "
+        "DeepSpeed, any ZeRO stage)",
+    )
     p.add_argument(
         "--eval-every", type=int, metavar="N",
         help="held-out eval every N steps on the run's rollout servers: the eval curve "

@@ -124,12 +124,15 @@ class Launch:
         return True
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
+        """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis. The learner gets
+        its own grace (`learner.launch.shutdown_timeout_s`): it checkpoints on SIGTERM."""
         for child in self.children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        started = time.monotonic()
+        learner_grace = max(grace_s, self.config.learner.launch.shutdown_timeout_s + 5)
         for child in self.children:
+            deadline = started + (learner_grace if child.role == "learner" else grace_s)
             try:
                 child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -1,0 +1,140 @@
+"""The learner as Kubernetes and compose launch it: 2 ranks under torchrun (CPU, gloo,
+ZeRO-2), inside a live `dapo up --learner-ranks 2`.
+
+- SIGTERM to torchrun (what a pod deletion or `docker stop` sends): every rank takes part
+  in one checkpoint that holds every committed step, torchrun exits 143 well inside its
+  shutdown timeout (no SIGKILL), `dapo up` restarts it, the group resumes and the run
+  finishes with the ledger exact and no policy version published twice.
+- SIGKILL of rank 1 (a crash): torchrun stops rank 0, restarts the whole group, which
+  resumes from the last checkpoint, and the run finishes with the ledger exact.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+from test_faults import effective_steps
+from test_pipeline import wait_for
+
+from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
+from services.common.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+STEPS, BATCH, SHUTDOWN_TIMEOUT_S = 10, 16, 60
+
+
+def start_run(
+    run_dir: Path, model: Path, server: RedisServer, run: str, env: dict, checkpoint_every: int
+):
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
+         str(run_dir), "--set", f"shared.model_path={model}", "--steps", str(STEPS),
+         "--learner-ranks", "2", "--set", "learner.zero_stage=2", "--redis-url", server.url,
+         "--set", f"shared.run_name={run}", "--set", "controller.eval.enabled=false",
+         "--set", "learner.linger_s=0", "--set", f"learner.checkpoint_every={checkpoint_every}",
+         "--set", f"learner.launch.shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+
+
+def torchrun_of(run_dir: Path) -> psutil.Process:
+    """The learner's torchrun (the process `dapo up` started as `dapo learner`)."""
+    marker = str(run_dir / "config.yaml")
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "learner.launch" in cmdline and marker in cmdline:
+            return proc
+    raise AssertionError("no torchrun for the learner")
+
+
+def rank(torchrun: psutil.Process, number: int) -> psutil.Process:
+    for child in torchrun.children():
+        if child.environ().get("RANK") == str(number):
+            return child
+    raise AssertionError(f"no rank {number}")
+
+
+def committed(client: redis.Redis, keys: RunKeys) -> int:
+    return int(client.xlen(keys.steps))
+
+
+def check_finished_exactly(client: redis.Redis, run: str) -> None:
+    """Every step once in the final model, every group trained once, versions unique."""
+    keys = RunKeys(run)
+    ledger = read_ledger(client, run)
+    assert not ledger.problems(), ledger.problems()
+    steps = effective_steps(client, keys)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    trained = Counter(g for groups in steps.values() for g in groups)
+    assert max(trained.values()) == 1
+    assert sum(trained.values()) == STEPS * BATCH == ledger.trained
+    versions = [json.loads(f[b"json"])["version"] for _, f in client.xrange(keys.steps)]
+    assert len(versions) == len(set(versions)), versions  # no version published twice
+
+
+def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(
+    tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
+) -> None:
+    run, run_dir = "tr-term", tmp_path / "run"
+    keys = RunKeys(run)
+    with RedisServer(appendonly=True) as server:
+        client = redis.Redis.from_url(server.url)
+        proc = start_run(run_dir, tiny_model, server, run, killed_tree_env, checkpoint_every=100)
+        try:
+            wait_for(lambda: committed(client, keys) >= 3, 300, "3 steps")
+            torchrun = torchrun_of(run_dir)
+            ranks = [rank(torchrun, 0), rank(torchrun, 1)]
+            torchrun.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            torchrun.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)  # (not our child: no exit code)
+            stopped_s = time.monotonic() - sent
+            assert not any(r.is_running() for r in ranks)
+            at_stop = committed(client, keys)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        log = (run_dir / "logs" / "learner.log").read_text()
+        assert proc.returncode == 0, out[-3000:]
+        assert stopped_s < SHUTDOWN_TIMEOUT_S, stopped_s
+        assert "dapo learner: stopped by signal 15" in log  # torchrun_main's exit 143
+        assert "forcefully exiting" not in log  # torchrun never had to SIGKILL a rank
+        # The stop's checkpoint holds every step committed by then, from both ranks.
+        tag = run_dir / "checkpoints" / f"step{at_stop}"
+        shards = sorted(p.name for p in tag.glob("*optim_states.pt"))
+        assert len(shards) == 2 and any("rank_1" in s for s in shards), shards
+        assert f"resumed step={at_stop}" in log
+        assert "restarted learner" in out
+        check_finished_exactly(client, run)
+
+
+def test_a_killed_rank_restarts_the_group_which_resumes(
+    tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
+) -> None:
+    run, run_dir = "tr-kill", tmp_path / "run"
+    keys = RunKeys(run)
+    with RedisServer(appendonly=True) as server:
+        client = redis.Redis.from_url(server.url)
+        proc = start_run(run_dir, tiny_model, server, run, killed_tree_env, checkpoint_every=2)
+        try:
+            wait_for(lambda: committed(client, keys) >= 3, 300, "3 steps")
+            torchrun = torchrun_of(run_dir)
+            rank(torchrun, 1).kill()
+            out, _ = proc.communicate(timeout=420)
+        finally:
+            proc.kill()
+        log = (run_dir / "logs" / "learner.log").read_text()
+        assert proc.returncode == 0, out[-3000:]
+        assert "exitcode: -9" in log and "resumed step=" in log
+        assert "restarted learner" not in out  # torchrun restarted the group, not dapo up
+        check_finished_exactly(client, run)
