@@ -112,8 +112,8 @@ def test_http_scores(http: httpx.Client) -> None:
 
 def test_http_integer_ground_truth_is_its_string(http: httpx.Client) -> None:
     """AIME answers arrive as JSON numbers; the API scores them as their decimal text."""
-    body = {"items": [{"response": "Answer: 204", "ground_truth": 204, "verifier": "dapo"},
-                      {"response": "Answer: 7", "ground_truth": 8, "verifier": "dapo"}]}  # fmt: skip
+    items = [("Answer: 204", 204), ("Answer: 7", 8)]
+    body = {"items": [{"response": r, "ground_truth": g, "verifier": "dapo"} for r, g in items]}
     reply = http.post("/v1/score", json=body)
     assert reply.status_code == 200, reply.text
     assert [r["correct"] for r in reply.json()["results"]] == [True, False]

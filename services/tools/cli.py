@@ -33,9 +33,12 @@ def resolve_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from services.tools import checks
     from services.tools.config import dump_config
 
-    print(dump_config(resolve_config(args), args.format), end="")
+    config = resolve_config(args)
+    print(dump_config(config, args.format), end="")
+    checks.report(checks.check_run(config), "config")
     return 0
 
 

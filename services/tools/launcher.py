@@ -31,6 +31,7 @@ from services.common.ledger import read_ledger
 from services.common.lifecycle import PARENT_ENV
 from services.common.redis_server import RedisServer, connect, connect_run, start_redis
 from services.common.security import secret_env, without_secrets
+from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
 from services.tools.report import (
@@ -343,6 +344,7 @@ def launch(
         config.learner.total_steps = steps
     out = Path(run_dir or Path("runs") / config.shared.run_name)
     ensure_model(config)
+    checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
     started = time.monotonic()
     state = Launch(config, out, on_step=on_step)
     code = 1
