@@ -103,9 +103,9 @@ def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
     base = ["controller.eval.engine=vllm"]
     assert eval_engine_config(load_config(env={}, overrides=base)) == VllmEngineConfig()
     with_rollout = load_config(
-        env={}, overrides=[*base, "rollout.engine.kind=vllm", "rollout.engine.max_model_len=512"]
+        env={}, overrides=[*base, "rollout.engine.kind=vllm", "rollout.engine.max_model_len=32768"]
     )
-    assert eval_engine_config(with_rollout) == VllmEngineConfig(max_model_len=512)
+    assert eval_engine_config(with_rollout) == VllmEngineConfig(max_model_len=32768)
     assert eval_engine_config(load_config(env={}, overrides=[])) is None
 
 

@@ -41,6 +41,7 @@ from services.tools.report import (
     time_accounting,
     write_plots,
 )
+from services.tools.run_dir import RunLock, fresh_redis_dir, latest_checkpoint_step
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,15 @@ class Launch:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
+        self.stop_children(grace_s)
+        self.stop_redis()
+
+    def stop_redis(self) -> None:
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    def stop_children(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (the learner checkpoints on it), wait, SIGKILL stragglers."""
         for child in self.children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -137,8 +147,6 @@ class Launch:
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
-        if self.redis_server is not None:
-            self.redis_server.stop()
 
 
 # torch.distributed launcher variables: a child of `dapo up` is a world of its own, even
@@ -193,7 +201,9 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
         launch.redis_server = start_redis(
-            appendonly=config.shared.redis_appendonly, password=config.security.redis.secret()
+            appendonly=config.shared.redis_appendonly,
+            password=config.security.redis.secret(),
+            data_dir=fresh_redis_dir(run_dir),  # `dapo ledger --run` reads it after the run
         )
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
@@ -319,6 +329,7 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "ledger": ledger.as_dict(),
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         "eval_curve": eval_curve(client, keys),
+        "checkpoint_step": latest_checkpoint_step(config),
         **launch.evals,
     }
     if steps:
@@ -343,6 +354,20 @@ def launch(
     if steps is not None:
         config.learner.total_steps = steps
     out = Path(run_dir or Path("runs") / config.shared.run_name)
+    lock = RunLock(out).acquire()
+    try:
+        return run_locked(config, out, rollouts, on_step)
+    finally:
+        lock.release()
+
+
+def run_locked(
+    config: DapoConfig,
+    out: Path,
+    rollouts: int,
+    on_step: Callable[[Launch, int, bool], None] | None,
+) -> int:
+    """`launch` once it holds the run directory."""
     ensure_model(config)
     checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
     started = time.monotonic()
@@ -363,12 +388,15 @@ def launch(
         code = 130
     finally:
         report = None
+        # Services first: the learner checkpoints on SIGTERM, and the report must hold
+        # every step it committed (the checkpoint's included); Redis last.
+        state.stop_children()
         if state.config.shared.redis_url:
             try:
                 report = write_report(state, started, code)
             except Exception as exc:  # reporting must never block the clean-up
                 print(f"could not write the report: {exc}", file=sys.stderr)
-        state.stop()
+        state.stop_redis()
         signal.signal(signal.SIGTERM, previous)
     if report is not None:
         print(f"report: {report}")
