@@ -209,7 +209,8 @@ def run_eval(args: argparse.Namespace) -> int:
         config,
         seed=a.seed,
     )
-    result["seed"] = a.seed
+    settings = {"data": a.data, "max_tokens": a.max_tokens, "temperature": a.temperature}
+    result.update(settings, top_p=a.top_p, chat_template=a.chat_template, seed=a.seed)
     summary = {k: v for k, v in result.items() if k != "per_prompt"}
     print(json.dumps(summary, indent=2))
     if a.out:
