@@ -164,3 +164,13 @@ def test_eval_help_shows_every_default() -> None:
 def test_eval_refuses_a_response_longer_than_the_model(tiny_model: Path) -> None:
     result = dapo("eval", "--model", str(tiny_model), "--data", "synthetic:max3")
     assert_one_line_error(result, "--max-tokens 1024", "256 positions")
+
+
+def test_eval_bad_sampling_and_a_broken_model_are_one_line(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    base = ["eval", "--data", "synthetic:max3", "--max-tokens", "4", "--limit", "2"]
+    assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--n", "0"), "n must be >= 1")
+    assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--limit", "0"), "--limit")
+    (tmp_path / "config.json").write_text("{}")  # a directory that is no model
+    assert_one_line_error(dapo(*base, "--model", str(tmp_path)), "DAPO_DEBUG=1")

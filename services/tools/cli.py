@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from learner.init_model import PRESETS, init_model
-    from services.common.errors import DapoError
+    from services.common.errors import DapoError, one_line
 
     if args.preset not in PRESETS:
         raise DapoError(
@@ -233,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     func: Callable[[argparse.Namespace], int] = args.func
-    from services.common.errors import DapoError
+    from services.common.errors import DapoError, one_line
 
     try:
         return func(args)
@@ -242,6 +243,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, or input no check caught: still one line
+        if os.environ.get("DAPO_DEBUG"):
+            raise
+        print(
+            f"dapo {args.command}: error: {type(exc).__name__}: {one_line(str(exc))} "
+            "(DAPO_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -129,6 +129,9 @@ def resolve_eval_args(args: argparse.Namespace) -> EvalArgs:
     for name in ("model", "data"):
         if values.get(name) is None:
             raise DapoError(f"--{name} is required (or --run DIR of a run that has one)")
+    for name in ("limit", "max_tokens"):
+        if values.get(name) is not None and values[name] < 1:
+            raise DapoError(f"--{name.replace('_', '-')} must be >= 1, got {values[name]}")
     return EvalArgs(
         model=str(values["model"]),
         data=str(values["data"]),

@@ -166,10 +166,13 @@ def evaluate(
 
     if not Path(model).is_dir():
         raise DapoError(f"model directory not found: {model}")
+    try:
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
+    except ValueError as exc:
+        raise DapoError(f"invalid sampling: {exc}") from None
     engine = build_engine(model, engine_config)
-    params = SamplingParams(
-        n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
-    )
     try:
         result = evaluate_engine(engine, records, params, verifier, chat)
     finally:
