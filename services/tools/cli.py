@@ -45,7 +45,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from learner.init_model import PRESETS, init_model
-    from services.common.errors import DapoError, one_line
+    from services.common.errors import DapoError
 
     if args.preset not in PRESETS:
         raise DapoError(
