@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings, VerifierName
@@ -59,3 +59,28 @@ class RewardSettings(RoleSettings):
     """The reward service's process: shared, security and its own section."""
 
     reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _overlong_buffer_inside_the_response(self) -> RewardSettings:
+        """The soft zone starts at L_max - L_cache: at or below 0 every response, a correct
+        one-token answer included, is punished (users shrink L_max for small runs and keep
+        the paper's 4096-token buffer)."""
+        if self.reward.overlong_punishment:
+            problem = overlong_buffer_problem(
+                self.shared.max_response_length, self.shared.overlong_buffer_length
+            )
+            if problem is not None:
+                raise ValueError(problem)
+        return self
+
+
+def overlong_buffer_problem(max_len: int, buffer_len: int) -> str | None:
+    """Why an overlong buffer of `buffer_len` tokens cannot go with responses of `max_len`."""
+    if buffer_len < max_len:
+        return None
+    return (
+        f"shared.overlong_buffer_length ({buffer_len}) must be less than "
+        f"shared.max_response_length ({max_len}): the soft overlong penalty would punish "
+        f"every response; set it to a fraction of the response length (the paper: 4096 of "
+        f"20480), to 0 for no soft zone, or reward.overlong_punishment=false"
+    )

@@ -41,12 +41,24 @@ class JsonItem(BaseModel):
 
     id: str = Field("", description="Echoed in the result.")
     response: str = Field(description="The model's response text.")
-    ground_truth: str = Field(description="The gold answer.")
+    ground_truth: str = Field(
+        description="The gold answer; an integer is taken as its decimal string."
+    )
     verifier: VerifierName | None = Field(None, description="None = the server's default.")
     response_length: int | None = Field(
         None, ge=0, description="Response length in tokens for the overlong penalty."
     )
     truncated: bool = Field(False, description="The response hit the length limit.")
+
+    @field_validator("ground_truth", mode="before")
+    @classmethod
+    def _integer_as_text(cls, value: Any) -> Any:
+        """AIME-style answers are integers; JSON writers send them as numbers (`"7"` is
+        what every verifier compares). Booleans and floats stay refused: their text is
+        ambiguous (`True`, `1e+20`)."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        return value
 
     @field_validator("id", "response", "ground_truth")
     @classmethod

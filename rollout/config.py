@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings
@@ -114,6 +114,20 @@ class RolloutSettings(RoleSettings):
     """A rollout server's process: shared, security and its own section."""
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    @model_validator(mode="after")
+    def _context_holds_prompt_and_response(self) -> RolloutSettings:
+        """vLLM refuses (or truncates) a sequence past max_model_len: the longest prompt
+        plus the longest response must fit."""
+        engine = self.rollout.engine
+        if engine.kind == "vllm" and engine.max_model_len is not None:
+            needed = self.shared.max_prompt_length + self.shared.max_response_length
+            if engine.max_model_len < needed:
+                raise ValueError(
+                    f"rollout.engine.max_model_len ({engine.max_model_len}) is less than "
+                    f"shared.max_prompt_length + shared.max_response_length ({needed})"
+                )
+        return self
 
     def partial_rollouts(self) -> bool:
         """The switch resolved: explicit, else on for asynchronous runs."""

@@ -142,6 +142,7 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
             "shared": {
                 "max_prompt_length": ROLLOUT_MAX_PROMPT,
                 "max_response_length": ROLLOUT_MAX_RESPONSE,
+                "overlong_buffer_length": 0,
             },
             "rollout": {
                 "server": {"grpc_port": 0, "http_port": 0},

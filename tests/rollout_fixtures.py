@@ -38,6 +38,7 @@ def make_config(run: str = "svc", **rollout: Any) -> DapoConfig:
             "shared": {
                 "run_name": run, "max_prompt_length": MAX_PROMPT,
                 "max_response_length": MAX_RESPONSE, "group_size": 2,
+                "overlong_buffer_length": 0,
                 "registry_ttl_s": 2.0,
             },
             "rollout": {

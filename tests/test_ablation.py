@@ -50,7 +50,7 @@ from tests.learner_fixtures import make_groups
 
 @pytest.fixture(scope="module")
 def plan() -> Plan:
-    return make_plan("tiny", seeds=1)
+    return make_plan("tiny_runmax", seeds=1)
 
 
 def rung(plan: Plan, name: str) -> DapoConfig:
@@ -84,9 +84,9 @@ def test_leave_one_out_turns_off_exactly_one_technique_of_full_dapo(plan: Plan) 
     assert rung_overrides(plan.base, "no_dynamic_sampling") == rung_overrides(
         plan.base, "token_level_loss"
     )
-    both = make_plan("tiny", seeds=1, leave_one_out=True).rungs
+    both = make_plan("tiny_runmax", seeds=1, leave_one_out=True).rungs
     assert both == [*RUNG_NAMES, *LOO_NAMES[:-1]]
-    alone = make_plan("tiny", seeds=1, rungs=["dynamic_sampling"], leave_one_out=True).rungs
+    alone = make_plan("tiny_runmax", seeds=1, rungs=["dynamic_sampling"], leave_one_out=True).rungs
     assert alone == ["dynamic_sampling", *LOO_NAMES]
 
 
@@ -100,11 +100,11 @@ def test_runs_differ_by_seed_and_rung_only_where_they_should(plan: Plan) -> None
 
 def test_bad_rung_and_preset_are_named(plan: Plan) -> None:
     with pytest.raises(DapoError, match="unknown rung 'bogus'"):
-        make_plan("tiny", seeds=1, rungs=["naive_grpo", "bogus"])
+        make_plan("tiny_runmax", seeds=1, rungs=["naive_grpo", "bogus"])
     with pytest.raises(DapoError, match="unknown ablation preset"):
         make_plan("huge", seeds=1)
     with pytest.raises(DapoError, match="--seeds"):
-        make_plan("tiny", seeds=0)
+        make_plan("tiny_runmax", seeds=0)
 
 
 # --------------------------------------------------------------------------- the task

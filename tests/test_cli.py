@@ -107,3 +107,70 @@ def test_unknown_benchmark() -> None:
     result = dapo("bench", "nope")
     assert_one_line_error(result, "no benchmark 'nope'")
     assert "learner_step" in result.stderr and "weights" in result.stderr  # found benchmarks/
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["up", "--grpc-port", "1"], "dapo up: error: unrecognized arguments: --grpc-port 1"),
+        (["up", "--steps", "x"], "argument --steps: invalid int value: 'x'"),
+        (["config", "show", "--bogus"], "dapo config: error: unrecognized arguments: --bogus"),
+        (["buffer", "--bogus"], "dapo buffer: error: unrecognized arguments: --bogus"),
+        (["eval", "--model", "m", "--data", "d", "--verifier", "bogus"], "invalid choice: 'bogus'"),
+        (["eval", "--data", "synthetic:max3"], "--model is required"),
+        (["eval", "--run", "/nonexistent/run"], "not a run directory"),
+        (["ledger", "--run", "/nonexistent/run"], "not a run directory"),
+        (["init-model", "--out", "/nonexistent/m", "--preset", "bogus"], "preset 'bogus'"),
+        (["ablate", "--preset", "tiny"], "'tiny' is now 'tiny_runmax'"),
+        (["ablate", "--preset", "huge"], "unknown ablation preset 'huge'"),
+        (["nope"], "dapo: error: argument COMMAND: invalid choice: 'nope'"),
+    ],
+)
+def test_bad_input_to_every_subcommand_is_one_line(args: list[str], needle: str) -> None:
+    assert_one_line_error(dapo(*args), needle)
+
+
+def test_up_has_no_port_flags_it_would_ignore() -> None:
+    help_text = dapo("up", "--help").stdout
+    assert "--grpc-port" not in help_text and "--http-port" not in help_text
+    assert "--redis-url" in help_text
+
+
+def test_bench_without_a_name_lists_the_benchmarks() -> None:
+    result = dapo("bench")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "required" not in result.stderr
+    assert "dapo bench NAME" in result.stdout and "  learner_step" in result.stdout
+
+
+def test_init_model_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    out = tmp_path / "model"
+    assert dapo("init-model", "--out", str(out)).returncode == 0
+    config = (out / "config.json").read_text()
+    (out / "config.json").write_text("mine")
+    assert_one_line_error(dapo("init-model", "--out", str(out)), "not empty", "--force")
+    assert (out / "config.json").read_text() == "mine"  # nothing was touched
+    assert dapo("init-model", "--out", str(out), "--force").returncode == 0
+    assert (out / "config.json").read_text() == config
+
+
+def test_eval_help_shows_every_default() -> None:
+    help_text = " ".join(dapo("eval", "--help").stdout.split())
+    for default in ("(K) [32]", "limit [1024]", "[1.0]", "[0.7]", "[cascade]", "seed [0]"):
+        assert default in help_text, default
+    assert "--run DIR" in help_text
+
+
+def test_eval_refuses_a_response_longer_than_the_model(tiny_model: Path) -> None:
+    result = dapo("eval", "--model", str(tiny_model), "--data", "synthetic:max3")
+    assert_one_line_error(result, "--max-tokens 1024", "256 positions")
+
+
+def test_eval_bad_sampling_and_a_broken_model_are_one_line(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    base = ["eval", "--data", "synthetic:max3", "--max-tokens", "4", "--limit", "2"]
+    assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--n", "0"), "n must be >= 1")
+    assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--limit", "0"), "--limit")
+    (tmp_path / "config.json").write_text("{}")  # a directory that is no model
+    assert_one_line_error(dapo(*base, "--model", str(tmp_path)), "DAPO_DEBUG=1")

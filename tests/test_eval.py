@@ -103,9 +103,9 @@ def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
     base = ["controller.eval.engine=vllm"]
     assert eval_engine_config(load_config(env={}, overrides=base)) == VllmEngineConfig()
     with_rollout = load_config(
-        env={}, overrides=[*base, "rollout.engine.kind=vllm", "rollout.engine.max_model_len=512"]
+        env={}, overrides=[*base, "rollout.engine.kind=vllm", "rollout.engine.max_model_len=32768"]
     )
-    assert eval_engine_config(with_rollout) == VllmEngineConfig(max_model_len=512)
+    assert eval_engine_config(with_rollout) == VllmEngineConfig(max_model_len=32768)
     assert eval_engine_config(load_config(env={}, overrides=[])) is None
 
 
@@ -113,7 +113,7 @@ def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
 def test_eval_on_vllm_without_vllm_is_one_clear_line(tiny_model: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
-         "--data", "synthetic:max3", "--engine", "vllm"],
+         "--data", "synthetic:max3", "--engine", "vllm", "--max-tokens", "8"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "vllm is not installed" in result.stderr

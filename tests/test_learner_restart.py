@@ -39,6 +39,7 @@ def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) ->
     sets = {
         "shared.run_name": run, "shared.model_path": str(model), "shared.redis_url": url,
         "shared.max_staleness": 100, "shared.max_response_length": 16,
+        "shared.overlong_buffer_length": 0,
         "learner.engine": "torch", "learner.dtype": "float32", "learner.lr": 1e-2,
         "shared.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
         "learner.micro_batch_tokens": 64, "learner.total_steps": steps,

@@ -35,7 +35,8 @@ BATCH = 2  # groups per step
 def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
     sets = {
         "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
-        "shared.max_response_length": 16, "learner.engine": "deepspeed",
+        "shared.max_response_length": 16,
+        "shared.overlong_buffer_length": 0, "learner.engine": "deepspeed",
         "learner.zero_stage": 0, "learner.dtype": "float32", "learner.lr": 1e-2,
         "learner.warmup_steps": 2, "shared.train_batch_groups": BATCH,
         "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
@@ -258,6 +259,7 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     _fill(redis_client, run, 3)
     sets = {"shared.run_name": run, "shared.model_path": str(tiny_model),
             "shared.max_staleness": 100, "shared.max_response_length": 16,
+        "shared.overlong_buffer_length": 0,
             "learner.engine": "deepspeed", "learner.zero_stage": 3, "learner.dtype": "float32",
             "learner.lr": 1e-2, "shared.train_batch_groups": BATCH,
             "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,

@@ -30,3 +30,15 @@ def test_time_accounting_splits_a_groups_time() -> None:
               "ledger": ledger}  # fmt: skip
     line = summary_lines(report)[-1]
     assert "generate 6.500, train 2.000, overhead 2.500" in line and "batch 5.000" in line
+
+
+def test_summary_counts_training_steps_not_metric_entries() -> None:
+    """A learner restarted from its step-4 checkpoint trains steps 5 and 6 again: the
+    metrics stream holds 8 entries for 6 steps."""
+    steps = [{"step": s, "seconds": 1.0} for s in (1, 2, 3, 4, 5, 6, 5, 6)]
+    ledger = {"ok": True, "admitted": 2, "trained": 2, "filtered": {}, "dropped": {}}
+    report = {"run": "r", "steps": steps, "wall_seconds": 30, "ledger": ledger}
+    first = summary_lines(report)[0]
+    assert first.startswith("run r: 6 steps (2 trained again after a learner restart) in 30s")
+    report["steps"] = steps[:6]
+    assert summary_lines(report)[0].startswith("run r: 6 steps in 30s")

@@ -110,6 +110,15 @@ def test_http_scores(http: httpx.Client) -> None:
     }  # fmt: skip
 
 
+def test_http_integer_ground_truth_is_its_string(http: httpx.Client) -> None:
+    """AIME answers arrive as JSON numbers; the API scores them as their decimal text."""
+    items = [("Answer: 204", 204), ("Answer: 7", 8)]
+    body = {"items": [{"response": r, "ground_truth": g, "verifier": "dapo"} for r, g in items]}
+    reply = http.post("/v1/score", json=body)
+    assert reply.status_code == 200, reply.text
+    assert [r["correct"] for r in reply.json()["results"]] == [True, False]
+
+
 # -- limits and bad input --------------------------------------------------------------
 
 
@@ -170,6 +179,8 @@ def test_http_limits(http: httpx.Client) -> None:
         (b"not json", "not JSON"),
         (b'{"items": [{"response": "1"}]}', "items.0.ground_truth"),
         (b'{"items": [{"response": "1", "ground_truth": "1", "reward": 2}]}', "items.0.reward"),
+        (b'{"items": [{"response": "1", "ground_truth": true}]}', "items.0.ground_truth"),
+        (b'{"items": [{"response": "1", "ground_truth": 1.5}]}', "items.0.ground_truth"),
         (b'{"items": [{"response": "1", "ground_truth": "1", "verifier": "x"}]}', "verifier"),
         (b'{"items": [{"response": "1", "ground_truth": "1", "response_length": -1}]}', "length"),
     ],

@@ -111,7 +111,12 @@ def test_rollout_get_status_needs_the_token(tiny_model: Path) -> None:
 
     config = DapoConfig.model_validate(
         {
-            "shared": {"max_prompt_length": 12, "max_response_length": 4, "group_size": 2},
+            "shared": {
+                "max_prompt_length": 12,
+                "max_response_length": 4,
+                "overlong_buffer_length": 0,
+                "group_size": 2,
+            },
             "rollout": {"server": {"grpc_port": 0, "http_port": 0}},
             "security": {"auth": {"token": TOKEN}},
         }

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from services.common.errors import DapoError, describe_validation
+from services.common.errors import DapoError, describe_validation, one_line
 from services.common.presets import PRESETS
 from services.common.security import VERBATIM_FIELDS, redact_url
 from services.common.settings import SECTIONS
@@ -102,8 +102,18 @@ def cli_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line naming each problem's dotted field (control characters escaped)."""
-    return "invalid config: " + describe_validation(exc.errors(), "config", limit=None)
+    """One line naming each problem's dotted field (control characters escaped); a
+    cross-field check names its fields in its own message."""
+    field_errors = [{**e, "msg": cross_field_message(e)} for e in exc.errors() if e["loc"]]
+    parts = [cross_field_message(e) for e in exc.errors() if not e["loc"]]
+    if field_errors:
+        parts.append(describe_validation(field_errors, "config", limit=None))
+    return "invalid config: " + "; ".join(parts)
+
+
+def cross_field_message(error: Any) -> str:
+    """A validator's message without pydantic's "Value error, " prefix."""
+    return one_line(str(error["msg"]).removeprefix("Value error, "))
 
 
 def check_sections(data: Mapping[str, Any]) -> None:

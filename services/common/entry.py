@@ -7,13 +7,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from services.common.config_loader import load_settings
 from services.common.errors import DapoError
 from services.common.settings import RoleSettings
 
 S = TypeVar("S", bound=RoleSettings)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with bad flags reported in one line (usage on `--help`), like every other
+    bad input of the `dapo` commands."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -27,9 +35,13 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_redis_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6379/0")
+
+
 def add_service_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser)
-    parser.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    add_redis_arg(parser)
     parser.add_argument("--grpc-port", type=int, help="gRPC port (0 = pick a free one)")
     parser.add_argument("--http-port", type=int, help="HTTP port (0 = pick a free one)")
 
@@ -47,7 +59,7 @@ def flag_overrides(args: argparse.Namespace, section: str | None) -> list[str]:
 
 
 def role_parser(role: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"dapo {role}", description=description)
+    parser = Parser(prog=f"dapo {role}", description=description)
     add_service_args(parser)
     return parser
 

@@ -75,17 +75,24 @@ class RedisServer:
         appendonly: bool = False,
         password: str | None = None,
         extra_args: tuple[str, ...] = (),
+        data_dir: Path | None = None,
     ) -> None:
         self.port = port or free_port()
         self.password = password
-        self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
+        # A data_dir outlives the server (its AOF is read again later); a temp dir does not.
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        if data_dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="dapo-redis-")
+            data_dir = Path(self._dir.name)
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         self.args = [
             find_redis_server(),
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--save", "",
             "--appendonly", "yes" if appendonly else "no",
-            "--dir", self._dir.name,
+            "--dir", str(self.data_dir),
             "--daemonize", "no",
             "--loglevel", "warning",
             *extra_args,
@@ -149,7 +156,8 @@ class RedisServer:
                 self.proc.wait()
         if self.proc.stderr:
             self.proc.stderr.close()
-        self._dir.cleanup()
+        if self._dir is not None:
+            self._dir.cleanup()
 
     def __enter__(self) -> RedisServer:
         return self.wait_ready()
@@ -164,10 +172,14 @@ def quote(value: str) -> str:
 
 
 def start_redis(
-    port: int | None = None, appendonly: bool = False, password: str | None = None
+    port: int | None = None,
+    appendonly: bool = False,
+    password: str | None = None,
+    data_dir: Path | None = None,
 ) -> RedisServer:
-    """Start redis-server (requiring `password` if given) and wait until it answers."""
-    return RedisServer(port, appendonly, password).wait_ready()
+    """Start redis-server (requiring `password` if given) and wait until it answers; with
+    `data_dir` its files live there after it stops (else in a temp dir removed on stop)."""
+    return RedisServer(port, appendonly, password, data_dir=data_dir).wait_ready()
 
 
 def client_kwargs(url: str, auth: RedisAuthConfig | None) -> dict[str, object]:

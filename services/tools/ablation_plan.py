@@ -45,7 +45,7 @@ LOO_NAMES = tuple(f"no_{t.name}" for t in TECHNIQUES)
 RUNG_LABELS |= {f"no_{t.name}": "DAPO without " + t.label[2:].removesuffix(" (= DAPO)")
                 for t in TECHNIQUES}  # fmt: skip
 
-# `--preset tiny`: the `tiny_runmax` preset on `runmax` (services/common/reasoning.py): a
+# `--preset tiny_runmax`: the `tiny_runmax` preset on `runmax` (services/common/reasoning.py): a
 # scratchpad of 2-6 steps and the paper's `Answer:` line, scored by the `dapo` rule. The
 # reference response is 6-14 tokens; L_max 20 with a soft zone of 4 tokens (punished
 # from 17 on), so a random model is truncated about 30% of the time (docs/tasks.md).
@@ -75,7 +75,7 @@ _LADDER: dict[str, Any] = {
 ABLATE_PRESETS: dict[str, dict[str, Any]] = {
     name: {"base": base, "overrides": {**task, **_LADDER}, "eval_every": 5, "eval_n": 4,
            "target": 0.5}
-    for name, base, task in (("tiny", "tiny_runmax", RUNMAX), ("tiny_mixed", "tiny", MIXED))
+    for name, base, task in (("tiny_runmax", "tiny_runmax", RUNMAX), ("tiny_mixed", "tiny", MIXED))
 }  # fmt: skip
 
 
@@ -150,6 +150,12 @@ def make_plan(
     leave_one_out: bool = False,
 ) -> Plan:
     """Resolve the ablation preset (plus `--set` overrides on the base config)."""
+    if preset == "tiny":  # `dapo up --preset tiny` is the max3 demo; no ladder runs on it
+        raise DapoError(
+            "ablation preset 'tiny' is now 'tiny_runmax' (the ladder runs on the "
+            "tiny_runmax config preset, not on `dapo up --preset tiny`'s max3 demo); "
+            f"choose: {', '.join(ABLATE_PRESETS)}"
+        )
     if preset not in ABLATE_PRESETS:
         raise DapoError(f"unknown ablation preset {preset!r}; choose: {', '.join(ABLATE_PRESETS)}")
     spec = ABLATE_PRESETS[preset]

@@ -13,11 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]  # services/tools/bench.py -> the rep
 BENCH_DIR = ROOT / "benchmarks"
 
 
+def list_benchmarks() -> list[str]:
+    """The names `dapo bench NAME` takes (benchmarks/_*.py are their helpers)."""
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
 def run_benchmark(name: str, argv: list[str] | None = None) -> int:
     """Import benchmarks/NAME.py, call its main(argv), print its checks; 1 if any fails."""
     path = BENCH_DIR / f"{name}.py"
     if not path.is_file():
-        available = sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+        available = list_benchmarks()
         raise DapoError(f"no benchmark {name!r}; available: {', '.join(available) or 'none'}")
     if str(ROOT) not in sys.path:  # benchmarks import their helpers as `benchmarks._x`
         sys.path.insert(0, str(ROOT))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.entry import add_config_args, add_service_args, flag_overrides
+from services.common.entry import Parser, add_config_args, add_redis_arg, flag_overrides
 
 ROLES: dict[str, str] = {
     # role → its entry module (`python -m <module>` is the same command)
@@ -33,18 +34,27 @@ def resolve_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    from services.tools import checks
     from services.tools.config import dump_config
 
-    print(dump_config(resolve_config(args), args.format), end="")
+    config = resolve_config(args)
+    print(dump_config(config, args.format), end="")
+    checks.report(checks.check_run(config), "config")
     return 0
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from learner.init_model import PRESETS, init_model
+    from services.common.errors import DapoError
 
-    from learner.init_model import init_model
-
-    out = init_model(Path(args.out), preset=args.preset, seed=args.seed)
+    if args.preset not in PRESETS:
+        raise DapoError(
+            f"unknown model preset {args.preset!r}; choose one of: {', '.join(PRESETS)}"
+        )
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise DapoError(f"{out} is not empty: pass --force to overwrite the model in it")
+    init_model(out, preset=args.preset, seed=args.seed)
     print(f"wrote {args.preset} model to {out}")
     return 0
 
@@ -73,22 +83,38 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         return 0
     rungs = args.rungs.split(",") if args.rungs else None
     plan = make_plan(
-        args.preset, args.seeds, name=args.name, rungs=rungs, steps=args.steps,
-        eval_every=args.eval_every, overrides=args.overrides, root=args.out_root,
+        args.preset,
+        args.seeds,
+        name=args.name,
+        rungs=rungs,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        overrides=args.overrides,
+        root=args.out_root,
         leave_one_out=args.leave_one_out,
-    )  # fmt: skip
+    )
     return run_ablation(plan)
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
     from services.tools.ledger import print_ledger
 
-    return print_ledger(resolve_config(args), as_json=args.json)
+    if args.run is None:
+        return print_ledger(resolve_config(args), as_json=args.json)
+    from services.tools.run_dir import run_redis
+
+    with run_redis(Path(args.run)) as config:
+        return print_ledger(config, as_json=args.json)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from services.tools.bench import run_benchmark
+    from services.tools.bench import list_benchmarks, run_benchmark
 
+    if args.name is None:
+        print("usage: dapo bench NAME [ARGS...]; benchmarks (benchmarks/NAME.py):")
+        for name in list_benchmarks():
+            print(f"  {name}")
+        return 2
     return run_benchmark(args.name, args.args)
 
 
@@ -102,71 +128,51 @@ def add_ablate_parser(sub: Any) -> None:
     p = sub.add_parser("ablate", help="the paper's ablation ladder, one real run per rung")
     p.add_argument(
         "--preset",
-        default="tiny",
-        help="ablation preset: tiny (runmax, the default) or tiny_mixed (the earlier "
-        "max3+copy2 ladder)",
+        default="tiny_runmax",
+        help="ablation preset: tiny_runmax (the default: the ladder on the config preset of "
+        "that name, `dapo up --preset tiny_runmax`) or tiny_mixed (the earlier ladder on the "
+        "tiny preset with the max3+copy2 task)",
     )
     p.add_argument("--seeds", type=int, default=5, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
     p.add_argument(
-        "--rungs", help="comma-separated rungs (default: the whole ladder); leave-one-out "
+        "--rungs",
+        help="comma-separated rungs (default: the whole ladder); leave-one-out "
         "rungs are no_<technique>, e.g. no_clip_higher",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--leave-one-out", action="store_true",
+        "--leave-one-out",
+        action="store_true",
         help="after the ladder's rungs, full DAPO with each technique off in turn",
-    )  # fmt: skip
+    )
     p.add_argument("--steps", type=int, help="training steps per run")
     p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
     p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
     p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
         help="override a value of the base config (repeatable)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--rerender", metavar="DIR",
+        "--rerender",
+        metavar="DIR",
         help="rewrite DIR/table.json and table.md from the runs in DIR/table.json (no runs)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=cmd_ablate)
 
 
-def add_eval_parser(sub: Any) -> None:
-    p = sub.add_parser("eval", help="avg@K / pass@K of a model on a dataset")
-    p.add_argument("--model", required=True, metavar="DIR")
-    p.add_argument("--data", required=True, metavar="F", help="parquet/jsonl, or synthetic:TASK")
-    p.add_argument("--n", type=int, default=32, help="samples per prompt (K)")
-    p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
-    p.add_argument("--verifier", default="cascade")
-    p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
-    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--out", metavar="F", help="write the JSON result here")
-    p.add_argument(
-        "--engine",
-        choices=["torch", "vllm"],
-        default="torch",
-        help="rollout engine that samples (vllm needs dapo[vllm])",
-    )
-    p.add_argument(
-        "--engine-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="engine setting, e.g. kv_cache_memory_bytes=67108864 (repeatable)",
-    )
-    p.set_defaults(func=cmd_eval)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dapo", description="DAPO reinforcement learning as a set of services."
-    )
+    parser = Parser(prog="dapo", description="DAPO reinforcement learning as a set of services.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for role in ROLES:
         sub.add_parser(role, help=f"run the {role} service (`dapo {role} --help`)", add_help=False)
 
     p = sub.add_parser("up", help="start Redis and every service locally and train")
-    add_service_args(p)
+    add_config_args(p)
+    add_redis_arg(p)  # the services' ports are picked free by `dapo up` (printed in logs)
     p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
     p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
     p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
@@ -178,10 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         "DeepSpeed, any ZeRO stage)",
     )
     p.add_argument(
-        "--eval-every", type=int, metavar="N",
+        "--eval-every",
+        type=int,
+        metavar="N",
         help="held-out eval every N steps on the run's rollout servers: the eval curve "
         "(controller.eval.every_steps; 0 = off)",
-    )  # fmt: skip
+    )
     p.set_defaults(func=cmd_up)
 
     add_ablate_parser(sub)
@@ -194,20 +202,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, tiny_long, small [tiny]")
+    p.add_argument("--seed", type=int, default=0, help="[0]")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     p.set_defaults(func=cmd_init_model)
 
     p = sub.add_parser("ledger", help="account for every group of a run")
+    p.add_argument(
+        "--run",
+        metavar="DIR",
+        help="a `dapo up` run directory (runs/NAME), running or finished: its Redis is "
+        "started again from the directory when the run is over",
+    )
     add_config_args(p)
     p.add_argument("--redis-url", help="Redis URL of the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ledger)
 
-    add_eval_parser(sub)
+    from services.tools.eval_args import add_eval_parser
 
-    p = sub.add_parser("bench", help="run benchmarks/NAME.py")
-    p.add_argument("name")
+    add_eval_parser(sub).set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("bench", help="run benchmarks/NAME.py (no NAME: list them)")
+    p.add_argument("name", nargs="?")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark's main()")
     p.set_defaults(func=cmd_bench)
     return parser
@@ -217,9 +234,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ROLES:  # one path for `dapo <role>` and `python -m <role>`
         return int(importlib.import_module(ROLES[argv[0]]).main(argv[1:]))
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # named against the subcommand, not the top-level parser
+        print(
+            f"dapo {args.command}: error: unrecognized arguments: {' '.join(extra)} "
+            f"(see `dapo {args.command} --help`)",
+            file=sys.stderr,
+        )
+        return 2
     func: Callable[[argparse.Namespace], int] = args.func
-    from services.common.errors import DapoError
+    from services.common.errors import DapoError, one_line
 
     try:
         return func(args)
@@ -228,6 +252,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, or input no check caught: still one line
+        if os.environ.get("DAPO_DEBUG"):
+            raise
+        print(
+            f"dapo {args.command}: error: {type(exc).__name__}: {one_line(str(exc))} "
+            "(DAPO_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

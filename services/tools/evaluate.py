@@ -158,14 +158,21 @@ def evaluate(
     verifier: str,
     chat: bool,
     engine_config: EngineConfig | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate the weights stored in a model directory."""
+    """Evaluate the weights stored in a model directory (the same numbers for the same
+    seed; None = a fresh draw each call)."""
     from rollout.engine import SamplingParams
 
     if not Path(model).is_dir():
         raise DapoError(f"model directory not found: {model}")
+    try:
+        params = SamplingParams(
+            n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed
+        )
+    except ValueError as exc:
+        raise DapoError(f"invalid sampling: {exc}") from None
     engine = build_engine(model, engine_config)
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens)
     try:
         result = evaluate_engine(engine, records, params, verifier, chat)
     finally:
@@ -174,18 +181,44 @@ def evaluate(
     return {**result, "model": str(model), "engine": kind}
 
 
+def check_max_tokens(model: str, max_tokens: int) -> None:
+    """A response cannot be longer than the model has positions (a prompt needs some)."""
+    from services.tools.checks import model_positions
+
+    positions = model_positions(Path(model))
+    if positions is not None and max_tokens >= positions:
+        raise DapoError(
+            f"--max-tokens {max_tokens} does not fit the {positions} positions of the model "
+            f"in {model} (prompt included); lower it"
+        )
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    records = load_eval_data(args.data, args.limit)
-    config = engine_config(args.engine, args.engine_option or ())
+    from services.tools.eval_args import resolve_eval_args
+
+    a = resolve_eval_args(args)
+    check_max_tokens(a.model, a.max_tokens)
+    records = load_eval_data(a.data, a.limit)
+    config = engine_config(a.engine, a.engine_options)
     result = evaluate(
-        args.model, records, args.n, args.max_tokens, args.temperature, args.top_p,
-        args.verifier, args.chat_template, config,
-    )  # fmt: skip
+        a.model,
+        records,
+        a.n,
+        a.max_tokens,
+        a.temperature,
+        a.top_p,
+        a.verifier,
+        a.chat_template,
+        config,
+        seed=a.seed,
+    )
+    settings = {"data": a.data, "max_tokens": a.max_tokens, "temperature": a.temperature}
+    result.update(settings, top_p=a.top_p, chat_template=a.chat_template, seed=a.seed)
     summary = {k: v for k, v in result.items() if k != "per_prompt"}
     print(json.dumps(summary, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {a.out}")
     return 0
 
 

@@ -31,6 +31,7 @@ from services.common.ledger import read_ledger
 from services.common.lifecycle import PARENT_ENV
 from services.common.redis_server import RedisServer, connect, connect_run, start_redis
 from services.common.security import secret_env, without_secrets
+from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
 from services.tools.report import (
@@ -40,6 +41,7 @@ from services.tools.report import (
     time_accounting,
     write_plots,
 )
+from services.tools.run_dir import RunLock, fresh_redis_dir, latest_checkpoint_step
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,17 @@ class Launch:
         return True
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis. The learner gets
-        its own grace (`learner.launch.shutdown_timeout_s`): it checkpoints on SIGTERM."""
+        """SIGTERM every child, wait, SIGKILL stragglers, then stop Redis."""
+        self.stop_children(grace_s)
+        self.stop_redis()
+
+    def stop_redis(self) -> None:
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    def stop_children(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child, wait, SIGKILL stragglers. The learner gets its own grace
+        (`learner.launch.shutdown_timeout_s`): it checkpoints on SIGTERM."""
         for child in self.children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
@@ -139,8 +150,6 @@ class Launch:
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
-        if self.redis_server is not None:
-            self.redis_server.stop()
 
 
 # torch.distributed launcher variables: a child of `dapo up` is a world of its own, even
@@ -195,7 +204,9 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
         launch.redis_server = start_redis(
-            appendonly=config.shared.redis_appendonly, password=config.security.redis.secret()
+            appendonly=config.shared.redis_appendonly,
+            password=config.security.redis.secret(),
+            data_dir=fresh_redis_dir(run_dir),  # `dapo ledger --run` reads it after the run
         )
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
@@ -321,6 +332,7 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "ledger": ledger.as_dict(),
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         "eval_curve": eval_curve(client, keys),
+        "checkpoint_step": latest_checkpoint_step(config),
         **launch.evals,
     }
     if steps:
@@ -345,7 +357,22 @@ def launch(
     if steps is not None:
         config.learner.total_steps = steps
     out = Path(run_dir or Path("runs") / config.shared.run_name)
+    lock = RunLock(out).acquire()
+    try:
+        return run_locked(config, out, rollouts, on_step)
+    finally:
+        lock.release()
+
+
+def run_locked(
+    config: DapoConfig,
+    out: Path,
+    rollouts: int,
+    on_step: Callable[[Launch, int, bool], None] | None,
+) -> int:
+    """`launch` once it holds the run directory."""
     ensure_model(config)
+    checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
     started = time.monotonic()
     state = Launch(config, out, on_step=on_step)
     code = 1
@@ -364,12 +391,15 @@ def launch(
         code = 130
     finally:
         report = None
+        # Services first: the learner checkpoints on SIGTERM, and the report must hold
+        # every step it committed (the checkpoint's included); Redis last.
+        state.stop_children()
         if state.config.shared.redis_url:
             try:
                 report = write_report(state, started, code)
             except Exception as exc:  # reporting must never block the clean-up
                 print(f"could not write the report: {exc}", file=sys.stderr)
-        state.stop()
+        state.stop_redis()
         signal.signal(signal.SIGTERM, previous)
     if report is not None:
         print(f"report: {report}")

@@ -136,7 +136,7 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     """The lines printed at the end of `dapo up`."""
     ledger = report["ledger"]
     lines = [
-        f"run {report['run']}: {len(report['steps'])} steps in {report['wall_seconds']:.0f}s, "
+        f"run {report['run']}: {steps_text(report['steps'])} in {report['wall_seconds']:.0f}s, "
         f"ledger {'holds' if ledger['ok'] else 'MISMATCH: ' + '; '.join(ledger['problems'])}",
         f"groups: admitted {ledger['admitted']}, trained {ledger['trained']}, "
         f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}",
@@ -158,6 +158,22 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"held-out {key}: {before[key]:.3f} before → {after[key]:.3f} after "
                      f"(policy version {after.get('version')})")  # fmt: skip
     return lines
+
+
+def training_steps(steps: list[dict[str, Any]]) -> int:
+    """Steps trained: a learner restarted from its checkpoint trains the steps after it
+    again (the metrics stream then repeats those step numbers), so count step numbers,
+    not entries (nor policy versions, which skip the ones a crashed learner lost)."""
+    return len({s["step"] for s in steps})
+
+
+def steps_text(steps: list[dict[str, Any]]) -> str:
+    """`60 steps`, or `60 steps (16 trained again after a learner restart)`."""
+    trained = training_steps(steps)
+    again = len(steps) - trained
+    return f"{trained} steps" + (
+        f" ({again} trained again after a learner restart)" if again else ""
+    )
 
 
 def staleness_line(report: dict[str, Any]) -> str:

@@ -1,0 +1,122 @@
+"""A run directory (`runs/NAME`) and what `dapo up` keeps in it beside logs and report:
+the lock that makes it one run's at a time, the Redis data the run's own redis-server
+appends to, and the learner's latest checkpoint. `dapo ledger --run` and `dapo eval
+--run` read a finished run from here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from services.common.errors import DapoError
+from services.tools.config import DapoConfig, load_config
+
+LOCK_FILE = ".lock"
+REDIS_DIR = "redis"  # the run's own redis-server's --dir (its append-only file)
+
+
+class RunLock:
+    """An exclusive lock on a run directory for one `dapo up` (released when it exits,
+    however it exits: the kernel drops a dead process's flock)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            raise DapoError(
+                f"{self.path.parent} is in use by another `dapo up` (pid {holder}); wait for "
+                f"it or stop it, or pass another --run-dir or shared.run_name"
+            ) from None
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """Whether a `dapo up` holds the run directory now."""
+    path = run_dir / LOCK_FILE
+    if not path.is_file():
+        return False
+    with path.open() as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False
+
+
+def fresh_redis_dir(run_dir: Path) -> Path:
+    """The run's Redis data directory, emptied: a new run never inherits an old state."""
+    path = run_dir / REDIS_DIR
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def latest_checkpoint_step(config: DapoConfig) -> int | None:
+    """The step of the learner's latest checkpoint (`<checkpoint_dir>/latest` = `stepN`)."""
+    directory = config.learner.checkpoint_dir
+    latest = Path(directory) / "latest" if directory else None
+    if latest is None or not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    return int(tag.removeprefix("step")) if tag.removeprefix("step").isdigit() else None
+
+
+def load_run(run_dir: Path) -> DapoConfig:
+    """The resolved config the run's `dapo up` wrote."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise DapoError(f"{run_dir} is not a run directory (no config.yaml)")
+    return load_config(path, env={})
+
+
+@contextmanager
+def run_redis(run_dir: Path) -> Iterator[DapoConfig]:
+    """The run's config with a `redis_url` that answers: the live run's Redis, an external
+    one the run used, or its own redis-server started again from the run directory's
+    append-only file (stopped on exit; the file stays)."""
+    config = load_run(run_dir)
+    data = run_dir / REDIS_DIR
+    if run_is_live(run_dir) or not data.is_dir():
+        yield config
+        return
+    if not any(data.iterdir()):
+        raise DapoError(
+            f"{data} holds no append-only file (the run had shared.redis_appendonly: false): "
+            "its state went with its Redis"
+        )
+    from services.common.redis_server import start_redis
+
+    server = start_redis(appendonly=True, password=config.security.redis.secret(), data_dir=data)
+    try:
+        yield with_redis_url(config, server.url)
+    finally:
+        server.stop()
+
+
+def with_redis_url(config: DapoConfig, url: str) -> DapoConfig:
+    updates: dict[str, Any] = {"redis_url": url}
+    return config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
