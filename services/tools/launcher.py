@@ -35,6 +35,7 @@ from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
 from services.tools.report import (
     kept_ratios,
+    sampling_summary,
     save_report,
     summary_lines,
     time_accounting,
@@ -234,7 +235,8 @@ def monitor(launch: Launch) -> int:
                 bar.write("redis-server died; restarted it from its append-only file")
             try:
                 done = bool(client.exists(keys.done))
-                update_bar(bar, client, keys, config.shared.run_name, launch.history)
+                need = config.shared.train_batch_groups
+                update_bar(bar, client, keys, config.shared.run_name, launch.history, need)
             except redis.ConnectionError:  # Redis restarting: supervise, read it next time
                 done = False
             dead = launch.dead_child()
@@ -260,7 +262,7 @@ def supervise(launch: Launch, dead: Child, bar: Any) -> bool:
 
 
 def update_bar(
-    bar: Any, client: Any, keys: RunKeys, run: str, history: list[dict[str, int]]
+    bar: Any, client: Any, keys: RunKeys, run: str, history: list[dict[str, int]], need: int = 0
 ) -> None:
     """Advance the bar to the learner's last step, show its numbers, record the ledger."""
     m = last_metrics(client, keys)
@@ -275,7 +277,20 @@ def update_bar(
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
         tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
+        **sampling_postfix(m, need),
     )  # fmt: skip
+
+
+def sampling_postfix(step: dict[str, Any], need: int) -> dict[str, str]:
+    """Dynamic sampling's cost on the bar: groups generated (decided by the buffer) per
+    group the last step trained, and its batch when the generation budget cut it short:
+    `gen/tr=3.1`, `batch=5/16`."""
+    if "groups" not in step:
+        return {}
+    out = {"gen/tr": f"{step['generated'] / max(step['groups'], 1):.1f}"}
+    if step["groups"] < need:
+        out["batch"] = f"{step['groups']}/{need}"
+    return out
 
 
 def eval_postfix(point: dict[str, Any]) -> dict[str, str]:
@@ -318,6 +333,12 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "ledger": ledger.as_dict(),
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         "eval_curve": eval_curve(client, keys),
+        "dynamic_sampling": sampling_summary(
+            steps,
+            ledger.as_dict(),
+            config.shared.train_batch_groups,
+            config.learner.generation_budget,
+        ),
         **launch.evals,
     }
     if steps:
