@@ -4,10 +4,13 @@ and the learner training the short batch it holds, exactly, and saying so."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 import torch
 from learner_fixtures import make_groups
@@ -107,3 +110,37 @@ def test_past_the_budget_the_learner_trains_a_short_batch_exactly(
     assert all(torch.equal(short_w[n], full_w[n]) for n in full_w)
     base = Learner(_learner_config(tiny_model, "base", 3, None), redis_client)
     assert any(not torch.equal(_weights(base)[n], full_w[n]) for n in full_w)  # it trained
+
+
+# -- `dapo up`: short steps trained and reported -------------------------------------------
+
+
+@pytest.mark.slow
+def test_dapo_up_trains_short_batches_past_the_budget_and_says_so(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """A batch of 64 groups with a budget of 1 x 64 generated, on-policy (max_staleness 0:
+    admission keeps less than one batch of informative groups ahead of the learner): a
+    random model's groups are informative about a third of the time, so once the learner
+    has taken its first batch (which the pipeline may have filled while it started) each
+    step trains fewer than 64 groups."""
+    run_dir = tmp_path / "run"
+    sets = [f"shared.model_path={tiny_model}", "shared.train_batch_groups=64",
+            "shared.max_staleness=0", "learner.generation_budget=1",
+            "controller.eval.enabled=false", "learner.linger_s=0"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--steps", "4",
+         "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    steps = report["steps"]
+    short = [s for s in steps if s["groups"] < 64]
+    assert len(steps) == 4 and len(short) >= 2, [(s["groups"], s["generated"]) for s in steps]
+    assert all(s["groups"] >= 1 and s["generated"] >= 64 for s in short)
+    assert report["ledger"]["ok"] and report["ledger"]["trained"] == sum(s["groups"] for s in steps)
+    assert report["dynamic_sampling"]["short_steps"] == len(short)
+    assert f"{len(short)} steps trained short batches" in result.stdout
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert learner_log.count("of 64 groups") == len(short)

@@ -277,20 +277,28 @@ def update_bar(
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
         tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
-        **sampling_postfix(m, need),
+        **sampling_postfix(recent_metrics(client, keys), need),
     )  # fmt: skip
 
 
-def sampling_postfix(step: dict[str, Any], need: int) -> dict[str, str]:
-    """Dynamic sampling's cost on the bar: groups generated (decided by the buffer) per
-    group the last step trained, and its batch when the generation budget cut it short:
-    `gen/tr=3.1`, `batch=5/16`."""
-    if "groups" not in step:
+def sampling_postfix(recent: list[dict[str, Any]], need: int) -> dict[str, str]:
+    """Dynamic sampling's cost on the bar, from the last steps' metrics (newest first):
+    groups generated (decided by the buffer) per group trained over them, and the last
+    step's batch when the generation budget cut it short: `gen/tr=3.1`, `batch=5/16`.
+    Over several steps: one step's count swings with the `train` backlog it started from."""
+    known = [m for m in recent if "groups" in m]
+    if not known:
         return {}
-    out = {"gen/tr": f"{step['generated'] / max(step['groups'], 1):.1f}"}
-    if step["groups"] < need:
-        out["batch"] = f"{step['groups']}/{need}"
+    generated, trained = sum(m["generated"] for m in known), sum(m["groups"] for m in known)
+    out = {"gen/tr": f"{generated / max(trained, 1):.1f}"}
+    if known[0]["groups"] < need:
+        out["batch"] = f"{known[0]['groups']}/{need}"
     return out
+
+
+def recent_metrics(client: Any, keys: RunKeys, count: int = 10) -> list[dict[str, Any]]:
+    """The learner's last `count` step records, newest first."""
+    return [json.loads(f[b"json"]) for _, f in client.xrevrange(keys.metrics, count=count)]
 
 
 def eval_postfix(point: dict[str, Any]) -> dict[str, str]:
