@@ -1,10 +1,12 @@
-"""The run report's time accounting: where each trained group's seconds went."""
+"""The run report's time accounting (where each trained group's seconds went) and dynamic
+sampling's cost (generated per trained, short steps), in the report and on the bar."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.tools.report import summary_lines, time_accounting
+from services.tools.launcher import sampling_postfix
+from services.tools.report import sampling_line, sampling_summary, summary_lines, time_accounting
 
 
 def test_time_accounting_splits_a_groups_time() -> None:
@@ -30,3 +32,19 @@ def test_time_accounting_splits_a_groups_time() -> None:
               "ledger": ledger}  # fmt: skip
     line = summary_lines(report)[-1]
     assert "generate 6.500, train 2.000, overhead 2.500" in line and "batch 5.000" in line
+
+
+def test_dynamic_sampling_counts_short_steps_and_generated_per_trained() -> None:
+    steps = [{"step": 1, "groups": 16, "generated": 20}, {"step": 2, "groups": 4, "generated": 64},
+             {"step": 3, "groups": 16, "generated": 40}]  # fmt: skip
+    ledger = {"kept": 40, "filtered": {"acc": 80, "stale": 4}}
+    summary = sampling_summary(steps, ledger, 16, 4.0)
+    assert summary["short_steps"] == 1 and summary["generated_per_trained"] == round(124 / 36, 2)
+    assert "1 steps trained short batches after 4 × 16 groups" in sampling_line(summary)
+    paper = sampling_summary(steps[:1], ledger, 16, None)
+    assert "no generation budget" in sampling_line(paper)
+    # The bar: generated per trained over the recent steps (newest first), the short batch.
+    newest_first = steps[::-1]
+    assert sampling_postfix(newest_first, 16) == {"gen/tr": "3.4"}
+    assert sampling_postfix(newest_first[1:], 16) == {"gen/tr": "4.2", "batch": "4/16"}
+    assert sampling_postfix([{"step": 1}], 16) == {}  # a learner that records neither
