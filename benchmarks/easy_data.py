@@ -12,8 +12,10 @@ services) past the point where max3 is nearly solved.
 2. The demo still learns as fast: `dapo up --preset tiny` as `make demo` runs it (100
    steps, held-out avg@4 every 10) with the paper's sampling and with the preset's, in
    ABBA order; seconds and steps from the first step's commit to the first eval point at
-   held-out avg@4 >= 0.9. Target: mean seconds with the preset's <= 1.1 x the paper's
-   (10% for noise on this shared machine).
+   held-out avg@4 >= 0.8, 0.85 and 0.9, and the final avg@4. Target: mean seconds to
+   0.85 with the preset's <= 1.1 x the paper's (10% for noise on this shared machine);
+   0.85, not 0.9, because the demo plateaus at 0.89-0.90 and its curve (every 10
+   steps) often never shows 0.9, with either sampling.
 
 Each run records the load average after it, its generated-per-trained groups and how
 many steps the budget cut short.
@@ -34,7 +36,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "easy_data.json"
 PAPER_SAMPLING = ["learner.generation_budget=null", "controller.difficulty_window=0"]
-TARGET_ACCURACY = 0.9
+THRESHOLDS = (0.8, 0.85, 0.9)
+# The check's threshold: the demo plateaus at 0.89-0.90 held-out avg@4 by step 100, so in
+# the first run of this benchmark neither sampling reached 0.9 on the curve (0.895 both).
+TARGET_ACCURACY = 0.85
 
 
 def dapo_up(run_dir: Path, model: Path, steps: int, sets: list[str]) -> dict[str, Any]:
@@ -83,15 +88,18 @@ def easy_tail(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def time_to_accuracy(report: dict[str, Any]) -> dict[str, Any]:
-    """Seconds and steps from the first commit to the first eval point >= the target."""
+    """Per threshold: steps and seconds from the first commit to the first eval point at
+    or above it (None if the curve never gets there)."""
     t = commits(report)
     curve = [(p["version"], p["avg@4"]) for p in report["eval_curve"]]
-    reached = next((v for v, acc in curve if acc >= TARGET_ACCURACY and v in t), None)
+    reached = {
+        str(x): next((v for v, acc in curve if acc >= x and v in t), None) for x in THRESHOLDS
+    }
     return dict(
         run_summary(report),
         curve=[(v, round(acc, 3)) for v, acc in curve],
-        steps_to_target=reached,
-        seconds_to_target=None if reached is None else round(t[reached] - t[1], 1),
+        steps_to=reached,
+        seconds_to={x: None if v is None else round(t[v] - t[1], 1) for x, v in reached.items()},
         eval_after=report.get("eval_after", {}).get("avg@4"),
     )
 
@@ -111,7 +119,7 @@ def checks(
     if not demos:
         return out
     seconds = {
-        mode: [d["seconds_to_target"] for d in demos if d["mode"] == mode]
+        mode: [d["seconds_to"][str(TARGET_ACCURACY)] for d in demos if d["mode"] == mode]
         for mode in ("paper", "preset")
     }
     reached = all(s is not None for v in seconds.values() for s in v)
