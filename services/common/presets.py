@@ -48,8 +48,9 @@ TINY: dict[str, Any] = {
         "overlong_filtering": False,
         "total_steps": 100,
         # Bounded dynamic sampling (a departure from the paper's refill-until-full): once
-        # max3 is nearly solved a full batch took up to ~65 groups generated per group
-        # trained; a step now waits for at most 4 x 16 groups (docs/architecture.md).
+        # max3 is nearly solved a full batch took ~250 groups generated per group trained
+        # (steps 131-141 of a 150-step run); a step now waits for at most 4 x 16 groups
+        # (docs/architecture.md).
         "generation_budget": 4,
         "zero_stage": 0,
         "dtype": "float32",
