@@ -114,8 +114,8 @@ class LearnerConfig(StrictModel):
         "generated (decided by the buffer) per group of a full batch; past that it trains "
         "on the informative groups it holds (at least one), a short batch whose token-level "
         "loss stays exact, and says so (the metrics' `groups`, the progress bar, the "
-        "summary). None: refill until the batch is full, as the paper (docs/dynamic_sampling"
-        ".md). The tiny presets use 4.",
+        "summary). None: refill until the batch is full, as the paper; a departure from it "
+        "otherwise (docs/architecture.md). The tiny and long presets use 4.",
     )
     # -- engine --
     engine: Literal["torch", "deepspeed"] = Field(
