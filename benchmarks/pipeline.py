@@ -217,8 +217,13 @@ def measure(steps: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any], d
             runs[f"async{i}"] = run_staleness(model, steps, 1, work / f"async{i}")
         plain_after = plain_rate(model, steps)
         data = half_trivial_dataset(work / "half.jsonl")
-        mixed = ["controller.dataset.kind=jsonl", f"controller.dataset.path={data}"]
-        runs["mixed"] = run_up(tiny_config("mixed", model, steps, *mixed), work / "mixed")
+        # The paper's refill-until-full, so generated/trained shows admission alone.
+        mixed = ["controller.dataset.kind=jsonl", f"controller.dataset.path={data}",
+                 "learner.generation_budget=null"]  # fmt: skip
+        runs["mixed"] = run_up(
+            tiny_config("mixed", model, steps, *mixed, "controller.difficulty_window=0"),
+            work / "mixed",
+        )
         runs["mixed_difficulty"] = run_up(
             tiny_config("mixedd", model, steps, *mixed, "controller.difficulty_window=1"),
             work / "mixedd",

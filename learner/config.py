@@ -130,6 +130,16 @@ class LearnerConfig(StrictModel):
         True, description="Recompute decoder layers in backward instead of storing them."
     )
     total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
+    generation_budget: float | None = Field(
+        None,
+        ge=1,
+        description="Bounded dynamic sampling: a step waits for at most this many groups "
+        "generated (decided by the buffer) per group of a full batch; past that it trains "
+        "on the informative groups it holds (at least one), a short batch whose token-level "
+        "loss stays exact, and says so (the metrics' `groups`, the progress bar, the "
+        "summary). None: refill until the batch is full, as the paper; a departure from it "
+        "otherwise (docs/architecture.md). The tiny and long presets use 4.",
+    )
     # -- engine --
     engine: Literal["torch", "deepspeed"] = Field(
         "deepspeed", description="deepspeed (ZeRO, data parallel) or a plain torch loop."

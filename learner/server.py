@@ -48,6 +48,7 @@ from learner.trainer import (
 from learner.weights import WeightServicer, add_weight_service, open_weight_socket, stream_views
 from services.common.adapters import decode_group
 from services.common.atomic import ack_then, commit_step
+from services.common.generation_budget import batch_ready, decided_groups
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
@@ -76,6 +77,10 @@ STALE_TRAINED = Counter(
     "Groups trained past the soft staleness bound (within the hard one, corrected)",
 )
 CHECKPOINTS = Counter("dapo_learner_checkpoints_total", "Checkpoints written")
+SHORT_STEPS = Counter(
+    "dapo_learner_short_steps_total",
+    "Steps trained on fewer than train_batch_groups groups (learner.generation_budget spent)",
+)
 CONSUMER_GROUP = "learner"
 STOPPED_EXIT = 143  # stopped before total_steps (128 + SIGTERM): a supervisor restarts it
 
@@ -110,6 +115,8 @@ class Learner:
         self.last: StepMetrics | None = None
         self._batch: list[tuple[Entry, Group]] = []
         self._stop = threading.Event()  # `run`'s: a signal, or any rank's after a step
+        self._decided_mark = self._decided()  # the generation budget counts from here
+        self._generated = 0  # groups decided while the batch being trained filled
         self._restore()
 
     @property
@@ -194,15 +201,32 @@ class Learner:
             self._pending_after = None
         return entries
 
+    def _decided(self) -> int:
+        """Groups the buffer has decided so far (kept + filtered), from the ledger."""
+        raw = self.client.hgetall(self.keys.ledger)
+        return decided_groups({k.decode(): int(v) for k, v in raw.items()})
+
+    def _ready(self, need: int) -> bool:
+        """The batch is full, or `learner.generation_budget` is spent and it holds a group
+        (services/common/generation_budget.py); then the next budget starts counting."""
+        decided = self._decided()
+        generated = decided - self._decided_mark
+        budget = self.config.learner.generation_budget
+        if not batch_ready(len(self._batch), need, generated, budget):
+            return False
+        self._decided_mark, self._generated = decided, generated
+        return True
+
     def fill_batch(self, stop: threading.Event) -> bool:
-        """Block until train_batch_groups fresh groups are held (False if stopping)."""
+        """Block until train_batch_groups fresh groups are held, or fewer once the
+        generation budget is spent (False if stopping)."""
         if stop.is_set():
             return False
         need = self.config.shared.train_batch_groups
         self._recheck_held()
         while self._pending_after is not None and len(self._batch) < need:
             self.take(self._read_pending(need - len(self._batch)))
-        while len(self._batch) < need:
+        while not self._ready(need):
             if stop.is_set():
                 return False
             self.take(self.consumer.read(need - len(self._batch), block_ms=200))
@@ -227,6 +251,16 @@ class Learner:
         lag = max(staleness(g, self.version) for g in groups)
         beyond = sum(self._verdict(g) == "stale_trained" for g in groups)
         STALE_TRAINED.inc(beyond)
+        if len(groups) < need:
+            SHORT_STEPS.inc()
+            log.info(
+                "step %d trains %d of %d groups: %d generated since the last batch spent the "
+                "generation budget",
+                self.step + 1,
+                len(groups),
+                need,
+                self._generated,
+            )
         self.commit([e.id for e, _ in batch], metrics, lag, [g.group_id for g in groups], beyond)
         return metrics
 
@@ -249,7 +283,14 @@ class Learner:
         else:
             self.weights.publish(new_version, *self._weights())
         step = self.step + 1
-        record = dict(metrics.as_dict(), step=step, staleness=staleness, beyond_soft=beyond_soft)
+        record = dict(
+            metrics.as_dict(),
+            step=step,
+            staleness=staleness,
+            beyond_soft=beyond_soft,
+            groups=len(ids),
+            generated=self._generated,
+        )
         trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}
         commit_step(
             self.client, self.keys, new_version, len(ids), json.dumps(record), json.dumps(trace),

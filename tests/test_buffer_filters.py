@@ -10,8 +10,9 @@ from services.controller.admission import (
     PipelineCounts,
     RateEstimator,
     backlog_allows,
-    difficulty_skip,
+    sit_out,
     staleness_allows,
+    uniform_streak,
 )
 
 
@@ -94,9 +95,18 @@ def test_backlog_limit() -> None:
     assert backlog_allows(counts, 8) and not backlog_allows(counts, 7)
 
 
-def test_difficulty_skip() -> None:
-    assert difficulty_skip([1.0, 1.0], 2) == "easy"
-    assert difficulty_skip([0.5, 0.0, 0.0], 2) == "hard"
-    assert difficulty_skip([1.0, 0.5], 2) is None
-    assert difficulty_skip([1.0], 2) is None  # not enough history
-    assert difficulty_skip([1.0, 1.0], 0) is None  # off
+def test_uniform_streak() -> None:
+    assert uniform_streak([0.5, 1.0, 1.0]) == ("easy", 2)
+    assert uniform_streak([1.0, 0.0, 0.0, 0.0]) == ("hard", 3)  # a run of one kind only
+    assert uniform_streak([1.0, 0.5]) == (None, 0)
+    assert uniform_streak([]) == (None, 0)
+
+
+def test_sit_out_doubles_with_the_streak_up_to_the_cap() -> None:
+    assert sit_out([1.0], 2, 8) == (None, 0)  # not enough history
+    assert sit_out([0.5, 1.0, 1.0], 2, 8) == ("easy", 1)
+    assert sit_out([0.0] * 3, 2, 8) == ("hard", 2)
+    assert sit_out([1.0] * 4, 2, 8) == ("easy", 4)
+    assert sit_out([1.0] * 8, 2, 8) == ("easy", 8)  # capped
+    assert sit_out([1.0, 1.0, 0.5], 2, 8) == (None, 0)  # informative last time
+    assert sit_out([1.0] * 5, 0, 8) == (None, 0)  # off

@@ -41,8 +41,24 @@ def test_difficulty_skip_expires_so_prompts_are_retried(redis_client: redis.Redi
     assert c.skip_reason(record) is None  # informative recently: never skipped
 
 
-def test_difficulty_skip_is_off_by_default(redis_client: redis.Redis) -> None:
-    c = controller(redis_client)
+def test_a_prompt_that_stays_easy_sits_out_longer_each_time(redis_client: redis.Redis) -> None:
+    c = controller(redis_client)  # difficulty-aware admission is on by default
+    record = c.records[0]
+    rates = RunKeys("c").pass_rates
+
+    def visits(history: list[float], n: int) -> list[str | None]:
+        redis_client.hset(rates, record.prompt_id, json.dumps(history))
+        return [c.skip_reason(record) for _ in range(n)]
+
+    assert visits([1.0, 1.0], 2) == ["easy", None]  # one epoch out, then admitted
+    assert visits([1.0, 1.0, 1.0], 3) == ["easy", "easy", None]  # easy again: two
+    assert visits([1.0] * 8, 9) == ["easy"] * 8 + [None]  # at most difficulty_skip_epochs
+    assert visits([1.0] * 8 + [0.5], 1) == [None]
+
+
+def test_the_ablation_base_samples_every_prompt_as_the_paper(redis_client: redis.Redis) -> None:
+    config = load_config(preset="tiny_runmax", env={}, overrides=["shared.run_name=c"])
+    c = Controller(config, redis_client)
     record = c.records[0]
     redis_client.hset(RunKeys("c").pass_rates, record.prompt_id, json.dumps([1.0, 1.0]))
     assert c.skip_reason(record) is None

@@ -285,6 +285,7 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
         f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
         "learner.linger_s=0", "buffer.stream_retain=1000000",  # the audit reads all `scored`
+        "learner.generation_budget=null",  # full batches: the counts below
     ])  # fmt: skip
     hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
     started = time.monotonic()
@@ -358,6 +359,7 @@ def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
         "learner.linger_s=0", "buffer.stream_retain=1000000", "shared.max_response_length=64",
         "rollout.partial_rollouts=true", "rollout.weight_poll_s=0.05",
+        "learner.generation_budget=null",  # full batches: the counts below
     ])  # fmt: skip
     hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)

@@ -70,7 +70,8 @@ def test_a_run_records_an_eval_curve_and_its_ledger_stays_exact(
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
          str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "16",
-         "--eval-every", "2", "--set", "controller.eval.limit=40"],
+         "--eval-every", "2", "--set", "controller.eval.limit=40",
+         "--set", "learner.generation_budget=null"],  # full batches: 16 x 16 trained
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     gauges: dict[str, float] = {}

@@ -110,6 +110,8 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
              "--rollouts", "2", "--redis-url", server.url, "--set", f"shared.run_name={RUN}",
              "--set", "controller.eval.enabled=false", "--set", "learner.linger_s=0",
              "--set", "learner.checkpoint_every=2",
+             # Full batches (the counts below): no generation budget.
+             "--set", "learner.generation_budget=null",
              # Keep every acked entry: the audit below reads the whole `scored` stream,
              # and a run that admits more than the default 1000 groups would be trimmed.
              "--set", "buffer.stream_retain=1000000"],

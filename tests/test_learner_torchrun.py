@@ -42,7 +42,7 @@ def start_run(
          str(run_dir), "--set", f"shared.model_path={model}", "--steps", str(STEPS),
          "--learner-ranks", "2", "--set", "learner.zero_stage=2", "--redis-url", server.url,
          "--set", f"shared.run_name={run}", "--set", "controller.eval.enabled=false",
-         "--set", "learner.linger_s=0", "--set", f"learner.checkpoint_every={checkpoint_every}",
+         "--set", "learner.linger_s=0", "--set", "learner.generation_budget=null", "--set", f"learner.checkpoint_every={checkpoint_every}",
          "--set", f"learner.launch.shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip

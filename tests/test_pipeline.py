@@ -50,7 +50,8 @@ def test_data_flows_through_every_service(
                      "--set", "shared.run_name=pipeline",
                      "--set", f"shared.max_staleness={max_staleness}",
                      "--set", "controller.eval.enabled=false",
-                     "--set", f"buffer.stream_retain={RETAIN}")  # fmt: skip
+                     "--set", f"buffer.stream_retain={RETAIN}",
+                     "--set", "learner.generation_budget=null")  # full batches  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     ledger = report["ledger"]

@@ -1,10 +1,12 @@
-"""The run report's time accounting: where each trained group's seconds went."""
+"""The run report's time accounting (where each trained group's seconds went) and dynamic
+sampling's cost (generated per trained, short steps), in the report and on the bar."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.tools.report import summary_lines, time_accounting
+from services.tools.launcher import sampling_postfix
+from services.tools.report import sampling_line, sampling_summary, summary_lines, time_accounting
 
 
 def test_time_accounting_splits_a_groups_time() -> None:
@@ -42,3 +44,19 @@ def test_summary_counts_training_steps_not_metric_entries() -> None:
     assert first.startswith("run r: 6 steps (2 trained again after a learner restart) in 30s")
     report["steps"] = steps[:6]
     assert summary_lines(report)[0].startswith("run r: 6 steps in 30s")
+
+
+def test_dynamic_sampling_counts_short_steps_and_generated_per_trained() -> None:
+    steps = [{"step": 1, "groups": 16, "generated": 20}, {"step": 2, "groups": 4, "generated": 64},
+             {"step": 3, "groups": 16, "generated": 40}]  # fmt: skip
+    ledger = {"kept": 40, "filtered": {"acc": 80, "stale": 4}}
+    summary = sampling_summary(steps, ledger, 16, 4.0)
+    assert summary["short_steps"] == 1 and summary["generated_per_trained"] == round(124 / 36, 2)
+    assert "1 steps trained short batches after 4 × 16 groups" in sampling_line(summary)
+    paper = sampling_summary(steps[:1], ledger, 16, None)
+    assert "no generation budget" in sampling_line(paper)
+    # The bar: generated per trained over the recent steps (newest first), the short batch.
+    newest_first = steps[::-1]
+    assert sampling_postfix(newest_first, 16) == {"gen/tr": "3.4"}
+    assert sampling_postfix(newest_first[1:], 16) == {"gen/tr": "4.2", "batch": "4/16"}
+    assert sampling_postfix([{"step": 1}], 16) == {}  # a learner that records neither

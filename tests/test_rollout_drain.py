@@ -115,6 +115,7 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
         f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
         "learner.linger_s=0", "buffer.stream_retain=1000000", "rollout.engine.num_threads=1",
         f"rollout.drain_timeout_s={DRAIN_S}", "shared.max_response_length=96",
+        "learner.generation_budget=null",  # full batches: the counts below
     ])  # fmt: skip
     hook = Drain(redis_client)
     started = time.monotonic()

@@ -47,6 +47,11 @@ TINY: dict[str, Any] = {
         "micro_batch_tokens": 4096,
         "overlong_filtering": False,
         "total_steps": 100,
+        # Bounded dynamic sampling (a departure from the paper's refill-until-full): once
+        # max3 is nearly solved a full batch took ~250 groups generated per group trained
+        # (steps 131-141 of a 150-step run); a step now waits for at most 4 x 16 groups
+        # (docs/architecture.md).
+        "generation_budget": 4,
         "zero_stage": 0,
         "dtype": "float32",
         "checkpoint_every": 20,
@@ -67,9 +72,12 @@ TINY_RUNMAX: dict[str, Any] = {
         "overlong_buffer_length": 4,
         "verifier": "dapo",
     },
+    # The ablation ladder's base measures the paper's dynamic sampling: every prompt each
+    # epoch, batches refilled until full.
     "controller": {
         **TINY["controller"],
         "dataset": {"kind": "synthetic", "synthetic_task": "runmax"},
+        "difficulty_window": 0,
     },
     "rollout": TINY["rollout"],
     "reward": {**TINY["reward"], "overlong_punishment": True},
@@ -78,6 +86,7 @@ TINY_RUNMAX: dict[str, Any] = {
         "overlong_filtering": True,
         "mini_batch_responses": 64,
         "total_steps": 100,
+        "generation_budget": None,
     },
 }
 

@@ -90,13 +90,28 @@ def backlog_allows(counts: PipelineCounts, max_backlog: int) -> bool:
     return counts.queued_informative < max_backlog
 
 
-def difficulty_skip(history: list[float], window: int) -> str | None:
-    """'easy' / 'hard' if the prompt's last `window` groups were all correct / all wrong."""
-    recent = history[-window:]
-    if window <= 0 or len(recent) < window:
-        return None
-    if all(r >= 1.0 for r in recent):
-        return "easy"
-    if all(r <= 0.0 for r in recent):
-        return "hard"
-    return None
+def uniform_streak(history: list[float]) -> tuple[str | None, int]:
+    """The trailing run of all-correct ('easy') or all-wrong ('hard') groups: (kind, length)."""
+    kind = None
+    length = 0
+    for rate in reversed(history):
+        this = "easy" if rate >= 1.0 else "hard" if rate <= 0.0 else None
+        if this is None or (kind is not None and this != kind):
+            break
+        kind, length = this, length + 1
+    return kind, length
+
+
+def sit_out(history: list[float], window: int, max_epochs: int) -> tuple[str | None, int]:
+    """Difficulty-aware admission: (reason, epochs the prompt sits out before it is tried).
+
+    A prompt whose last `window` groups were all correct (or all wrong) sits out one
+    epoch; each further uniform group doubles that, up to `max_epochs`. A prompt whose
+    groups keep coming back uniform is admitted less and less often (an easy tail costs
+    generation and trains nothing), yet always again: the policy changes, and a prompt
+    skipped forever would, once every prompt is, stall the run. window 0: off.
+    """
+    kind, length = uniform_streak(history)
+    if window <= 0 or kind is None or length < window:
+        return None, 0
+    return kind, min(2 ** (length - window), max_epochs)

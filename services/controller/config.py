@@ -71,13 +71,15 @@ class ControllerConfig(StrictModel):
     )
     rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one GenerateGroup call.")
     difficulty_window: int = Field(
-        0,
+        2,
         ge=0,
-        description="Skip a prompt for an epoch if its last N groups were all "
-        "correct or all wrong (difficulty-aware admission); 0 = off (DAPO).",
+        description="Difficulty-aware admission: a prompt whose last N groups were all "
+        "correct or all wrong sits out an epoch, doubling per further uniform group "
+        "(services/controller/admission.py); 0 = off (the paper samples every prompt "
+        "every epoch).",
     )
     difficulty_skip_epochs: int = Field(
-        1, ge=1, description="Consecutive epochs a prompt may sit out before it is retried."
+        8, ge=1, description="The most consecutive epochs a prompt sits out before it is retried."
     )
 
 

@@ -39,8 +39,8 @@ from services.controller.admission import (
     PipelineCounts,
     RateEstimator,
     backlog_allows,
-    difficulty_skip,
     pipeline_counts,
+    sit_out,
     staleness_allows,
 )
 from services.controller.config import ControllerSettings
@@ -119,18 +119,18 @@ class Controller:
         )
 
     def skip_reason(self, record: PromptRecord) -> str | None:
-        """Difficulty-aware admission: 'easy'/'hard' prompts sit out one epoch at a time.
+        """Difficulty-aware admission: 'easy'/'hard' prompts sit out epochs (admission.sit_out).
 
-        The skip expires after `difficulty_skip_epochs` consecutive skips so that the
-        prompt is tried again: the policy changes, and a prompt skipped forever would,
-        once every prompt is, stall the run.
+        A prompt is admitted again after the epochs its streak of uniform groups earns
+        (1, doubling per further uniform group, at most `difficulty_skip_epochs`).
         """
         cfg = self.config.controller
         if cfg.difficulty_window == 0:
             return None
         raw = self.client.hget(self.keys.pass_rates, record.prompt_id)
-        reason = difficulty_skip(json.loads(raw) if raw else [], cfg.difficulty_window)
-        if reason is None or self._skips[record.prompt_id] >= cfg.difficulty_skip_epochs:
+        history = json.loads(raw) if raw else []
+        reason, epochs = sit_out(history, cfg.difficulty_window, cfg.difficulty_skip_epochs)
+        if reason is None or self._skips[record.prompt_id] >= epochs:
             self._skips[record.prompt_id] = 0
             return None
         self._skips[record.prompt_id] += 1

@@ -71,6 +71,10 @@ _LADDER: dict[str, Any] = {
     "reward.overlong_punishment": True,
     "learner.overlong_filtering": True,
     "learner.linger_s": 30,
+    # The ladder measures the paper's dynamic sampling: every prompt every epoch, each
+    # batch refilled until full (the `tiny` preset bounds it: docs/architecture.md).
+    "controller.difficulty_window": 0,
+    "learner.generation_budget": None,
 }
 ABLATE_PRESETS: dict[str, dict[str, Any]] = {
     name: {"base": base, "overrides": {**task, **_LADDER}, "eval_every": 5, "eval_n": 4,

@@ -36,6 +36,7 @@ from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
 from services.tools.report import (
     kept_ratios,
+    sampling_summary,
     save_report,
     summary_lines,
     time_accounting,
@@ -248,7 +249,8 @@ def monitor(launch: Launch) -> int:
                 bar.write("redis-server died; restarted it from its append-only file")
             try:
                 done = bool(client.exists(keys.done))
-                update_bar(bar, client, keys, config.shared.run_name, launch.history)
+                need = config.shared.train_batch_groups
+                update_bar(bar, client, keys, config.shared.run_name, launch.history, need)
             except redis.ConnectionError:  # Redis restarting: supervise, read it next time
                 done = False
             dead = launch.dead_child()
@@ -274,7 +276,7 @@ def supervise(launch: Launch, dead: Child, bar: Any) -> bool:
 
 
 def update_bar(
-    bar: Any, client: Any, keys: RunKeys, run: str, history: list[dict[str, int]]
+    bar: Any, client: Any, keys: RunKeys, run: str, history: list[dict[str, int]], need: int = 0
 ) -> None:
     """Advance the bar to the learner's last step, show its numbers, record the ledger."""
     m = last_metrics(client, keys)
@@ -289,7 +291,28 @@ def update_bar(
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
         tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
+        **sampling_postfix(recent_metrics(client, keys), need),
     )  # fmt: skip
+
+
+def sampling_postfix(recent: list[dict[str, Any]], need: int) -> dict[str, str]:
+    """Dynamic sampling's cost on the bar, from the last steps' metrics (newest first):
+    groups generated (decided by the buffer) per group trained over them, and the last
+    step's batch when the generation budget cut it short: `gen/tr=3.1`, `batch=5/16`.
+    Over several steps: one step's count swings with the `train` backlog it started from."""
+    known = [m for m in recent if "groups" in m]
+    if not known:
+        return {}
+    generated, trained = sum(m["generated"] for m in known), sum(m["groups"] for m in known)
+    out = {"gen/tr": f"{generated / max(trained, 1):.1f}"}
+    if known[0]["groups"] < need:
+        out["batch"] = f"{known[0]['groups']}/{need}"
+    return out
+
+
+def recent_metrics(client: Any, keys: RunKeys, count: int = 10) -> list[dict[str, Any]]:
+    """The learner's last `count` step records, newest first."""
+    return [json.loads(f[b"json"]) for _, f in client.xrevrange(keys.metrics, count=count)]
 
 
 def eval_postfix(point: dict[str, Any]) -> dict[str, str]:
@@ -333,6 +356,12 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         "eval_curve": eval_curve(client, keys),
         "checkpoint_step": latest_checkpoint_step(config),
+        "dynamic_sampling": sampling_summary(
+            steps,
+            ledger.as_dict(),
+            config.shared.train_batch_groups,
+            config.learner.generation_budget,
+        ),
         **launch.evals,
     }
     if steps:

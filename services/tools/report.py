@@ -150,6 +150,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{m['train']:.3f}, overhead {m['overhead']:.3f} (score {m['score']:.3f} + "
             f"controller {m['controller']:.3f}), waiting for its batch {m['wait']:.3f}"
         )
+    if report.get("dynamic_sampling"):
+        lines.append(sampling_line(report["dynamic_sampling"]))
     if report.get("eval_curve"):
         lines.append(eval_curve_line(report["eval_curve"]))
     before, after = report.get("eval_before"), report.get("eval_after")
@@ -173,6 +175,34 @@ def steps_text(steps: list[dict[str, Any]]) -> str:
     again = len(steps) - trained
     return f"{trained} steps" + (
         f" ({again} trained again after a learner restart)" if again else ""
+    )
+
+
+def sampling_summary(
+    steps: list[dict[str, Any]], ledger: dict[str, Any], need: int, budget: float | None
+) -> dict[str, Any]:
+    """Dynamic sampling's cost: groups the buffer decided per group trained, and the steps
+    the generation budget (`learner.generation_budget`) cut short of `need` groups."""
+    decided = ledger["kept"] + sum(ledger["filtered"].values())
+    trained = sum(int(s.get("groups", need)) for s in steps)
+    short = [s["step"] for s in steps if int(s.get("groups", need)) < need]
+    return {
+        "generated_per_trained": round(decided / max(trained, 1), 2),
+        "train_batch_groups": need,
+        "generation_budget": budget,
+        "short_steps": len(short),
+    }
+
+
+def sampling_line(summary: dict[str, Any]) -> str:
+    """The dynamic-sampling line of the summary."""
+    line = f"dynamic sampling: {summary['generated_per_trained']:.2f} groups generated per trained"
+    if summary["generation_budget"] is None:
+        return line + " (no generation budget: every batch refilled until full)"
+    return line + (
+        f"; {summary['short_steps']} steps trained short batches after "
+        f"{summary['generation_budget']:g} × {summary['train_batch_groups']} groups generated "
+        "(learner.generation_budget)"
     )
 
 
