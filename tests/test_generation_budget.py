@@ -54,7 +54,8 @@ def test_a_step_never_trains_nothing() -> None:
 def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> Any:
     sets = {
         "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
-        "shared.max_response_length": 16, "shared.train_batch_groups": batch,
+        "shared.max_response_length": 16, "shared.overlong_buffer_length": 0,
+        "shared.train_batch_groups": batch,
         "learner.engine": "torch", "learner.lr": 1e-2, "learner.warmup_steps": 0,
         "learner.mini_batch_responses": 8, "learner.micro_batch_tokens": 64,
         "learner.generation_budget": "null" if budget is None else budget,

@@ -37,15 +37,23 @@ STEPS, BATCH, SHUTDOWN_TIMEOUT_S = 10, 16, 60
 def start_run(
     run_dir: Path, model: Path, server: RedisServer, run: str, env: dict, checkpoint_every: int
 ):
+    sets = {
+        "shared.model_path": model,
+        "shared.run_name": run,
+        "learner.zero_stage": 2,
+        "controller.eval.enabled": "false",
+        "learner.linger_s": 0,
+        "learner.generation_budget": "null",  # full batches: the test counts them
+        "learner.checkpoint_every": checkpoint_every,
+        "learner.launch.shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
+    }
+    cmd = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny"]
+    cmd += ["--run-dir", str(run_dir), "--steps", str(STEPS), "--learner-ranks", "2"]
+    cmd += ["--redis-url", server.url]
+    cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
     return subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-         str(run_dir), "--set", f"shared.model_path={model}", "--steps", str(STEPS),
-         "--learner-ranks", "2", "--set", "learner.zero_stage=2", "--redis-url", server.url,
-         "--set", f"shared.run_name={run}", "--set", "controller.eval.enabled=false",
-         "--set", "learner.linger_s=0", "--set", "learner.generation_budget=null", "--set", f"learner.checkpoint_every={checkpoint_every}",
-         "--set", f"learner.launch.shutdown_timeout_s={SHUTDOWN_TIMEOUT_S}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
 
 
 def torchrun_of(run_dir: Path) -> psutil.Process:
