@@ -91,34 +91,46 @@ def check_finished_exactly(client: redis.Redis, run: str) -> None:
     assert len(versions) == len(set(versions)), versions  # no version published twice
 
 
+def run_with_fault(
+    server: RedisServer, tmp_path: Path, model: Path, env: dict, checkpoint_every: int, fault
+):
+    """`dapo up` with a 2-rank learner; after 3 steps `fault(torchrun, client, keys)`, then
+    wait for the end: (out, exit code, learner log, what `fault` returned, client, run)."""
+    run, run_dir = tmp_path.name[-12:], tmp_path / "run"
+    keys = RunKeys(run)
+    client = redis.Redis.from_url(server.url)
+    proc = start_run(run_dir, model, server, run, env, checkpoint_every)
+    try:
+        wait_for(lambda: committed(client, keys) >= 3, 300, "3 steps")
+        seen = fault(torchrun_of(run_dir), client, keys)
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        proc.kill()
+    log = (run_dir / "logs" / "learner.log").read_text()
+    return out, proc.returncode, log, seen, client, run
+
+
 def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
-    run, run_dir = "tr-term", tmp_path / "run"
-    keys = RunKeys(run)
+    def sigterm(torchrun: psutil.Process, client: redis.Redis, keys: RunKeys) -> tuple:
+        ranks = [rank(torchrun, 0), rank(torchrun, 1)]
+        torchrun.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        torchrun.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)  # (not our child: no exit code)
+        assert not any(r.is_running() for r in ranks)
+        return time.monotonic() - sent, committed(client, keys)
+
     with RedisServer(appendonly=True) as server:
-        client = redis.Redis.from_url(server.url)
-        proc = start_run(run_dir, tiny_model, server, run, killed_tree_env, checkpoint_every=100)
-        try:
-            wait_for(lambda: committed(client, keys) >= 3, 300, "3 steps")
-            torchrun = torchrun_of(run_dir)
-            ranks = [rank(torchrun, 0), rank(torchrun, 1)]
-            torchrun.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
-            torchrun.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)  # (not our child: no exit code)
-            stopped_s = time.monotonic() - sent
-            assert not any(r.is_running() for r in ranks)
-            at_stop = committed(client, keys)
-            out, _ = proc.communicate(timeout=300)
-        finally:
-            proc.kill()
-        log = (run_dir / "logs" / "learner.log").read_text()
-        assert proc.returncode == 0, out[-3000:]
+        out, code, log, (stopped_s, at_stop), client, run = run_with_fault(
+            server, tmp_path, tiny_model, killed_tree_env, 100, sigterm
+        )
+        assert code == 0, out[-3000:]
         assert stopped_s < SHUTDOWN_TIMEOUT_S, stopped_s
         assert "dapo learner: stopped by signal 15" in log  # torchrun_main's exit 143
         assert "forcefully exiting" not in log  # torchrun never had to SIGKILL a rank
         # The stop's checkpoint holds every step committed by then, from both ranks.
-        tag = run_dir / "checkpoints" / f"step{at_stop}"
+        tag = tmp_path / "run" / "checkpoints" / f"step{at_stop}"
         shards = sorted(p.name for p in tag.glob("*optim_states.pt"))
         assert len(shards) == 2 and any("rank_1" in s for s in shards), shards
         assert f"resumed step={at_stop}" in log
@@ -129,20 +141,14 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(
 def test_a_killed_rank_restarts_the_group_which_resumes(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
-    run, run_dir = "tr-kill", tmp_path / "run"
-    keys = RunKeys(run)
+    def kill_rank_1(torchrun: psutil.Process, client: redis.Redis, keys: RunKeys) -> None:
+        rank(torchrun, 1).kill()
+
     with RedisServer(appendonly=True) as server:
-        client = redis.Redis.from_url(server.url)
-        proc = start_run(run_dir, tiny_model, server, run, killed_tree_env, checkpoint_every=2)
-        try:
-            wait_for(lambda: committed(client, keys) >= 3, 300, "3 steps")
-            torchrun = torchrun_of(run_dir)
-            rank(torchrun, 1).kill()
-            out, _ = proc.communicate(timeout=420)
-        finally:
-            proc.kill()
-        log = (run_dir / "logs" / "learner.log").read_text()
-        assert proc.returncode == 0, out[-3000:]
+        out, code, log, _, client, run = run_with_fault(
+            server, tmp_path, tiny_model, killed_tree_env, 2, kill_rank_1
+        )
+        assert code == 0, out[-3000:]
         assert "exitcode: -9" in log and "resumed step=" in log
         assert "restarted learner" not in out  # torchrun restarted the group, not dapo up
         check_finished_exactly(client, run)
