@@ -76,6 +76,12 @@ class ControllerConfig(StrictModel):
         description="Skip a prompt for an epoch if its last N groups were all "
         "correct or all wrong (difficulty-aware admission); 0 = off (DAPO).",
     )
+    max_rejected_in_a_row: int = Field(
+        256,
+        ge=0,
+        description="Stop the run (non-zero exit, with the reasons) once this many groups in "
+        "a row were rejected with none scored: nothing the data asks can succeed; 0 = never.",
+    )
     difficulty_skip_epochs: int = Field(
         1, ge=1, description="Consecutive epochs a prompt may sit out before it is retried."
     )

@@ -35,7 +35,12 @@ def resolve_config(args: argparse.Namespace) -> Any:
 def cmd_config(args: argparse.Namespace) -> int:
     from services.tools.config import dump_config
 
-    print(dump_config(resolve_config(args), args.format), end="")
+    config = resolve_config(args)
+    print(dump_config(config, args.format), end="")
+    if args.check_data:
+        from services.tools.liveness import check_training_data
+
+        print(check_training_data(config).describe(), file=sys.stderr)
     return 0
 
 
@@ -52,12 +57,16 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from services.tools.config import load_config
     from services.tools.launcher import launch
+    from services.tools.liveness import StallWatch
 
     overrides = flag_overrides(args, None)
     if args.eval_every is not None:
         overrides.append(f"controller.eval.every_steps={args.eval_every}")
     config = load_config(args.config, preset=args.preset, overrides=overrides)
-    return launch(config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts)
+    watch = StallWatch(args.stall_after, args.stall_timeout, token=config.security.auth.secret())
+    return launch(
+        config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts, watch=watch
+    )
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -155,6 +164,25 @@ def add_eval_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_eval)
 
 
+def add_liveness_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after S seconds without a training step, show why (each service's latest "
+        "error) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop the run (exit 1) after S seconds without a training step; 0 = never "
+        "(default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dapo", description="DAPO reinforcement learning as a set of services."
@@ -173,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out eval every N steps on the run's rollout servers: the eval curve "
         "(controller.eval.every_steps; 0 = off)",
     )  # fmt: skip
+    add_liveness_args(p)
     p.set_defaults(func=cmd_up)
 
     add_ablate_parser(sub)
@@ -181,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show"])
     add_config_args(p)
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also load and screen the training data as `dapo up` will (errors name the "
+        "file, row and column; the summary goes to stderr)",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")
