@@ -226,6 +226,8 @@ class Controller:
         rpc = self.config.shared.rpc
 
         def on_retry(exc: BaseException, delay: float) -> None:
+            if stop.is_set():  # a call cancelled by stopping: no failure, no retry
+                return
             RETRIES.labels(target).inc()
             self.errors.record(f"{target} {error_class(exc)}", error_text(exc))
             if not isinstance(exc, ConnectionError):
