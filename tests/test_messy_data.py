@@ -161,3 +161,23 @@ def test_a_run_whose_every_group_is_rejected_stops_with_the_reason(
     ledger = report_of(run_dir)["ledger"]
     assert ledger["ok"], ledger["problems"]
     assert ledger["rejected"]["ground_truth_too_long"] >= 24 and ledger["trained"] == 0
+
+
+def test_a_run_that_trains_nothing_shows_why_and_stops_at_the_stall_timeout(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """No answer can ever be right (words, under a first-integer verifier): every group is
+    all-wrong and filtered, nothing is refused, no step completes. The bar says so with
+    the counts, and `--stall-timeout` stops the run with them."""
+    rows = [row(r["prompt"][0]["content"], "seven", i) for i, r in enumerate(clean_rows(8))]
+    data = write_parquet(tmp_path / "unanswerable.parquet", rows)
+    result, _ = dapo_up(tmp_path / "run", tiny_model, data,
+                        "--stall-after", "1", "--stall-timeout", "30")  # fmt: skip
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert re.fullmatch(
+        r"dapo up: error: no training step for 3\ds \(--stall-timeout\): .*groups admitted "
+        r"\d+, in flight \d+, rejected 0, filtered \d+, waiting to train 0",
+        last_line(result.stderr),
+    ), result.stderr[-2000:]
+    assert re.search(r"^no training step for \d+s: .*groups admitted", result.stdout, re.M)
+    assert report_of(tmp_path / "run")["ledger"]["trained"] == 0

@@ -23,6 +23,7 @@ from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.net import free_port
 from services.common.registry import Registration
+from services.controller.admission import pipeline_counts, staleness_allows
 from services.controller.failures import GroupRejected, Rejection, RejectionStreak, classify
 from services.controller.server import REJECTED, RETRIES, Controller
 from services.tools.config import DapoConfig, load_config
@@ -138,18 +139,20 @@ def test_a_run_whose_every_group_is_rejected_stops_with_the_reason(
 ) -> None:
     rows = [row(OVERLONG + str(i), "9", f"long-{i}") for i in range(3)]
     data = write_parquet(tmp_path / "d.parquet", rows)
-    c = controller(redis_client, data, "controller.max_rejected_in_a_row=8")
+    # Past the staleness window (tiny: about 64 undecided groups): rejected groups are over,
+    # not undecided work admission waits for.
+    c = controller(redis_client, data, "controller.max_rejected_in_a_row=100")
     register(redis_client, "rollout", rollout.server.grpc_port)
     register(redis_client, "reward", reward_server.grpc_port)
     started = time.monotonic()
-    raised = run_until(c, lambda: False, timeout=60)
+    raised = run_until(c, lambda: False, timeout=90)
     assert isinstance(raised, DapoError), raised
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 60
     reason = redis_client.get(RunKeys(RUN).failed).decode()
     assert str(raised) == reason and "\n" not in reason
     assert "groups were all rejected (prompt_too_long" in reason
     assert "exceeds shared.max_prompt_length=12" in reason
-    assert read_ledger(redis_client, RUN).rejected["prompt_too_long"] >= 8
+    assert read_ledger(redis_client, RUN).rejected["prompt_too_long"] >= 100
 
 
 def test_an_unreachable_server_is_retried_not_rejected(
@@ -193,3 +196,11 @@ def test_rejection_streak() -> None:
     verdict = streak.verdict()
     assert verdict is not None and verdict.startswith("the last 3 groups were all rejected")
     assert RejectionStreak(0).verdict() is None
+
+
+def test_rejected_groups_are_not_undecided_work() -> None:
+    raw = {b"admitted": b"70", b"kept": b"3", b"filtered:all_wrong": b"2",
+           b"rejected:prompt_too_long": b"60", b"rejected:ground_truth_too_long": b"4"}  # fmt: skip
+    counts = pipeline_counts(raw)
+    assert counts.rejected == 64 and counts.undecided == 1
+    assert staleness_allows(counts, 0.5, batch_groups=16, max_staleness=1)

@@ -3,7 +3,8 @@
 As verl's `filter_overlong_prompts` does, a prompt longer than `shared.max_prompt_length`
 tokens after the chat template is skipped when the data is loaded, and so is a prompt with
 no text (or none the tokenizer knows: no tokens at all); each skip is counted by reason
-(the ledger's `dataset` entry, the report, the progress bar). Data where nothing is left is an error, not a run that waits forever.
+(the ledger's `dataset` entry, the report, the progress bar). Data where nothing is left
+is an error, not a run that waits forever.
 
 Rows that break the schema are errors too (services/common/data.py names the file, row and
 column), and so is one prompt id given to two different prompts: the controller finds a

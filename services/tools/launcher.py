@@ -241,6 +241,7 @@ def monitor(launch: Launch) -> int:
     client = connect(config.shared.redis_url, config.security.redis, outage_s=1.0)
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
+    launch.watch.start()
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
         while True:
             if launch.redis_died():
@@ -273,6 +274,10 @@ def stop_reason(launch: Launch, bar: Any, client: Any, keys: RunKeys) -> str | N
     line = launch.watch.observe(bar.n, launch.children, client, keys.run)
     if line is not None:
         bar.write(line)
+    stalled = launch.watch.stalled_s(bar.n)
+    desc = f"dapo up (no step for {stalled:.0f}s)" if stalled >= launch.watch.stall_after_s else ""
+    if bar.desc != f"{desc or 'dapo up'}: ":
+        bar.set_description(desc or "dapo up")
     return launch.watch.timed_out(bar.n)
 
 

@@ -31,6 +31,7 @@ from services.tools.config import DapoConfig
 READY_LINE = re.compile(r"^dapo (\w+) ready .*\bhttp=(\d+)", re.MULTILINE)
 STATUS_TIMEOUT_S = 1.0
 PROBE_EVERY_S = 10.0
+REPEAT_S = 60.0
 
 
 def check_training_data(config: DapoConfig) -> ScreenedData:
@@ -95,7 +96,12 @@ def describe_error(error: dict[str, Any], now: float) -> str:
 
 @dataclass
 class StallWatch:
-    """Seconds since the last completed step, and why, from the services' /status."""
+    """Seconds since the last completed step, and why, from the services' /status.
+
+    While stalled, the services are asked every `stall_after_s` (at most every 10 s); a
+    line is shown when the cause changes (another error kind somewhere), else once a
+    minute.
+    """
 
     stall_after_s: float
     stall_timeout_s: float = 0.0  # 0 = show the stall, never stop the run for it
@@ -103,55 +109,68 @@ class StallWatch:
     last_step: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     last_probe: float = 0.0
-    shown: str = ""
+    last_shown: float = 0.0
+    cause: str = ""
+    signature: tuple[str, ...] = ()
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
 
-    def stalled_s(self, step: int, now: float) -> float:
+    def start(self) -> None:
+        """Count from now (the services were just started)."""
+        self.last_progress, self.cause, self.signature = time.monotonic(), "", ()
+
+    def stalled_s(self, step: int) -> float:
+        now = time.monotonic()
         if step != self.last_step:
-            self.last_step, self.last_progress, self.shown = step, now, ""
+            self.last_step = step
+            self.start()
         return now - self.last_progress
 
     def observe(
         self, step: int, services: Sequence[ServiceLog], client: Any, run: str
     ) -> str | None:
-        """A line to show when the run has stalled and its cause changed (None otherwise)."""
-        now = time.monotonic()
-        stalled = self.stalled_s(step, now)
-        if stalled < self.stall_after_s or now - self.last_probe < PROBE_EVERY_S:
+        """A line to show while the run is stalled, when its cause changed (else None)."""
+        stalled, now = self.stalled_s(step), time.monotonic()
+        interval = min(PROBE_EVERY_S, self.stall_after_s)
+        if stalled < self.stall_after_s or now - self.last_probe < interval:
             return None
         self.last_probe = now
-        cause = self.cause(services, client, run)
-        if cause == self.shown:
+        self.cause, signature = self.probe(services, client, run)
+        if signature == self.signature and now - self.last_shown < REPEAT_S:
             return None
-        self.shown = cause
-        return f"no training step for {stalled:.0f}s: {cause}"
+        self.signature, self.last_shown = signature, now
+        return f"no training step for {stalled:.0f}s: {self.cause}"
 
     def timed_out(self, step: int) -> str | None:
         """The reason to stop when `stall_timeout_s` passed without a step."""
-        stalled = self.stalled_s(step, time.monotonic())
+        stalled = self.stalled_s(step)
         if self.stall_timeout_s <= 0 or stalled < self.stall_timeout_s:
             return None
-        cause = self.shown or "no service reported an error"
+        cause = self.cause or "no service reported an error"
         return f"no training step for {stalled:.0f}s (--stall-timeout): {cause}"
 
-    def cause(self, services: Sequence[ServiceLog], client: Any, run: str) -> str:
-        """Each service's latest error, then where the groups are (the ledger)."""
+    def probe(
+        self, services: Sequence[ServiceLog], client: Any, run: str
+    ) -> tuple[str, tuple[str, ...]]:
+        """Each service's latest error, then where the groups are (the ledger); and the
+        error kinds alone (what a change of cause is)."""
         now = time.time()
-        parts = []
+        parts, kinds = [], []
         for service in services:
             status = self._status(service)
             error = status.get("last_error") if status else None
             if error:
                 parts.append(f"{service.name}: {describe_error(error, now)}")
+                kinds.append(f"{service.name}: {error['kind']}")
             elif status is None:
                 parts.append(f"{service.name}: no answer on /status")
+                kinds.append(f"{service.name}: silent")
         ledger = read_ledger(client, run)
         parts.append(
             f"groups admitted {ledger.admitted}, in flight {ledger.in_flight}, "
             f"rejected {ledger.rejected_total}, filtered {ledger.filtered_total}, "
             f"waiting to train {ledger.pending_train}"
         )
-        return "; ".join(parts)
+        return "; ".join(parts), tuple(kinds)
 
     def _status(self, service: ServiceLog) -> dict[str, Any] | None:
         key = (service.name, service.pid)
