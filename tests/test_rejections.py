@@ -27,6 +27,7 @@ from services.controller.admission import pipeline_counts, staleness_allows
 from services.controller.failures import GroupRejected, Rejection, RejectionStreak, classify
 from services.controller.server import REJECTED, RETRIES, Controller
 from services.tools.config import DapoConfig, load_config
+from services.tools.ledger import format_ledger
 from tests.messy_data import HUGE_GROUND_TRUTH, OVERLONG, clean_rows, row, write_parquet
 from tests.rollout_fixtures import Served, make_config, serve
 
@@ -129,6 +130,9 @@ def test_refused_groups_are_rejected_with_their_reason_not_retried(
     assert by_reason["prompt_too_long"][b"prompt_id"] == b"messy-long"
     assert b"exceeds shared.max_prompt_length=12" in by_reason["prompt_too_long"][b"detail"]
     assert b"reward.max_ground_truth_chars" in by_reason["ground_truth_too_long"][b"detail"]
+    assert ledger.dataset == {"rows": 4, "usable": 4, "filtered": {}}
+    printed = format_ledger(ledger)  # what `dapo ledger` prints
+    assert "rejected: prompt_too_long" in printed and "identity holds" in printed
     status = c.status()
     assert status["last_error"]["kind"].startswith("rejected ")
     assert status["ledger"]["rejected"] == ledger.rejected

@@ -316,9 +316,11 @@ def update_bar(
     kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
     last_eval = client.xrevrange(keys.evals, count=1)
     held_out = eval_postfix(json.loads(last_eval[0][1][b"json"])) if last_eval else {}
+    rejected = {"rejected": str(ledger.rejected_total)} if ledger.rejected_total else {}
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
         tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
+        **rejected,
     )  # fmt: skip
 
 
