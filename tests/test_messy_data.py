@@ -62,13 +62,13 @@ def test_one_overlong_prompt_in_thirty_rows_finishes(tmp_path: Path, tiny_model:
     rows = clean_rows(29)
     rows.insert(7, row(OVERLONG, "9", "long"))
     data = write_parquet(tmp_path / "one-long.parquet", rows)
-    result, _ = dapo_up(tmp_path / "run", tiny_model, data, "--steps", "3")
+    result, _ = dapo_up(tmp_path / "run", tiny_model, data, "--steps", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "30 rows, 29 usable; skipped prompt_too_long 1" in result.stdout
     ledger = report_of(tmp_path / "run")["ledger"]
     assert ledger["ok"], ledger["problems"]
     assert ledger["dataset"] == {"rows": 30, "usable": 29, "filtered": {"prompt_too_long": 1}}
-    assert ledger["rejected"] == {} and ledger["version"] == 3
+    assert ledger["rejected"] == {} and ledger["version"] == 2
     assert "prompts: 30 rows, 29 used; skipped at load: prompt_too_long 1" in result.stdout
 
 
@@ -172,10 +172,10 @@ def test_a_run_that_trains_nothing_shows_why_and_stops_at_the_stall_timeout(
     rows = [row(r["prompt"][0]["content"], "seven", i) for i, r in enumerate(clean_rows(8))]
     data = write_parquet(tmp_path / "unanswerable.parquet", rows)
     result, _ = dapo_up(tmp_path / "run", tiny_model, data,
-                        "--stall-after", "1", "--stall-timeout", "30")  # fmt: skip
+                        "--stall-after", "1", "--stall-timeout", "15")  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
     assert re.fullmatch(
-        r"dapo up: error: no training step for 3\ds \(--stall-timeout\): .*groups admitted "
+        r"dapo up: error: no training step for 1\ds \(--stall-timeout\): .*groups admitted "
         r"\d+, in flight \d+, rejected 0, filtered \d+, waiting to train 0",
         last_line(result.stderr),
     ), result.stderr[-2000:]
