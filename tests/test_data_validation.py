@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 from transformers import AutoTokenizer
 
 from services.common.data import DataError, PromptRecord, aime_path
@@ -223,3 +224,17 @@ def test_config_show_check_data(tmp_path: Path, tiny_model: Path) -> None:
     assert no_path.stderr.strip() == (
         "dapo config: error: controller.dataset.path is required for kind=parquet"
     )
+
+
+def test_held_out_prompts_a_server_would_refuse_are_skipped(
+    tmp_path: Path, tiny_model: Path, redis_client: redis.Redis
+) -> None:
+    """A refused held-out prompt would fail every point of the eval curve."""
+    from services.controller.evaluation import screened_eval_records
+    from services.controller.server import Controller
+    from services.tools.config import load_config
+
+    path = write_parquet(tmp_path / "eval.parquet", [*clean_rows(3), row(OVERLONG, "1", "x")])
+    config = load_config(preset="tiny", env={}, overrides=[f"shared.model_path={tiny_model}"])
+    records = screened_eval_records(Controller(config, redis_client), str(path))
+    assert [r.prompt_id for r in records] == ["messy-0", "messy-1", "messy-2"]

@@ -46,13 +46,15 @@ def load_training_data(
     source = cfg.path if cfg.kind != "synthetic" else f"synthetic:{cfg.synthetic_task}"
     try:
         check_ids(records, str(source))
-        data = screen(records, str(source), _counter(model_path, chat), max_prompt_length)
+        counter = counter_or_none(model_path, chat)
+        data = screen(records, str(source), counter, max_prompt_length)
         return require_usable(data)
     except ValueError as exc:
         raise DapoError(str(exc)) from None
 
 
-def _counter(model_path: str | None, chat: bool) -> PromptCounter | None:
+def counter_or_none(model_path: str | None, chat: bool) -> PromptCounter | None:
+    """The prompt token counter, or None (logged) where it cannot be built here."""
     try:
         return prompt_counter(model_path, chat)
     except CounterUnavailable as exc:
