@@ -93,13 +93,23 @@ def record(prompt: str, index: int, gold: str = "1") -> PromptRecord:
 
 
 def test_screen_skips_and_counts_empty_and_overlong_prompts(tiny_model: Path) -> None:
-    records = [record("3,7,1=", 0), record(OVERLONG, 1), record(" ", 2), record("αβγ", 3),
-               record("1,2,3=", 4), record(OVERLONG, 5)]  # fmt: skip
+    records = [
+        record("3,7,1=", 0),
+        record(OVERLONG, 1),
+        record(" ", 2),
+        record("αβγ", 3),
+        record("1,2,3=", 4),
+        record(OVERLONG, 5),
+    ]
     data = screen(records, "F", prompt_counter(tiny_model, chat=False), 16)
     assert [r.prompt_id for r in data.records] == ["s-0", "s-4"]
     assert data.filtered == {"prompt_too_long": 2, "empty_prompt": 2}
-    assert data.counts() == {"rows": 6, "usable": 2, "filtered:prompt_too_long": 2,
-                             "filtered:empty_prompt": 2}  # fmt: skip
+    assert data.counts() == {
+        "rows": 6,
+        "usable": 2,
+        "filtered:prompt_too_long": 2,
+        "filtered:empty_prompt": 2,
+    }
     assert data.describe() == (
         "data F: 6 rows, 2 usable; skipped empty_prompt 2, prompt_too_long 2 "
         "(> shared.max_prompt_length=16 tokens)"
@@ -186,8 +196,9 @@ def test_aime_with_a_real_template_fits_the_papers_prompt_length(
     model = str(small_tokenizer_dirs[1])
     assert load_training_data(cfg, 0, model, True, 2048).filtered == {}
     count = prompt_counter(model, chat=True)
-    lengths = sorted({count(r.prompt) for r in load_training_data(cfg, 0, model, True, 2048)
-                      .records})  # fmt: skip
+    lengths = sorted(
+        {count(r.prompt) for r in load_training_data(cfg, 0, model, True, 2048).records}
+    )
     limit = lengths[len(lengths) // 2]
     data = load_training_data(cfg, 0, model, True, limit)
     longer = sum(1 for r in data.records if count(r.prompt) > limit)
@@ -196,19 +207,16 @@ def test_aime_with_a_real_template_fits_the_papers_prompt_length(
 
 
 def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    command = [sys.executable, "-m", "services.tools.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 def test_config_show_check_data(tmp_path: Path, tiny_model: Path) -> None:
     rows = clean_rows(3)
     del rows[1]["reward_model"]
     bad = write_jsonl(tmp_path / "bad.jsonl", rows)
-    base = ("config", "show", "--check-data", "--preset", "tiny",
-            "--set", f"shared.model_path={tiny_model}",
-            "--set", "controller.dataset.kind=jsonl")  # fmt: skip
+    base = ("config", "show", "--check-data", "--preset", "tiny")
+    base += ("--set", f"shared.model_path={tiny_model}", "--set", "controller.dataset.kind=jsonl")
     result = dapo(*base, "--set", f"controller.dataset.path={bad}")
     assert result.returncode == 2
     assert result.stderr.strip() == (f"dapo config: error: {bad}:2: missing columns: reward_model")

@@ -53,8 +53,9 @@ def test_the_stall_line_names_each_services_latest_error(
         assert line is not None and line.startswith("no training step for 0s: ")
         assert "controller: rejected prompt_too_long ×1, 0s ago: prompt of 20 tokens" in line
         assert "learner: no answer on /status" in line
-        assert line.endswith("groups admitted 5, in flight 0, rejected 5, filtered 0, "
-                             "waiting to train 0")  # fmt: skip
+        assert line.endswith(
+            "groups admitted 5, in flight 0, rejected 5, filtered 0, waiting to train 0"
+        )
         time.sleep(0.3)
         errors.record("rejected prompt_too_long", "again")
         assert watch.observe(0, services, redis_client, "r") is None  # same cause: quiet
@@ -88,8 +89,11 @@ def test_a_crash_looping_service_stops_the_run_with_its_last_words(tmp_path: Pat
     log_path = tmp_path / "logs" / "controller.log"
     log_file = log_path.open("ab")
     code = "print('starting'); print('dapo controller: error: data.parquet: missing columns: x')"
-    proc = subprocess.Popen([sys.executable, "-c", code + "; raise SystemExit(2)"],
-                            stdout=log_file, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "; raise SystemExit(2)"],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+    )
     proc.wait(timeout=30)
     launch = Launch(load_config(preset="tiny", env={}), tmp_path, max_restarts=0)
     launch.children.append(Child("controller", proc, log_file, "controller"))

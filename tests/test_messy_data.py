@@ -38,14 +38,16 @@ def dapo_up(
     """`dapo up` on `data` (the tiny preset, no evaluation) and its wall time."""
     kind = "parquet" if data.suffix == ".parquet" else "jsonl"
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny",
-         "--run-dir", str(run_dir), "--set", f"shared.model_path={model}",
-         "--set", "controller.eval.enabled=false",
-         "--set", f"controller.dataset.kind={kind}", "--set", f"controller.dataset.path={data}",
-         *extra],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    settings = {
+        "shared.model_path": model,
+        "controller.eval.enabled": "false",
+        "controller.dataset.kind": kind,
+        "controller.dataset.path": data,
+    }
+    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    command = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny"]
+    command += ["--run-dir", str(run_dir), *sets, *extra]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     return result, time.monotonic() - started
 
 
@@ -97,8 +99,10 @@ def test_messy_data_trains_and_every_prompt_is_accounted_for(
     ledger = report_of(run_dir)["ledger"]
     assert ledger["ok"], ledger["problems"]  # admitted = trained + ... + rejected + in flight
     assert ledger["dataset"] == {
-        "rows": expected.rows, "usable": expected.usable, "filtered": expected.skipped
-    }  # fmt: skip
+        "rows": expected.rows,
+        "usable": expected.usable,
+        "filtered": expected.skipped,
+    }
     # The huge ground truth reaches the reward service, which refuses it for good: its
     # groups are rejected with the reason (once per admission), never retried.
     assert set(ledger["rejected"]) == expected.rejected_reasons
@@ -106,8 +110,11 @@ def test_messy_data_trains_and_every_prompt_is_accounted_for(
     assert "rejected groups (refused for good, not retried): ground_truth_too_long" in (
         result.stdout
     )
-    retried = [line for line in (run_dir / "logs" / "controller.log").read_text().splitlines()
-               if "retrying" in line and "INVALID_ARGUMENT" in line]  # fmt: skip
+    retried = [
+        line
+        for line in (run_dir / "logs" / "controller.log").read_text().splitlines()
+        if "retrying" in line and "INVALID_ARGUMENT" in line
+    ]
     assert not retried, retried[:3]
 
 
@@ -115,13 +122,19 @@ def test_messy_data_trains_and_every_prompt_is_accounted_for(
     ("name", "defect", "message"),
     [
         ("missing-field", "missing", r"{data}:4: reward_model has no ground_truth"),
-        ("one-id-two-prompts", "conflict",
-         r"{data} rows 1 and 5: prompt id 'messy-1' names two different prompts .*"),
-        ("all-empty", "empty",
-         r"every prompt was skipped at load: data {data}: 3 rows, 0 usable; skipped "
-         r"empty_prompt 3"),
+        (
+            "one-id-two-prompts",
+            "conflict",
+            r"{data} rows 1 and 5: prompt id 'messy-1' names two different prompts .*",
+        ),
+        (
+            "all-empty",
+            "empty",
+            r"every prompt was skipped at load: data {data}: 3 rows, 0 usable; skipped "
+            r"empty_prompt 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_unusable_data_exits_before_any_service_starts(
     tmp_path: Path, tiny_model: Path, name: str, defect: str, message: str
 ) -> None:
@@ -145,12 +158,14 @@ def test_a_run_whose_every_group_is_rejected_stops_with_the_reason(
 ) -> None:
     """Ground truths the reward service refuses pass the load-time check (the limit is the
     reward's); every group is rejected, and the run stops itself instead of hanging."""
-    rows = [row(r["prompt"][0]["content"], HUGE_GROUND_TRUTH, i)
-            for i, r in enumerate(clean_rows(8))]  # fmt: skip
+    rows = [
+        row(r["prompt"][0]["content"], HUGE_GROUND_TRUTH, i) for i, r in enumerate(clean_rows(8))
+    ]
     data = write_parquet(tmp_path / "huge-truths.parquet", rows)
     run_dir = tmp_path / "run"
-    result, _ = dapo_up(run_dir, tiny_model, data, "--steps", "2",
-                        "--set", "controller.max_rejected_in_a_row=24")  # fmt: skip
+    result, _ = dapo_up(
+        run_dir, tiny_model, data, "--steps", "2", "--set", "controller.max_rejected_in_a_row=24"
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert re.fullmatch(
         r"dapo up: error: the last \d+ groups were all rejected \(ground_truth_too_long \d+\), "
@@ -171,8 +186,9 @@ def test_a_run_that_trains_nothing_shows_why_and_stops_at_the_stall_timeout(
     the counts, and `--stall-timeout` stops the run with them."""
     rows = [row(r["prompt"][0]["content"], "seven", i) for i, r in enumerate(clean_rows(8))]
     data = write_parquet(tmp_path / "unanswerable.parquet", rows)
-    result, _ = dapo_up(tmp_path / "run", tiny_model, data,
-                        "--stall-after", "1", "--stall-timeout", "15")  # fmt: skip
+    result, _ = dapo_up(
+        tmp_path / "run", tiny_model, data, "--stall-after", "1", "--stall-timeout", "15"
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert re.fullmatch(
         r"dapo up: error: no training step for 1\ds \(--stall-timeout\): .*groups admitted "

@@ -64,12 +64,17 @@ def controller(client: redis.Redis, data: Path, *overrides: str) -> Controller:
         preset="tiny",
         env={},
         overrides=[
-            f"shared.run_name={RUN}", "shared.group_size=2", "shared.max_prompt_length=12",
-            "shared.model_path=/nonexistent", "controller.dataset.kind=parquet",
-            f"controller.dataset.path={data}", "controller.eval.enabled=false",
-            "controller.max_groups_in_flight=4", *overrides,
+            f"shared.run_name={RUN}",
+            "shared.group_size=2",
+            "shared.max_prompt_length=12",
+            "shared.model_path=/nonexistent",
+            "controller.dataset.kind=parquet",
+            f"controller.dataset.path={data}",
+            "controller.eval.enabled=false",
+            "controller.max_groups_in_flight=4",
+            *overrides,
         ],
-    )  # fmt: skip
+    )
     return Controller(config, client)
 
 
@@ -203,8 +208,13 @@ def test_rejection_streak() -> None:
 
 
 def test_rejected_groups_are_not_undecided_work() -> None:
-    raw = {b"admitted": b"70", b"kept": b"3", b"filtered:all_wrong": b"2",
-           b"rejected:prompt_too_long": b"60", b"rejected:ground_truth_too_long": b"4"}  # fmt: skip
+    raw = {
+        b"admitted": b"70",
+        b"kept": b"3",
+        b"filtered:all_wrong": b"2",
+        b"rejected:prompt_too_long": b"60",
+        b"rejected:ground_truth_too_long": b"4",
+    }
     counts = pipeline_counts(raw)
     assert counts.rejected == 64 and counts.undecided == 1
     assert staleness_allows(counts, 0.5, batch_groups=16, max_staleness=1)
