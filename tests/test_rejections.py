@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -18,12 +19,14 @@ from grpc_health.v1 import health_pb2_grpc as grpc_health
 
 from reward.server import RewardServer
 from reward.server import create_server as create_reward_server
+from services.common.data import PromptRecord
 from services.common.errors import DapoError
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.net import free_port
 from services.common.registry import Registration
 from services.controller.admission import pipeline_counts, staleness_allows
+from services.controller.dataset import Cursor
 from services.controller.failures import GroupRejected, Rejection, RejectionStreak, classify
 from services.controller.server import REJECTED, RETRIES, Controller
 from services.tools.config import DapoConfig, load_config
@@ -218,3 +221,20 @@ def test_rejected_groups_are_not_undecided_work() -> None:
     counts = pipeline_counts(raw)
     assert counts.rejected == 64 and counts.undecided == 1
     assert staleness_allows(counts, 0.5, batch_groups=16, max_staleness=1)
+
+
+def test_a_resumed_group_whose_prompt_is_gone_is_rejected(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    """A restarted controller whose data no longer holds a group's prompt (edited, or now
+    skipped at load) accounts for the group instead of leaving it in flight for good."""
+    c = controller(redis_client, write_parquet(tmp_path / "d.parquet", clean_rows(2)))
+    gone = PromptRecord("messy-gone", "1,2,3=", "3", "messy")
+    group_id = c.admit(Cursor(0, 1), gone, 0)
+    with ThreadPoolExecutor(2) as pool:
+        assert c.resume_inflight(pool, threading.Event()) == 1
+    ledger = read_ledger(redis_client, RUN)
+    assert ledger.rejected == {"unknown_prompt": 1} and ledger.in_flight == 0
+    assert not ledger.problems(), ledger.problems()
+    ((_, fields),) = redis_client.xrange(RunKeys(RUN).rejected)
+    assert fields[b"group_id"] == group_id.encode() and fields[b"prompt_id"] == b"messy-gone"

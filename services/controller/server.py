@@ -229,9 +229,9 @@ class Controller:
             if stop.is_set():  # a call cancelled by stopping: no failure, no retry
                 return
             RETRIES.labels(target).inc()
-            self.errors.record(f"{target} {error_class(exc)}", error_text(exc))
+            text = error_text(exc)
+            self.errors.record(f"{target} {error_class(exc)}", text)
             if not isinstance(exc, ConnectionError):
-                text = error_text(exc)
                 log.warning(
                     "%s for %s failed, retrying in %.2fs: %s", target, group_id, delay, text
                 )
@@ -354,6 +354,13 @@ class Controller:
         exc_text = f"{rejection.reason}: {rejection.detail}"
         log.warning("group %s (prompt %s) rejected: %s", group_id, record.prompt_id, exc_text)
 
+    def reject_unknown(self, group_id: str, prompt_id: str) -> None:
+        """A resumed group whose prompt is not in the data as loaded now."""
+        fields = {"prompt_id": prompt_id, "detail": "its prompt is not in the data as loaded"}
+        if reject_inflight(self.client, self.keys, group_id, "unknown_prompt", fields):
+            REJECTED.labels("unknown_prompt").inc()
+        log.error("in-flight group %s: prompt %s is not in the data; rejected", group_id, prompt_id)
+
     def publish_dataset(self) -> None:
         """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
         log.info("%s", self.data.describe())
@@ -390,8 +397,8 @@ class Controller:
         for raw_id, raw_meta in pending.items():
             meta = json.loads(raw_meta)
             record = self.by_id.get(meta["prompt_id"])
-            if record is None:
-                log.error("in-flight group %s names unknown prompt %s", raw_id, meta["prompt_id"])
+            if record is None:  # the data changed, or now skips it at load: account for it
+                self.reject_unknown(raw_id.decode(), meta["prompt_id"])
                 continue
             self._submit(pool, stop, raw_id.decode(), record, meta["epoch"], meta["v"])
         return len(pending)
