@@ -5,6 +5,7 @@ transient; a run whose every group is rejected stops with that reason."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -238,3 +239,12 @@ def test_a_resumed_group_whose_prompt_is_gone_is_rejected(
     assert not ledger.problems(), ledger.problems()
     ((_, fields),) = redis_client.xrange(RunKeys(RUN).rejected)
     assert fields[b"group_id"] == group_id.encode() and fields[b"prompt_id"] == b"messy-gone"
+
+
+def test_the_dashboard_shows_rejections_by_reason() -> None:
+    dashboard = json.loads(Path("deploy/grafana/dashboards/dapo.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert (
+        "sum by (reason) (rate(dapo_controller_groups_rejected_total[$__rate_interval]))" in exprs
+    )
+    assert "max by (reason) (dapo_controller_prompts_filtered_at_load)" in exprs
