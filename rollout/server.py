@@ -35,6 +35,8 @@ from rollout.limits import Limits
 from rollout.metrics import RolloutMetrics
 from rollout.relay import RelayHub, RelayServer
 from rollout.weights import WeightSync, WeightUpdater
+from services.common.error_log import ErrorLog
+from services.common.errors import REFUSAL_KEY
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.lifecycle import advertised_address
@@ -65,6 +67,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.batcher = Batcher(engine, max(max_sequences, config.rollout.max_n))
         self.in_flight = 0
         self.draining = threading.Event()  # set on SIGTERM: refuse new calls (drain)
+        self.errors = ErrorLog()  # the last refusal or failure, for /status
         self._lock = threading.Lock()
         self._watch_metrics()
 
@@ -137,6 +140,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def _refuse(self, context: grpc.ServicerContext, reason: str, code: Any, message: str):
         self.metrics.rejected.labels(reason).inc()
+        self.errors.record(f"refused {reason}", message)
+        context.set_trailing_metadata(((REFUSAL_KEY, reason),))
         context.abort(code, message)
 
     def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
@@ -189,6 +194,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:
             log.exception("generation failed")
+            self.errors.record(f"failed {type(exc).__name__}", str(exc))
             context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         finally:
             self._release()
@@ -290,6 +296,7 @@ class RolloutServer:
             "in_flight": self.servicer.in_flight,
             "queue": self.servicer.batcher.pending(),
             "engine": self.config.rollout.engine.kind,
+            "last_error": self.servicer.errors.snapshot(),
         }
 
     def start(self) -> RolloutServer:

@@ -4,7 +4,8 @@ A write can be sent twice: redis-py resends a command whose connection broke (th
 may have run), and a restarted service redoes the move it was making when it died. So
 every move is keyed by the thing it consumes, and does nothing if that is already gone:
 
-- publish (controller): `HDEL inflight <group id>` must remove the group, else no XADD;
+- publish / reject (controller): `HDEL inflight <group id>` must remove the group, else
+  no XADD and no count;
 - forward / ack / drop (buffer, learner): `XACK <entry ids>` must ack something, and
   the counters move by what was acked, else no XADD;
 - admit (controller): `HSETNX inflight <group id>`; counted only when new;
@@ -39,6 +40,14 @@ _PUBLISH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
 redis.call('HINCRBY', KEYS[3], 'scored', 1)
+return 1
+"""
+
+_REJECT = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[3], 'rejected:' .. ARGV[2], 1)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'group_id', ARGV[1], 'reason', ARGV[2],
+           unpack(ARGV, 4))
 return 1
 """
 
@@ -133,6 +142,21 @@ def publish_inflight(
     """Move a group from `inflight` to `stream` (+1 `scored`); False if already moved."""
     script = client.register_script(_PUBLISH)
     return bool(script(keys=[inflight, stream, ledger_key], args=[group_id, *_flat(fields)]))
+
+
+def reject_inflight(
+    client: redis.Redis,
+    keys: RunKeys,
+    group_id: str,
+    reason: str,
+    fields: Fields,
+    retain: int = 10_000,
+) -> bool:
+    """Move a group from `inflight` to the capped `rejected` stream (+1 `rejected:<reason>`);
+    False if it already left `inflight`."""
+    script = client.register_script(_REJECT)
+    names = [keys.inflight, keys.rejected, keys.ledger]
+    return bool(script(keys=names, args=[group_id, reason, retain, *_flat(fields)]))
 
 
 def admit_inflight(

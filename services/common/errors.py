@@ -13,6 +13,12 @@ class PortInUseError(DapoError):
     """A requested port is already taken."""
 
 
+# gRPC trailing metadata key under which a server that refuses a request names the limit
+# or check it failed (e.g. `shared.max_prompt_length`): the caller tells a request that can
+# never succeed from one worth another try without parsing the message.
+REFUSAL_KEY = "dapo-refusal"
+
+
 def one_line(text: str) -> str:
     """`text` with control characters escaped, so a message stays on one line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -79,6 +79,23 @@ class RunKeys:
         """Hash group_id → prompt of groups admitted but not yet in `scored`."""
         return self._key("inflight")
 
+    @property
+    def rejected(self) -> str:
+        """Stream of rejected groups (capped): group id, prompt id, reason and the server's
+        words; the counts are the ledger's `rejected:<reason>` (controller)."""
+        return self._key("rejected")
+
+    @property
+    def dataset(self) -> str:
+        """Hash of the training data as loaded: rows, usable, filtered:<reason> (controller)."""
+        return self._key("dataset")
+
+    @property
+    def failed(self) -> str:
+        """Set (a one-line reason) when a service sees the run cannot make progress;
+        `dapo up` stops with a non-zero exit and that line."""
+        return self._key("failed")
+
     def registry(self, role: str) -> str:
         """Key prefix of live instances of a role (each key has a heartbeat TTL)."""
         return self._key("registry", role)

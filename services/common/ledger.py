@@ -1,9 +1,13 @@
 """The ledger identities: where every admitted group is, checked against the streams themselves.
 
-    admitted = in_flight + scored                      (controller)
+    admitted = in_flight + scored + rejected           (controller)
     scored   = kept + filtered + pending_scored        (buffer)
     kept     = trained + dropped + pending_train       (learner)
-    ⇒ admitted = trained + filtered + dropped + pending + in flight
+    ⇒ admitted = trained + filtered + dropped + rejected + pending + in flight
+
+A rejected group is one a server refused for good (an overlong prompt, a ground truth past
+the reward's limit: services/controller/failures.py). Prompts the controller skipped when
+it loaded the data never become groups; `dataset` counts them (rows = usable + filtered).
 
 Counters are written in the same Redis transactions that move the groups, and the
 pending counts come from the streams' consumer-group state, so a mismatch means a bug
@@ -62,7 +66,9 @@ class Ledger:
     trained: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     pending_train: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
     version: int = 0
+    dataset: dict[str, Any] = field(default_factory=dict)
 
     @property
     def filtered_total(self) -> int:
@@ -71,6 +77,10 @@ class Ledger:
     @property
     def dropped_total(self) -> int:
         return sum(self.dropped.values())
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
 
     @property
     def stale_dropped(self) -> int:
@@ -86,7 +96,11 @@ class Ledger:
     def problems(self) -> list[str]:
         """Every identity that does not hold, spelled out."""
         checks = [
-            ("admitted = in_flight + scored", self.admitted, self.in_flight + self.scored),
+            (
+                "admitted = in_flight + scored + rejected",
+                self.admitted,
+                self.in_flight + self.scored + self.rejected_total,
+            ),
             (
                 "scored = kept + filtered + pending_scored",
                 self.scored,
@@ -98,6 +112,10 @@ class Ledger:
                 self.trained + self.dropped_total + self.pending_train,
             ),
         ]
+        if self.dataset:
+            filtered = sum(self.dataset["filtered"].values())
+            rows, usable = self.dataset["rows"], self.dataset["usable"]
+            checks.append(("dataset rows = usable + filtered", rows, usable + filtered))
         return [f"{name}: {lhs} != {rhs}" for name, lhs, rhs in checks if lhs != rhs]
 
     def as_dict(self) -> dict:
@@ -118,9 +136,10 @@ def read_ledger(client: redis.Redis, run: str) -> Ledger:
     pipe.hgetall(keys.ledger)
     pipe.hlen(keys.inflight)
     pipe.get(keys.version)
+    pipe.hgetall(keys.dataset)
     _queue_stream_state(pipe, keys.scored)
     _queue_stream_state(pipe, keys.train)
-    counters_raw, in_flight, version, *streams = pipe.execute(raise_on_error=False)
+    counters_raw, in_flight, version, dataset, *streams = pipe.execute(raise_on_error=False)
     counters = {k.decode(): int(v) for k, v in counters_raw.items()}
     return Ledger(
         admitted=counters.get("admitted", 0),
@@ -132,8 +151,21 @@ def read_ledger(client: redis.Redis, run: str) -> Ledger:
         trained=counters.get("trained", 0),
         dropped=prefixed(counters, "dropped:"),
         pending_train=_unconsumed(client, keys.train, LEARNER_GROUP, *streams[2:]),
+        rejected=prefixed(counters, "rejected:"),
         version=int(version or 0),
+        dataset=dataset_counts({k.decode(): int(v) for k, v in dataset.items()}),
     )
+
+
+def dataset_counts(raw: dict[str, int]) -> dict[str, Any]:
+    """The `dataset` hash as {rows, usable, filtered: {reason: n}} (empty if never written)."""
+    if not raw:
+        return {}
+    return {
+        "rows": raw.get("rows", 0),
+        "usable": raw.get("usable", 0),
+        "filtered": prefixed(raw, "filtered:"),
+    }
 
 
 def prefixed(counters: dict[str, int], prefix: str) -> dict[str, int]:

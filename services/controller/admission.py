@@ -31,11 +31,13 @@ class PipelineCounts:
     filtered: int = 0
     trained: int = 0
     dropped: int = 0
+    rejected: int = 0
 
     @property
     def undecided(self) -> int:
-        """Groups admitted but not yet kept or filtered by the buffer."""
-        return self.admitted - self.kept - self.filtered
+        """Groups admitted but not yet kept or filtered by the buffer (nor rejected: a
+        rejected group is over, and waiting for it would stop admission for good)."""
+        return self.admitted - self.kept - self.filtered - self.rejected
 
     @property
     def queued_informative(self) -> int:
@@ -53,6 +55,7 @@ def pipeline_counts(raw: dict[bytes, bytes]) -> PipelineCounts:
         # `stepped` counts groups as soon as their step commits, so pacing never stalls.
         trained=max(ledger.get("trained", 0), ledger.get("stepped", 0)),
         dropped=sum(prefixed(ledger, "dropped:").values()),
+        rejected=sum(prefixed(ledger, "rejected:").values()),
     )  # fmt: skip
 
 

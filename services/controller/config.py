@@ -78,6 +78,12 @@ class ControllerConfig(StrictModel):
         "(services/controller/admission.py); 0 = off (the paper samples every prompt "
         "every epoch).",
     )
+    max_rejected_in_a_row: int = Field(
+        256,
+        ge=0,
+        description="Stop the run (non-zero exit, with the reasons) once this many groups in "
+        "a row were rejected with none scored: nothing the data asks can succeed; 0 = never.",
+    )
     difficulty_skip_epochs: int = Field(
         8, ge=1, description="The most consecutive epochs a prompt sits out before it is retried."
     )

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from services.common.data import PromptRecord, load_records, synthetic_records, unique_records
+from services.common.data_screen import ScreenedData, check_ids, require_usable, screen
 from services.common.errors import DapoError
+from services.common.prompt_tokens import CounterUnavailable, PromptCounter, prompt_counter
 from services.controller.config import DatasetConfig, EvalConfig
+
+log = logging.getLogger(__name__)
 
 
 def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
@@ -21,6 +26,40 @@ def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
         return load_records(cfg.path)
     except ValueError as exc:
         raise DapoError(str(exc)) from None
+
+
+def load_training_data(
+    cfg: DatasetConfig,
+    seed: int,
+    model_path: str | None,
+    chat: bool,
+    max_prompt_length: int,
+) -> ScreenedData:
+    """The training prompts a run can use, validated and screened at load (data_screen.py),
+    or a DapoError naming the file, row and column or saying why nothing is left.
+
+    Prompt lengths are counted with the model's tokenizer as a rollout server counts them;
+    where it cannot be read here the lengths are left to the rollout servers (a refused
+    prompt's group is then rejected with the reason).
+    """
+    records = load_dataset(cfg, seed)
+    source = cfg.path if cfg.kind != "synthetic" else f"synthetic:{cfg.synthetic_task}"
+    try:
+        check_ids(records, str(source))
+        counter = counter_or_none(model_path, chat)
+        data = screen(records, str(source), counter, max_prompt_length)
+        return require_usable(data)
+    except ValueError as exc:
+        raise DapoError(str(exc)) from None
+
+
+def counter_or_none(model_path: str | None, chat: bool) -> PromptCounter | None:
+    """The prompt token counter, or None (logged) where it cannot be built here."""
+    try:
+        return prompt_counter(model_path, chat)
+    except CounterUnavailable as exc:
+        log.warning("prompt lengths are not checked at load: %s", exc)
+        return None
 
 
 def eval_data_spec(cfg: EvalConfig, dataset: DatasetConfig) -> str | None:

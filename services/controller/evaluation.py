@@ -25,13 +25,14 @@ import redis
 from prometheus_client import Gauge
 
 from services.common.data import PromptRecord
+from services.common.data_screen import screen
 from services.common.eval_stats import curve_point
 from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
 from services.common.types import Sample
 from services.controller import adapter
 from services.controller.config import ControllerSettings
-from services.controller.dataset import eval_data_spec, load_eval_records
+from services.controller.dataset import counter_or_none, eval_data_spec, load_eval_records
 from services.controller.routing import Router
 
 log = logging.getLogger(__name__)
@@ -164,9 +165,25 @@ def start_evaluation(controller: Controller, stop: threading.Event) -> threading
     spec = eval_data_spec(cfg.eval, cfg.dataset)
     if not cfg.eval.enabled or cfg.eval.every_steps == 0 or spec is None:
         return None
-    records = load_eval_records(spec, cfg.eval.limit)
+    records = screened_eval_records(controller, spec)
+    if not records:
+        return None
     thread = threading.Thread(
         target=Evaluator(controller, records).run, args=(stop,), name="eval", daemon=True
     )
     thread.start()
     return thread
+
+
+def screened_eval_records(controller: Controller, spec: str) -> list[PromptRecord]:
+    """The held-out records, less those a rollout server would refuse (empty, too long):
+    a refused prompt would fail every eval point. What is skipped is logged."""
+    cfg, shared = controller.config.controller, controller.config.shared
+    records = load_eval_records(spec, cfg.eval.limit)
+    counter = counter_or_none(shared.model_path, cfg.apply_chat_template)
+    data = screen(records, spec, counter, shared.max_prompt_length)
+    if data.filtered:
+        log.warning("eval %s", data.describe())
+    if not data.records:
+        log.error("no eval curve: every held-out prompt was skipped")
+    return data.records

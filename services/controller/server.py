@@ -25,8 +25,10 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
-from services.common.atomic import admit_inflight, publish_inflight
+from services.common.atomic import admit_inflight, publish_inflight, reject_inflight
 from services.common.data import PromptRecord
+from services.common.error_log import ErrorLog
+from services.common.errors import DapoError
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
@@ -44,8 +46,9 @@ from services.controller.admission import (
     staleness_allows,
 )
 from services.controller.config import ControllerSettings
-from services.controller.dataset import Cursor, iterate, load_dataset
+from services.controller.dataset import Cursor, iterate, load_training_data
 from services.controller.evaluation import start_evaluation
+from services.controller.failures import GroupRejected, Rejection, RejectionStreak, classify
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
 
@@ -58,10 +61,12 @@ INFLIGHT = Gauge("dapo_controller_groups_in_flight", "Groups being generated or 
 GROUP_SECONDS = Histogram("dapo_controller_group_seconds", "Admission to `scored`, seconds")
 SKIPPED = Counter("dapo_controller_prompts_skipped_total", "Prompts skipped", ["difficulty"])
 INFORMATIVE_RATE = Gauge("dapo_controller_informative_rate", "Estimated kept fraction")
-
-
-# GenerateGroup and Score write nothing: any failure of theirs is worth another try elsewhere.
-RETRYABLE = (grpc.RpcError, grpc.FutureCancelledError, ConnectionError, ValueError)
+REJECTED = Counter(
+    "dapo_controller_groups_rejected_total", "Groups refused for good, not retried", ["reason"]
+)
+PROMPTS_FILTERED = Gauge(
+    "dapo_controller_prompts_filtered_at_load", "Dataset rows skipped at load", ["reason"]
+)
 
 
 class Controller:
@@ -70,7 +75,17 @@ class Controller:
     def __init__(self, config: ControllerSettings, client: redis.Redis) -> None:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
-        self.records = load_dataset(config.controller.dataset, config.shared.seed)
+        shared, cfg = config.shared, config.controller
+        self.data = load_training_data(
+            cfg.dataset,
+            shared.seed,
+            shared.model_path,
+            cfg.apply_chat_template,
+            shared.max_prompt_length,
+        )
+        self.records = self.data.records
+        self.errors = ErrorLog()
+        self.streak = RejectionStreak(cfg.max_rejected_in_a_row)
         self.by_id = {r.prompt_id: r for r in self.records}
         self._lock = threading.Lock()
         self._inflight = 0
@@ -206,22 +221,34 @@ class Controller:
         return self._retry(attempt, "reward", group_id, stop)
 
     def _retry(self, attempt: Any, target: str, group_id: str, stop: threading.Event) -> Any:
-        """attempt() with backoff until it succeeds or we stop (then None)."""
+        """attempt() with backoff while it fails transiently, until it succeeds or we stop
+        (then None); a permanent failure raises GroupRejected at once (failures.py)."""
         rpc = self.config.shared.rpc
 
         def on_retry(exc: BaseException, delay: float) -> None:
+            if stop.is_set():  # a call cancelled by stopping: no failure, no retry
+                return
             RETRIES.labels(target).inc()
+            text = error_text(exc)
+            self.errors.record(f"{target} {error_class(exc)}", text)
             if not isinstance(exc, ConnectionError):
-                log.warning("%s for %s failed, retrying in %.2fs: %s", target, group_id, delay, exc)
+                log.warning(
+                    "%s for %s failed, retrying in %.2fs: %s", target, group_id, delay, text
+                )
 
         try:
             return call_with_retry(
                 attempt, Backoff(rpc.backoff_base_s, rpc.backoff_cap_s),
-                retryable=lambda e: isinstance(e, RETRYABLE),
+                retryable=lambda e: classify(e, target) is None,
                 stop=stop, on_retry=on_retry,
             )  # fmt: skip
         except RetriesExhausted:
             return None
+        except Exception as exc:
+            rejection = classify(exc, target)
+            if rejection is None:
+                raise
+            raise GroupRejected(rejection) from exc
 
     @contextmanager
     def _tracked(self, call: Any) -> Iterator[None]:
@@ -275,7 +302,10 @@ class Controller:
                 scored_at=time.time(), data_source=record.data_source,
             )  # fmt: skip
             self.publish(group, timing)
+            self.streak.success()
             GROUP_SECONDS.observe(time.monotonic() - started)
+        except GroupRejected as exc:
+            self.reject(group_id, record, exc.rejection)
         except Exception:
             log.exception("group %s failed; it stays in flight and is retried on restart", group_id)
         finally:
@@ -314,6 +344,38 @@ class Controller:
         if publish_inflight(self.client, k.inflight, k.scored, k.ledger, group.group_id, fields):
             SCORED.inc()
 
+    def reject(self, group_id: str, record: PromptRecord, rejection: Rejection) -> None:
+        """Leave `inflight` for the `rejected` stream with the reason (once per group id)."""
+        fields = {"prompt_id": record.prompt_id, "detail": rejection.detail}
+        if reject_inflight(self.client, self.keys, group_id, rejection.reason, fields):
+            REJECTED.labels(rejection.reason).inc()
+        self.errors.record(f"rejected {rejection.reason}", rejection.detail)
+        self.streak.rejected(rejection)
+        exc_text = f"{rejection.reason}: {rejection.detail}"
+        log.warning("group %s (prompt %s) rejected: %s", group_id, record.prompt_id, exc_text)
+
+    def reject_unknown(self, group_id: str, prompt_id: str) -> None:
+        """A resumed group whose prompt is not in the data as loaded now."""
+        fields = {"prompt_id": prompt_id, "detail": "its prompt is not in the data as loaded"}
+        if reject_inflight(self.client, self.keys, group_id, "unknown_prompt", fields):
+            REJECTED.labels("unknown_prompt").inc()
+        log.error("in-flight group %s: prompt %s is not in the data; rejected", group_id, prompt_id)
+
+    def publish_dataset(self) -> None:
+        """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
+        log.info("%s", self.data.describe())
+        for reason, n in self.data.filtered.items():
+            PROMPTS_FILTERED.labels(reason).set(n)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.dataset)
+        pipe.hset(self.keys.dataset, mapping=self.data.counts())
+        pipe.execute()
+
+    def give_up(self, reason: str) -> None:
+        """The run cannot make progress: say why in `failed` (`dapo up` stops the run)."""
+        self.client.set(self.keys.failed, reason)
+        raise DapoError(reason)
+
     # ------------------------------------------------------------------ main loop
     def _submit(
         self,
@@ -335,8 +397,8 @@ class Controller:
         for raw_id, raw_meta in pending.items():
             meta = json.loads(raw_meta)
             record = self.by_id.get(meta["prompt_id"])
-            if record is None:
-                log.error("in-flight group %s names unknown prompt %s", raw_id, meta["prompt_id"])
+            if record is None:  # the data changed, or now skips it at load: account for it
+                self.reject_unknown(raw_id.decode(), meta["prompt_id"])
                 continue
             self._submit(pool, stop, raw_id.decode(), record, meta["epoch"], meta["v"])
         return len(pending)
@@ -346,6 +408,7 @@ class Controller:
         start = Cursor.decode(self.client.get(self.keys.cursor))
         prompts = iterate(self.records, start, shared.seed, cfg.dataset.shuffle)
         self.client.delete(self.keys.generating)  # a previous controller's entries
+        self.publish_dataset()
         evaluation = start_evaluation(self, stop)  # the eval curve (None when off)
         with ThreadPoolExecutor(cfg.max_groups_in_flight + 1, "group") as pool:
             resumed = self.resume_inflight(pool, stop)
@@ -354,6 +417,10 @@ class Controller:
                 counts, version, done = self.snapshot()
                 if done:
                     break
+                if (hopeless := self.streak.verdict()) is not None:
+                    stop.set()
+                    self.cancel_calls()
+                    self.give_up(hopeless)
                 if not self.can_admit(counts):
                     self._group_done.wait(0.01)  # or a learner step / buffer decision
                     self._group_done.clear()
@@ -383,7 +450,22 @@ class Controller:
             "version": self.version(),
             "prompts": len(self.records),
             "ledger": ledger.as_dict(),
+            "last_error": self.errors.snapshot(),
         }
+
+
+def error_class(exc: BaseException) -> str:
+    """A failure's class in a word: the gRPC status code, else the exception type."""
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return exc.code().name
+    return type(exc).__name__
+
+
+def error_text(exc: BaseException) -> str:
+    """`CODE: details` of a gRPC error (its str() is a multi-line dump), else str()."""
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
 
 
 def create_server(config: ControllerSettings, client: redis.Redis | None = None) -> LoopServer:

@@ -40,6 +40,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     config = resolve_config(args)
     print(dump_config(config, args.format), end="")
     checks.report(checks.check_run(config), "config")
+    if args.check_data:
+        from services.tools.liveness import check_training_data
+
+        print(check_training_data(config).describe(), file=sys.stderr)
     return 0
 
 
@@ -62,6 +66,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from services.tools.config import load_config
     from services.tools.launcher import launch
+    from services.tools.liveness import StallWatch
 
     overrides = flag_overrides(args, None)
     if args.eval_every is not None:
@@ -69,7 +74,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.learner_ranks is not None:
         overrides.append(f"learner.launch.ranks={args.learner_ranks}")
     config = load_config(args.config, preset=args.preset, overrides=overrides)
-    return launch(config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts)
+    watch = StallWatch(args.stall_after, args.stall_timeout, token=config.security.auth.secret())
+    return launch(
+        config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts, watch=watch
+    )
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
@@ -164,6 +172,25 @@ def add_ablate_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_ablate)
 
 
+def add_liveness_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after S seconds without a training step, show why (each service's latest "
+        "error) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="stop the run (exit 1) after S seconds without a training step; 0 = never "
+        "(default: %(default)s)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dapo", description="DAPO reinforcement learning as a set of services.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -190,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="held-out eval every N steps on the run's rollout servers: the eval curve "
         "(controller.eval.every_steps; 0 = off)",
     )
+    add_liveness_args(p)
     p.set_defaults(func=cmd_up)
 
     add_ablate_parser(sub)
@@ -198,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show"])
     add_config_args(p)
     p.add_argument("--format", choices=["yaml", "json"], default="yaml")
+    p.add_argument(
+        "--check-data",
+        action="store_true",
+        help="also load and screen the training data as `dapo up` will (errors name the "
+        "file, row and column; the summary goes to stderr)",
+    )
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")

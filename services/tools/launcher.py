@@ -34,6 +34,7 @@ from services.common.security import secret_env, without_secrets
 from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
+from services.tools.liveness import StallWatch, check_training_data, run_failure
 from services.tools.report import (
     kept_ratios,
     sampling_summary,
@@ -47,6 +48,7 @@ from services.tools.run_dir import RunLock, fresh_redis_dir, latest_checkpoint_s
 log = logging.getLogger(__name__)
 
 ROLES = ("reward", "learner", "rollout", "buffer", "controller")
+STALL_AFTER_S = 30.0
 
 
 @dataclass
@@ -56,6 +58,14 @@ class Child:
     log_file: IO[bytes]
     name: str = ""
     restarts: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_file.name)
 
 
 @dataclass
@@ -72,6 +82,9 @@ class Launch:
     # Called from the monitor loop with (launch, last step seen, run done); e.g. the
     # ablation's held-out evaluations while training goes on.
     on_step: Callable[[Launch, int, bool], None] | None = None
+    # Shows stalls and their causes; stops a run a service gave up on (liveness.py).
+    watch: StallWatch = field(default_factory=lambda: StallWatch(STALL_AFTER_S))
+    failure: str | None = None  # why the run stopped, when it did not finish
 
     @property
     def config_path(self) -> Path:
@@ -243,6 +256,7 @@ def monitor(launch: Launch) -> int:
     client = connect(config.shared.redis_url, config.security.redis, outage_s=1.0)
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
+    launch.watch.start()
     with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
         while True:
             if launch.redis_died():
@@ -251,8 +265,12 @@ def monitor(launch: Launch) -> int:
                 done = bool(client.exists(keys.done))
                 need = config.shared.train_batch_groups
                 update_bar(bar, client, keys, config.shared.run_name, launch.history, need)
+                launch.failure = None if done else stop_reason(launch, bar, client, keys)
             except redis.ConnectionError:  # Redis restarting: supervise, read it next time
                 done = False
+            if launch.failure is not None:
+                bar.write(f"stopping the run: {launch.failure}")
+                return 1
             dead = launch.dead_child()
             if dead is not None and not done and not supervise(launch, dead, bar):
                 return 1
@@ -263,16 +281,42 @@ def monitor(launch: Launch) -> int:
             time.sleep(0.2)
 
 
+def stop_reason(launch: Launch, bar: Any, client: Any, keys: RunKeys) -> str | None:
+    """Why the run must stop now (a service gave up on it, or the stall timeout), if so;
+    shows a stall's cause on the way."""
+    failure = run_failure(client, keys)
+    if failure is not None:
+        return failure
+    line = launch.watch.observe(bar.n, launch.children, client, keys.run)
+    if line is not None:
+        bar.write(line)
+    stalled = launch.watch.stalled_s(bar.n)
+    desc = f"dapo up (no step for {stalled:.0f}s)" if stalled >= launch.watch.stall_after_s else ""
+    if bar.desc != f"{desc or 'dapo up'}: ":
+        bar.set_description(desc or "dapo up")
+    return launch.watch.timed_out(bar.n)
+
+
 def supervise(launch: Launch, dead: Child, bar: Any) -> bool:
     """Restart a dead child; False once it has used up its restarts."""
     log_path = launch.run_dir / "logs" / f"{dead.name}.log"
     bar.write(f"{dead.name} exited with code {dead.proc.returncode}; see {log_path}")
     if dead.restarts >= launch.max_restarts:
+        launch.failure = f"{dead.name} failed {dead.restarts + 1} times" + last_words(log_path)
         bar.write(f"{dead.name} failed {dead.restarts + 1} times; stopping the run")
         return False
     launch.restart(dead)
     bar.write(f"restarted {dead.name} ({dead.restarts}/{launch.max_restarts})")
     return True
+
+
+def last_words(log_path: Path) -> str:
+    """`: <the last line of a log>` (how a service that exits says why), or nothing."""
+    try:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return f": {lines[-1].strip()}" if lines else ""
 
 
 def update_bar(
@@ -288,10 +332,12 @@ def update_bar(
     kept = ledger.kept / max(ledger.kept + ledger.filtered_total, 1)
     last_eval = client.xrevrange(keys.evals, count=1)
     held_out = eval_postfix(json.loads(last_eval[0][1][b"json"])) if last_eval else {}
+    rejected = {"rejected": str(ledger.rejected_total)} if ledger.rejected_total else {}
     bar.set_postfix(
         reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
         tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
         **sampling_postfix(recent_metrics(client, keys), need),
+        **rejected,
     )  # fmt: skip
 
 
@@ -381,14 +427,19 @@ def launch(
     steps: int | None = None,
     rollouts: int = 1,
     on_step: Callable[[Launch, int, bool], None] | None = None,
+    watch: StallWatch | None = None,
 ) -> int:
-    """Run the whole system until the learner's last step; clean up whatever happens."""
+    """Run the whole system until the learner's last step; clean up whatever happens.
+
+    The training data is checked first (a DapoError before any process starts); `watch`
+    says when a stall is shown and whether it stops the run (default: shown after 30 s).
+    """
     if steps is not None:
         config.learner.total_steps = steps
     out = Path(run_dir or Path("runs") / config.shared.run_name)
     lock = RunLock(out).acquire()
     try:
-        return run_locked(config, out, rollouts, on_step)
+        return run_locked(config, out, rollouts, on_step, watch)
     finally:
         lock.release()
 
@@ -398,12 +449,15 @@ def run_locked(
     out: Path,
     rollouts: int,
     on_step: Callable[[Launch, int, bool], None] | None,
+    watch: StallWatch | None = None,
 ) -> int:
     """`launch` once it holds the run directory."""
     ensure_model(config)
     checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
+    print(check_training_data(config).describe())
     started = time.monotonic()
     state = Launch(config, out, on_step=on_step)
+    state.watch = watch or StallWatch(STALL_AFTER_S, token=config.security.auth.secret())
     code = 1
     previous = raise_on_sigterm()
     try:
@@ -432,4 +486,6 @@ def run_locked(
         signal.signal(signal.SIGTERM, previous)
     if report is not None:
         print(f"report: {report}")
+    if state.failure is not None:
+        print(f"dapo up: error: {state.failure}", file=sys.stderr)
     return code

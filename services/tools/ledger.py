@@ -23,6 +23,8 @@ def format_ledger(ledger: Ledger) -> str:
         ("pending in `train`", ledger.pending_train),
         *((f"dropped: {k}", v) for k, v in sorted(ledger.dropped.items())),
         ("trained", ledger.trained),
+        *((f"rejected: {k}", v) for k, v in sorted(ledger.rejected.items())),
+        *dataset_rows(ledger.dataset),
         ("informative groups dropped as stale", ledger.stale_dropped),
         ("policy version", ledger.version),
     ]
@@ -31,6 +33,14 @@ def format_ledger(ledger: Ledger) -> str:
     problems = ledger.problems()
     lines.append("identity holds" if not problems else "MISMATCH: " + "; ".join(problems))
     return "\n".join(lines)
+
+
+def dataset_rows(dataset: dict) -> list[tuple[str, int]]:
+    """The prompts as loaded: rows, used, and skipped at load by reason."""
+    if not dataset:
+        return []
+    skipped = [(f"prompts skipped at load: {k}", v) for k, v in sorted(dataset["filtered"].items())]
+    return [("dataset rows", dataset["rows"]), ("prompts used", dataset["usable"]), *skipped]
 
 
 def print_ledger(config: RoleSettings, as_json: bool = False) -> int:

@@ -139,7 +139,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f"run {report['run']}: {steps_text(report['steps'])} in {report['wall_seconds']:.0f}s, "
         f"ledger {'holds' if ledger['ok'] else 'MISMATCH: ' + '; '.join(ledger['problems'])}",
         f"groups: admitted {ledger['admitted']}, trained {ledger['trained']}, "
-        f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}",
+        f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}"
+        f", rejected {sum(ledger.get('rejected', {}).values())}",
+        *accounting_lines(ledger),
     ]
     lines.append(staleness_line(report))
     acc = report.get("time_accounting", {})
@@ -204,6 +206,19 @@ def sampling_line(summary: dict[str, Any]) -> str:
         f"{summary['generation_budget']:g} × {summary['train_batch_groups']} groups generated "
         "(learner.generation_budget)"
     )
+
+
+def accounting_lines(ledger: dict[str, Any]) -> list[str]:
+    """Why groups were rejected, and the prompts skipped when the data was loaded."""
+    lines = []
+    if rejected := ledger.get("rejected"):
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(rejected.items()))
+        lines.append(f"rejected groups (refused for good, not retried): {reasons}")
+    if data := ledger.get("dataset"):
+        skipped = ", ".join(f"{r} {n}" for r, n in sorted(data["filtered"].items())) or "none"
+        used = f"prompts: {data['rows']} rows, {data['usable']} used"
+        lines.append(f"{used}; skipped at load: {skipped}")
+    return lines
 
 
 def staleness_line(report: dict[str, Any]) -> str:

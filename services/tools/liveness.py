@@ -1,0 +1,182 @@
+"""`dapo up` never hangs silently: the data is checked before any service starts, a stall
+is shown with its cause, and a run that cannot make progress stops with one line saying why.
+
+- Before launch, the training data is loaded and screened as the controller will load it
+  (services/controller/dataset.load_training_data): a bad file, a missing column or data
+  with no usable prompt is a one-line error before any process starts.
+- While no step completes for `stall_after_s`, the progress bar says so, with the latest
+  error of each service (read from its /status: its `last_error`) and the ledger's counts.
+- The run stops with a non-zero exit when a service marked it hopeless (the run's `failed`
+  key: the controller's rejection streak) or, when asked (`stall_timeout_s`), when no step
+  has completed for that long.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from services.common.data_screen import ScreenedData
+from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
+from services.controller.dataset import load_training_data
+from services.tools.config import DapoConfig
+
+READY_LINE = re.compile(r"^dapo (\w+) ready .*\bhttp=(\d+)", re.MULTILINE)
+STATUS_TIMEOUT_S = 1.0
+PROBE_EVERY_S = 10.0
+REPEAT_S = 60.0
+
+
+def check_training_data(config: DapoConfig) -> ScreenedData:
+    """The training data as the controller will load it, or a DapoError saying what is wrong.
+
+    The model's tokenizer counts the prompts as the rollout servers will (the rollout
+    section's model when it names one).
+    """
+    cfg, shared = config.controller, config.shared
+    model = config.rollout.model_path or shared.model_path
+    return load_training_data(
+        cfg.dataset, shared.seed, model, cfg.apply_chat_template, shared.max_prompt_length
+    )
+
+
+def run_failure(client: Any, keys: RunKeys) -> str | None:
+    """The reason a service gave up on the run (the `failed` key), if one did."""
+    raw = client.get(keys.failed)
+    return raw.decode() if raw else None
+
+
+class ServiceLog(Protocol):
+    """What the watch needs of a launched service: its name, pid and log file."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+
+def announced_http_port(log_path: Path) -> int | None:
+    """The HTTP port in the last `dapo <role> ready ... http=N` line of a service's log."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    found = READY_LINE.findall(text)
+    return int(found[-1][1]) if found else None
+
+
+def fetch_status(port: int, token: str | None) -> dict[str, Any] | None:
+    """A service's /status (None if it does not answer within a second)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/status")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=STATUS_TIMEOUT_S) as response:
+            return dict(json.loads(response.read()))
+    except (OSError, ValueError):
+        return None
+
+
+def describe_error(error: dict[str, Any], now: float) -> str:
+    """`rejected prompt_too_long ×12, 3s ago: prompt of 20 tokens exceeds ...`."""
+    age = max(0.0, now - float(error["at"]))
+    return f"{error['kind']} ×{error['count']}, {age:.0f}s ago: {error['message']}"
+
+
+@dataclass
+class StallWatch:
+    """Seconds since the last completed step, and why, from the services' /status.
+
+    While stalled, the services are asked every `stall_after_s` (at most every 10 s); a
+    line is shown when the cause changes (another error kind somewhere), else once a
+    minute.
+    """
+
+    stall_after_s: float
+    stall_timeout_s: float = 0.0  # 0 = show the stall, never stop the run for it
+    token: str | None = None
+    last_step: int = 0
+    last_progress: float = field(default_factory=time.monotonic)
+    last_probe: float = 0.0
+    last_shown: float = 0.0
+    cause: str = ""
+    signature: tuple[str, ...] = ()
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Count from now (the services were just started)."""
+        self.last_progress, self.cause, self.signature = time.monotonic(), "", ()
+
+    def stalled_s(self, step: int) -> float:
+        now = time.monotonic()
+        if step != self.last_step:
+            self.last_step = step
+            self.start()
+        return now - self.last_progress
+
+    def observe(
+        self, step: int, services: Sequence[ServiceLog], client: Any, run: str
+    ) -> str | None:
+        """A line to show while the run is stalled, when its cause changed (else None)."""
+        stalled, now = self.stalled_s(step), time.monotonic()
+        interval = min(PROBE_EVERY_S, self.stall_after_s)
+        if stalled < self.stall_after_s or now - self.last_probe < interval:
+            return None
+        self.last_probe = now
+        self.cause, signature = self.probe(services, client, run)
+        if signature == self.signature and now - self.last_shown < REPEAT_S:
+            return None
+        self.signature, self.last_shown = signature, now
+        return f"no training step for {stalled:.0f}s: {self.cause}"
+
+    def timed_out(self, step: int) -> str | None:
+        """The reason to stop when `stall_timeout_s` passed without a step."""
+        stalled = self.stalled_s(step)
+        if self.stall_timeout_s <= 0 or stalled < self.stall_timeout_s:
+            return None
+        cause = self.cause or "no service reported an error"
+        return f"no training step for {stalled:.0f}s (--stall-timeout): {cause}"
+
+    def probe(
+        self, services: Sequence[ServiceLog], client: Any, run: str
+    ) -> tuple[str, tuple[str, ...]]:
+        """Each service's latest error, then where the groups are (the ledger); and the
+        error kinds alone (what a change of cause is)."""
+        now = time.time()
+        parts, kinds = [], []
+        for service in services:
+            status = self._status(service)
+            error = status.get("last_error") if status else None
+            if error:
+                parts.append(f"{service.name}: {describe_error(error, now)}")
+                kinds.append(f"{service.name}: {error['kind']}")
+            elif status is None:
+                parts.append(f"{service.name}: no answer on /status")
+                kinds.append(f"{service.name}: silent")
+        ledger = read_ledger(client, run)
+        parts.append(
+            f"groups admitted {ledger.admitted}, in flight {ledger.in_flight}, "
+            f"rejected {ledger.rejected_total}, filtered {ledger.filtered_total}, "
+            f"waiting to train {ledger.pending_train}"
+        )
+        return "; ".join(parts), tuple(kinds)
+
+    def _status(self, service: ServiceLog) -> dict[str, Any] | None:
+        key = (service.name, service.pid)
+        if key not in self.ports:
+            port = announced_http_port(service.log_path)
+            if port is None:
+                return None
+            self.ports[key] = port
+        return fetch_status(self.ports[key], self.token)
