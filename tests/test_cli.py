@@ -19,7 +19,7 @@ SUBCOMMANDS = [
 ]  # fmt: skip
 
 
-def dapo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def dapo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout,
