@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import queue
 import threading
 import uuid
@@ -182,6 +183,7 @@ class VllmEngine(EngineBase):
             self._stop_loop()
             raise
         self._run(self._llm.collective_rpc("dapo_use_full_vocab_logprobs"))
+        self._run(self._llm.collective_rpc("dapo_exit_with", args=(os.getpid(),)))
 
     @classmethod
     def from_config(

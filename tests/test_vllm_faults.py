@@ -14,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import test_rollout_drain as drain
@@ -33,9 +34,28 @@ from vllm_support import needs_vllm
 from services.common.adapters import decode_group
 from services.common.redis_server import RedisServer
 from services.tools.config import load_config
-from services.tools.launcher import launch
+from services.tools.launcher import Launch, launch
 
 OTHER_ROLES = ("reward", "learner", "buffer", "controller")
+
+
+class KillVllmServer(KillMidResponse):
+    """KillMidResponse that notes the victim's vLLM processes (engine core, worker)
+    first: they must not outlive a SIGKILL of the server that started them."""
+
+    def kill(self, launch: Launch) -> None:
+        child = next(c for c in launch.children if c.name == self.victim)
+        self.engine_procs = psutil.Process(child.proc.pid).children(recursive=True)
+        super().kill(launch)
+
+
+def still_running(procs: list[psutil.Process], wait_s: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +93,7 @@ def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
     config = vllm_run(vllm_tiny_model, RUN, redis_server.url,
                       "shared.max_response_length=64", "rollout.partial_rollouts=true",
                       "rollout.weight_poll_s=0.05")  # fmt: skip
-    hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
+    hook = KillVllmServer(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.exit_code == -signal.SIGKILL
     assert not hook.problems_at_kill, hook.problems_at_kill
@@ -90,6 +110,8 @@ def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
           f"off on the dead server, all generated again or in flight")  # fmt: skip
     assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)
+    assert hook.engine_procs, "the victim had no vLLM processes"
+    assert not still_running(hook.engine_procs, wait_s=30), "vLLM outlived its server"
 
 
 @pytest.mark.vllm
@@ -107,6 +129,8 @@ def test_a_vllm_rollout_server_drains_on_sigterm_and_the_run_finishes(
     SIGTERM while it holds calls: it exits 0 within the deadline, cuts nothing off, and
     the run finishes with the ledger exact."""
     monkeypatch.setattr(drain, "VICTIMS", ("rollout-0",))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # vLLM's sockets: not the suite's
     run_dir = tmp_path / "run"
     config = vllm_run(vllm_tiny_model, drain.RUN, redis_server.url,
                       f"rollout.drain_timeout_s={drain.DRAIN_S}",
