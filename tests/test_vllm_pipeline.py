@@ -6,9 +6,8 @@ with the interpreter its config names (`rollout.server.python`: the vLLM environ
 everything else as in `tiny`: partial rollouts on, weights loaded into vLLM in memory,
 the held-out eval curve sampled by the run's (vLLM) rollout server. It learns: held-out
 avg@4 from <= 0.2 at version 0 to >= 0.8 within 100 steps, and the ledger is exact.
-Measured (2-core box under load, 17 min): 0.043 (v0) → 0.216, 0.559, 0.761, 0.781, 0.808
-(v50), then 0.805 to v90; 0.839 after (v100); the torch engine on the same model:
-docs/vllm.md.
+Measured: 0.028 (v0) → 0.805 (v40) → 0.956 (v90), 0.955 after, 5.4 min; an earlier,
+more loaded run settled at 0.805 (0.839 after); the torch engine's: docs/vllm.md.
 """
 
 from __future__ import annotations
