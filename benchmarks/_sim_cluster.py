@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from benchmarks._sim_standins import SimCosts, SimEngine, SimTrainer
+from rollout.config import VllmEngineConfig
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
@@ -57,7 +58,7 @@ def sim_config(mode: Mode, model: Path, redis_url: str, shape: Shape) -> Any:
     ports = [f"{role}.server.{kind}_port=0" for role in ("rollout", "reward", "learner")
              for kind in ("grpc", "http")] + ["controller.server.http_port=0",
                                               "buffer.server.http_port=0"]  # fmt: skip
-    return load_config(
+    config = load_config(
         preset="tiny",
         env={},
         overrides=[
@@ -71,6 +72,8 @@ def sim_config(mode: Mode, model: Path, redis_url: str, shape: Shape) -> Any:
             *([] if mode.hard is None else [f"shared.max_staleness_hard={mode.hard}"]),
         ],
     )  # fmt: skip
+    config.rollout.engine = VllmEngineConfig()  # what SimEngine stands for: its limits
+    return config
 
 
 class Sampler:
@@ -116,7 +119,8 @@ def run_mode(
 
     config = sim_config(mode, model, redis_url, shape)
     client = redis.Redis.from_url(redis_url)
-    engine = SimEngine(AutoTokenizer.from_pretrained(model), costs, config.partial_rollouts())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    engine = SimEngine(tokenizer, costs, config.partial_rollouts(), config.rollout.engine)
     trainer = SimTrainer(config, costs)
     learner, reward, rollout, loops = start_services(config, client, engine, trainer)
     stop = threading.Event()

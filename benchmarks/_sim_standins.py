@@ -1,10 +1,13 @@
 """Stand-ins for the GPU-bound parts of the pipeline that cost time, not CPU.
 
-`SimEngine` is a rollout engine on the real skeleton (`rollout.engine_base.EngineBase`:
-version, gate, partial rollouts) that sleeps per decode step instead of running a model:
-`slots` rows decode together (as vLLM's max_num_seqs), rows from any number of concurrent
-calls take a free slot as soon as one frees up (continuous batching), and each row stops
-at a length drawn from a DAPO-shaped long-tailed distribution. Its responses name the
+`SimEngine` stands for the vLLM engine: it is a rollout engine on the real skeleton
+(`rollout.engine_base.EngineBase`: version, gate, partial rollouts) that sleeps per decode
+step instead of running a model. It declares the concurrency the vLLM engine declares for
+the run's engine config (`VllmEngine.concurrency`, one source of truth), so the batcher
+hands it groups exactly as it hands them to vLLM; `slots` rows decode together (as
+vLLM's max_num_seqs), rows of concurrent calls take a free slot as soon as one frees up
+(continuous batching), and each row stops at a length drawn from a DAPO-shaped
+long-tailed distribution. Its responses name the
 right answer of a `max3` prompt with a per-prompt probability, so the real reward service
 scores them and dynamic sampling has something to filter.
 
@@ -33,8 +36,10 @@ from learner.config import LearnerSettings
 from learner.dist import Single
 from learner.step import StepMetrics
 from learner.trainer import Trainer
+from rollout.config import VllmEngineConfig
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
+from rollout.vllm_engine import VllmEngine
 from services.common.types import Group
 
 TAIL = 0.06  # share of responses that run to L_max (truncated), as in DAPO's early steps
@@ -80,11 +85,17 @@ class _Row:
 class SimEngine(EngineBase):
     """Sleeps per decode step of its slots; see the module docstring."""
 
-    max_concurrent_calls = 64
-
-    def __init__(self, tokenizer: Any, costs: SimCosts, partial_rollouts: bool, seed: int = 0):
+    def __init__(
+        self,
+        tokenizer: Any,
+        costs: SimCosts,
+        partial_rollouts: bool,
+        engine: VllmEngineConfig,
+        seed: int = 0,
+    ):
         super().__init__(len(tokenizer), 0, partial_rollouts)
         self.tokenizer, self.costs = tokenizer, costs
+        self._calls = VllmEngine.concurrency(engine)
         self._slots = threading.Semaphore(costs.slots)
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
@@ -92,6 +103,10 @@ class SimEngine(EngineBase):
         self._stats_lock = threading.Lock()
         self.row_seconds = 0.0  # slot-seconds spent decoding
         self.tokens = 0
+
+    @property
+    def max_concurrent_calls(self) -> int:
+        return self._calls
 
     def _body(self, prompt: list[int], max_tokens: int) -> list[int]:
         """Response tokens: the answer (right with the prompt's own odds), then filler."""
@@ -165,7 +180,9 @@ class SimEngine(EngineBase):
         )
         return StreamedSample(row.index, row.sample, out)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, owned: bool = False
+    ) -> None:
         """The bytes were pulled for real; applying them is the swap itself."""
         for _ in named_tensors:
             pass

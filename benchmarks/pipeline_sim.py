@@ -91,6 +91,21 @@ def checks(results: dict[str, dict], summary: dict[str, Any]) -> list[dict[str, 
     ]  # fmt: skip
 
 
+def engine_assumed() -> dict[str, Any]:
+    """The production engine the stand-in takes its capabilities from, and those taken."""
+    from rollout.config import VllmEngineConfig
+    from rollout.vllm_engine import VllmEngine
+
+    calls = VllmEngine.concurrency(VllmEngineConfig())
+    return {
+        "stands_for": "vllm",
+        "max_concurrent_calls": calls,
+        "groups_merged": calls == 1,
+        "continuous_batching": True,
+        "partial_rollouts": "abort and resubmit on a swap",
+    }
+
+
 def measure(shape: Shape, costs: SimCosts, k: int) -> dict[str, dict]:
     from learner.init_model import init_model
     from services.common.redis_server import start_redis
@@ -129,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_end": [round(x, 2) for x in os.getloadavg()]},
         "shape": asdict(shape),
         "costs": asdict(costs),
+        "engine": engine_assumed(),
         "lengths": {"l_max": shape.l_max, "tail_at_l_max": TAIL,
                     "mean": round(mean_length(shape.l_max), 1)},
         **summary,

@@ -124,7 +124,9 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
     server.stop(0)
 
 
-def serve_rollout(model_dir: str, grpc_port: str, index: int, parent_relay: int) -> None:
+def serve_rollout(
+    model_dir: str, grpc_port: str, index: int, parent_relay: int, device: str = "cpu"
+) -> None:
     """One rollout server: a torch engine and its relay; `fetch` on stdin pulls the latest
     (from the previous server's relay when `parent_relay`, else the learner) and loads it."""
     from rollout.metrics import RolloutMetrics
@@ -137,7 +139,7 @@ def serve_rollout(model_dir: str, grpc_port: str, index: int, parent_relay: int)
     from services.tools.config import DapoConfig
 
     configure_process("rollout", None)  # as `dapo rollout` does
-    engine = TorchEngine(model_dir, dtype="bfloat16", device="cpu")
+    engine = TorchEngine(model_dir, dtype="bfloat16", device=device)
     updater, config = WeightUpdater(engine, RolloutMetrics()), DapoConfig()
     relay = start_relay(config)
     assert relay is not None
@@ -199,7 +201,10 @@ def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str
             "ratio": nbytes / seconds / raw_bps, "transports": transports}  # fmt: skip
 
 
-def run(model_dir: Path, fan_outs: list[int], versions: int, sync: bool) -> dict[str, Any]:
+def run(
+    model_dir: Path, fan_outs: list[int], versions: int, sync: bool, device: str = "cpu"
+) -> dict[str, Any]:
+    """Publish `versions` versions to each fan-out of rollout servers (engines on `device`)."""
     publisher = _spawn("publisher", str(model_dir), *(["sync"] if sync else []))
     assert publisher.stdout
     _, grpc_port, tcp_port, nbytes, setup = publisher.stdout.readline().split(maxsplit=4)
@@ -212,7 +217,7 @@ def run(model_dir: Path, fan_outs: list[int], versions: int, sync: bool) -> dict
                 relay_port = "0"
                 for index in range(count):
                     servers.append(
-                        _spawn("server", str(model_dir), grpc_port, str(index), relay_port)
+                        _spawn("server", str(model_dir), grpc_port, str(index), relay_port, device)
                     )
                     ready, relay_port = servers[-1].stdout.readline().split()  # type: ignore[union-attr]
                     assert ready == "ready"
@@ -289,4 +294,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "publisher":
         serve_publisher(sys.argv[2], background=sys.argv[3:] != ["sync"])
     else:
-        serve_rollout(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        serve_rollout(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), *sys.argv[6:])

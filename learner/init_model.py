@@ -17,6 +17,8 @@ Presets:
   response runs to `max_response_length` (the `long` run preset measures the system's
   per-group costs beside long generations this way; a random model would stop after
   about 16 tokens). 4096 positions.
+- `tiny_vllm`: `tiny` with 2 heads of 32 (vLLM's CPU attention takes head_dim 32 and up,
+  not `tiny`'s 16), for the demo on vLLM.
 - `small`: a byte-level BPE tokenizer trained on a few thousand synthetic math lines (any
   text, AIME prompts included, encodes losslessly) with a ChatML template; Qwen2 with
   2 layers, hidden 128, 2 heads (head_dim 64, which vLLM's CPU kernels accept).
@@ -249,6 +251,7 @@ PRESETS: dict[str, Preset] = {
         ModelShape(64, 256, 2, 4, 2, 4096, True), build_tiny_tokenizer, stops=False
     ),
     "small": Preset(ModelShape(128, 512, 2, 2, 2, 4096, True), build_small_tokenizer),
+    "tiny_vllm": Preset(ModelShape(64, 256, 2, 2, 2, 256, True), build_tiny_tokenizer),
 }
 
 

@@ -1,15 +1,16 @@
-"""Cross-request batching: concurrent GenerateGroup calls with equal sampling params share one
-engine call, so a server keeps its cores busy when the controller sends many groups.
+"""Cross-request batching: hands concurrent GenerateGroup calls to the engine the way the
+engine declares it takes them (`RolloutEngine.max_concurrent_calls`).
 
-Samples are handed to their caller the moment the engine yields them (the engine yields
-each as soon as it is complete), not when the merged call ends. A request whose caller
-went away before its turn is skipped; one whose merged call fails before yielding
-anything is retried alone, so one bad prompt cannot fail its neighbours.
+- One call at a time (the torch engine): groups with equal sampling params that arrive
+  together share one merged engine call, so the server keeps its cores busy.
+- Many calls (vLLM: continuous batching): each group is its own engine call, handed
+  over the moment it arrives, up to the declared number at once; the engine schedules
+  their sequences itself, so a short group finishes while a long one still runs.
 
-An engine with its own scheduler (continuous batching) says how many calls it takes at
-once (`max_concurrent_calls`, 1 by default: the torch engine runs one bucket at a time);
-the batcher then runs up to that many merged calls side by side, so a call that waits
-for its longest response does not hold the next one back.
+Samples are handed to their caller the moment the engine yields them, not when the call
+ends. A request whose caller went away before its turn is skipped; one whose merged call
+fails before yielding anything is retried alone, so one bad prompt cannot fail its
+neighbours.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ class Batcher:
     def __init__(self, engine: RolloutEngine, max_sequences: int, wait_s: float = 0.005):
         self.engine, self.max_sequences, self.wait_s = engine, max_sequences, wait_s
         self.running = 0  # sequences in engine calls now
-        self._calls = threading.Semaphore(max(1, getattr(engine, "max_concurrent_calls", 1)))
+        calls = engine.max_concurrent_calls
+        if calls < 1:
+            raise ValueError(f"an engine takes at least one call at a time, got {calls}")
+        self._merges = calls == 1  # an engine that schedules calls itself gets each alone
+        self._calls = threading.Semaphore(calls)
         self._running_lock = threading.Lock()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._held: _Request | None = None
@@ -77,13 +82,15 @@ class Batcher:
                 return item
 
     def _take_batch(self, first: _Request) -> list[_Request]:
-        """`first` plus queued requests with the same params, up to max_sequences.
+        """`first` plus queued requests with the same params, up to max_sequences, when
+        the engine runs one call at a time; else `first` alone.
 
         Seeded requests run alone: a prompt's random stream depends on its index in the
         engine call, so merging would break reproducibility.
         """
         batch, budget = [first], self.max_sequences - first.params.n
-        while first.params.seed is None and budget > 0 and not self._closed:
+        mergeable = self._merges and first.params.seed is None
+        while mergeable and budget > 0 and not self._closed:
             try:
                 nxt = self._next(self.wait_s)
             except queue.Empty:

@@ -42,6 +42,16 @@ class VllmEngineConfig(StrictModel):
         description="KV cache size in bytes; None = vLLM's default. Set it on CPU, where "
         "vLLM otherwise reserves a large share of RAM.",
     )
+    max_concurrent_calls: int = Field(
+        64,
+        ge=1,
+        description="GenerateGroup calls handed to vLLM at once, each the moment it arrives; "
+        "vLLM schedules their sequences itself (continuous batching, up to max_num_seqs), "
+        "so a short group finishes while a long one runs. More wait in the server's queue.",
+    )
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Most sequences vLLM decodes together; None = vLLM's default."
+    )
     weight_bucket_bytes: int = Field(
         128 * 1024 * 1024,
         ge=1,

@@ -141,6 +141,21 @@ class RolloutEngine(Protocol):
         """Undo `pause()`."""
         ...
 
+    @property
+    def max_concurrent_calls(self) -> int:
+        """Engine calls a server may run at once. 1: one call at a time, so the batcher
+        merges concurrent groups into it (torch). More: the engine schedules concurrent
+        calls itself (continuous batching), so each group is handed over as it arrives."""
+        ...
+
+    def kv_cache_usage(self) -> float | None:
+        """Fraction (0..1) of the KV-cache pool in use; None for an engine without one."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine's processes and memory; it takes no calls afterwards."""
+        ...
+
 
 def collect(
     samples: Iterable[StreamedSample], num_prompts: int, n: int

@@ -104,8 +104,6 @@ class EngineBase:
     (drawn here when the request has none), so engines never repeat either.
     """
 
-    max_concurrent_calls = 1  # engine calls a server may run at once (rollout/batcher.py)
-
     def __init__(self, vocab_size: int, version: int = 0, partial_rollouts: bool = False) -> None:
         self.vocab_size = vocab_size
         self._version = version
@@ -116,6 +114,11 @@ class EngineBase:
     def version(self) -> int:
         """Policy version of the weights in use."""
         return self._version
+
+    @property
+    def max_concurrent_calls(self) -> int:
+        """One call at a time: the batcher merges concurrent groups into it."""
+        return 1
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams
@@ -144,6 +147,13 @@ class EngineBase:
     def _yield_to_swap(self) -> None:
         """Let the waiting swap in; the caller then continues under the new weights."""
         self._gate.yield_to_swap()
+
+    def kv_cache_usage(self) -> float | None:
+        """No KV-cache pool: each call allocates its own cache."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""
 
     def pause(self) -> None:
         """Let the work in flight finish; hold new work until `resume()`."""

@@ -29,7 +29,7 @@ import redis
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout import adapter
 from rollout.batcher import Batcher
-from rollout.config import RolloutSettings
+from rollout.config import RolloutSettings, TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import Limits
 from rollout.metrics import RolloutMetrics
@@ -63,8 +63,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
         self.updater, self.sync, self.metrics = updater, sync, updater.metrics
         self.limits = Limits.from_config(config)
-        max_sequences = getattr(config.rollout.engine, "max_batch_size", 256)
-        self.batcher = Batcher(engine, max(max_sequences, config.rollout.max_n))
+        self.batcher = Batcher(engine, merged_sequences(config))
         self.in_flight = 0
         self.draining = threading.Event()  # set on SIGTERM: refuse new calls (drain)
         self.errors = ErrorLog()  # the last refusal or failure, for /status
@@ -76,9 +75,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.metrics.watch("queue", self.batcher.pending)
         self.metrics.watch("running", lambda: self.batcher.running)
         self.metrics.watch("version", lambda: self.engine.version)
-        usage = getattr(self.engine, "kv_cache_usage", None)  # optional: vLLM knows it
-        if callable(usage):
-            self.metrics.cache_usage(usage)
+        if self.engine.kv_cache_usage() is not None:  # None: no KV-cache pool (torch)
+            self.metrics.cache_usage(lambda: self.engine.kv_cache_usage() or 0.0)
 
     def ready(self) -> bool:
         return self.sync is None or self.sync.ready()
@@ -212,6 +210,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             requests_in_flight=self.in_flight, engine=self.config.rollout.engine.kind,
             model=str(self.config.rollout.model_path or self.config.shared.model_path),
         )  # fmt: skip
+
+
+def merged_sequences(config: RolloutSettings) -> int:
+    """Most sequences in one merged engine call (engines that take one call at a time)."""
+    engine = config.rollout.engine
+    decoded = engine.max_batch_size if isinstance(engine, TorchEngineConfig) else 0
+    return max(decoded, config.rollout.max_n)
 
 
 def build_engine(config: RolloutSettings) -> RolloutEngine:

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import queue
 import threading
 import uuid
@@ -89,6 +90,7 @@ from rollout.vllm_partial import (
     finish_after_abort,
     segment_seed,
 )
+from rollout.vllm_stats import SchedulerLoad
 from rollout.vllm_weights import DTYPES, buckets_of, encode_bucket
 
 if TYPE_CHECKING:
@@ -171,6 +173,7 @@ class VllmEngine(EngineBase):
         self._optional = frozenset({"lm_head.weight"} if tied else ())
         self._swap_lock = threading.Lock()
         self._admission = Admission()
+        self.load = SchedulerLoad()  # as vLLM's scheduler reports it
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="vllm")
         self._thread.start()
@@ -180,6 +183,7 @@ class VllmEngine(EngineBase):
             self._stop_loop()
             raise
         self._run(self._llm.collective_rpc("dapo_use_full_vocab_logprobs"))
+        self._run(self._llm.collective_rpc("dapo_exit_with", args=(os.getpid(),)))
 
     @classmethod
     def from_config(
@@ -187,6 +191,20 @@ class VllmEngine(EngineBase):
     ) -> VllmEngine:
         """Build from the rollout server's engine config."""
         return cls(model_path, config, partial_rollouts=partial_rollouts)
+
+    @staticmethod
+    def concurrency(config: VllmEngineConfig) -> int:
+        """Engine calls at once: as many as configured, since vLLM schedules the
+        sequences of concurrent calls itself. Stand-ins for this engine read it here."""
+        return config.max_concurrent_calls
+
+    @property
+    def max_concurrent_calls(self) -> int:
+        return self.concurrency(self.config)
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of vLLM's KV-cache blocks in use after its latest step."""
+        return self.load.kv_cache_usage
 
     def _resolve_dtype(self, hf_config: Any) -> torch.dtype:
         """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
@@ -214,9 +232,10 @@ class VllmEngine(EngineBase):
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
-            disable_log_stats=True,
+            max_num_seqs=cfg.max_num_seqs,
+            disable_log_stats=True,  # vLLM's own loggers; the KV-cache recorder still runs
         )
-        return AsyncLLM.from_engine_args(args)
+        return AsyncLLM.from_engine_args(args, stat_loggers=[self.load.logger_factory()])
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine on the engine loop and wait for its result."""

@@ -5,11 +5,42 @@ vLLM is imported inside the methods, so this module imports without it."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import Any
 
 import torch
 
 from rollout.vllm_weights import decode_bucket
+
+
+def exit_when_gone(pid: int, poll_s: float = 1.0) -> None:
+    """A daemon thread that, once `pid` has exited (a zombie counts; a reused pid is told
+    apart by its start time), kills vLLM's engine core (this worker's parent, when the
+    worker runs in a process of its own: the engine core does not notice its frontend's
+    death and keeps polling) and ends this process."""
+    import psutil
+
+    owner = psutil.Process(pid)
+    parent = psutil.Process(os.getppid())
+    title = " ".join([parent.name(), *parent.cmdline()])  # comm cuts it: VLLM::EngineCor
+    engine_core = parent if parent.pid != pid and "VLLM::EngineCor" in title else None
+
+    def gone() -> bool:
+        try:
+            return not owner.is_running() or owner.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def watch() -> None:
+        while not gone():
+            time.sleep(poll_s)
+        if engine_core is not None:
+            engine_core.kill()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="dapo-owner-watch").start()
 
 
 class DapoWorkerExtension:
@@ -21,6 +52,12 @@ class DapoWorkerExtension:
 
     model_runner: Any
     vllm_config: Any
+
+    def dapo_exit_with(self, pid: int) -> None:
+        """End vLLM's processes once process `pid` (the rollout server that started vLLM)
+        is gone: without it a rollout server killed by SIGKILL leaves vLLM's engine core
+        (busy polling) and worker, and the memory they hold, behind."""
+        exit_when_gone(pid)
 
     def dapo_use_full_vocab_logprobs(self) -> None:
         """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""

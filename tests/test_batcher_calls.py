@@ -19,10 +19,14 @@ class HeldEngine(EngineBase):
 
     def __init__(self, max_calls: int) -> None:
         super().__init__(vocab_size=16)
-        self.max_concurrent_calls = max_calls
+        self.max_calls = max_calls
         self.release = threading.Event()
         self.running = self.most = 0
         self._lock = threading.Lock()
+
+    @property
+    def max_concurrent_calls(self) -> int:
+        return self.max_calls
 
     def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
@@ -62,3 +66,51 @@ def test_engine_calls_run_side_by_side_up_to_the_engine_limit(max_calls: int) ->
         t.join(10)
     assert results == {0: 2, 1: 2, 2: 2, 3: 2} and engine.most == max_calls
     batcher.close()
+
+
+class CountingEngine(EngineBase):
+    """Records the prompts of each engine call; calls take `hold_s`."""
+
+    def __init__(self, max_calls: int, hold_s: float) -> None:
+        super().__init__(vocab_size=16)
+        self.max_calls, self.hold_s = max_calls, hold_s
+        self.calls: list[list[list[int]]] = []
+
+    @property
+    def max_concurrent_calls(self) -> int:
+        return self.max_calls
+
+    def _samples(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        self.calls.append(prompts)
+        time.sleep(self.hold_s)
+        for i in range(len(prompts)):
+            yield StreamedSample(i, 0, SampleOutput([1], [-0.1], "stop", self.version))
+
+
+@pytest.mark.parametrize("max_calls", [1, 8])
+def test_groups_merge_only_for_an_engine_that_takes_one_call(max_calls: int) -> None:
+    """Unseeded groups with equal params queued together: merged into one call for a
+    one-call engine (torch); each its own call, at once, for a scheduling engine (vLLM)."""
+    engine = CountingEngine(max_calls, hold_s=0.3)
+    batcher = Batcher(engine, max_sequences=8, wait_s=0.05)
+    threads = [
+        threading.Thread(target=lambda i=i: list(batcher.submit([i + 1], SamplingParams())))
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    batcher.close()
+    sizes = sorted(len(call) for call in engine.calls)
+    if max_calls == 1:
+        assert sum(sizes) == 4 and len(sizes) < 4  # merged (the first may go alone)
+    else:
+        assert sizes == [1, 1, 1, 1]
+
+
+def test_an_engine_declaring_no_call_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one call"):
+        Batcher(CountingEngine(0, 0.0), max_sequences=8)

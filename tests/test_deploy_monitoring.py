@@ -49,6 +49,7 @@ ISSUE_PANELS = [  # issue 7: the panels a DAPO user watches
     "Reward timeouts and errors", "Engine mismatch (same-version tokens)",
     "Policy lag (versions behind)",
     "Held-out accuracy (eval curve)",  # issue 21: the eval curve
+    "KV-cache use per rollout server",  # issue 27: vLLM's KV-cache pool
 ]  # fmt: skip
 
 

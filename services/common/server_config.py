@@ -18,6 +18,12 @@ class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 in containers.")
     grpc_port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 = pick a free one.")
     http_port: int = Field(0, ge=0, le=65535, description="HTTP port; 0 = pick a free one.")
+    python: str | None = Field(
+        None,
+        description="Interpreter `dapo up` starts this role with, e.g. a virtual environment "
+        "holding vLLM (as a deployment runs each role from its own image); None = the "
+        "launcher's own.",
+    )
 
 
 class RpcConfig(StrictModel):

@@ -72,7 +72,7 @@ class SharedConfig(StrictModel):
         description="Intra-op threads of torch processes (None = torch's default); "
         "on a small CPU box several torch processes must not oversubscribe the cores.",
     )
-    model_init: Literal["tiny", "tiny_long", "small"] | None = Field(
+    model_init: Literal["tiny", "tiny_long", "tiny_vllm", "small"] | None = Field(
         None, description="`dapo up` builds a random model of this preset if model_path is absent."
     )
     redis_appendonly: bool = Field(

@@ -141,13 +141,6 @@ def build_engine(model: str | Path, config: EngineConfig | None) -> RolloutEngin
     return TorchEngine(model) if config is None else TorchEngine.from_config(model, config)
 
 
-def close_engine(engine: RolloutEngine) -> None:
-    """Stop an engine's processes (vLLM's); the torch engine has none."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-
-
 def evaluate(
     model: str | Path,
     records: list[PromptRecord],
@@ -176,7 +169,7 @@ def evaluate(
     try:
         result = evaluate_engine(engine, records, params, verifier, chat)
     finally:
-        close_engine(engine)
+        engine.close()
     kind = "torch" if engine_config is None else engine_config.kind
     return {**result, "model": str(model), "engine": kind}
 
@@ -339,7 +332,7 @@ def run_eval_plan(plan: EvalPlan, config: DapoConfig, fetch_final: bool) -> dict
         )
         result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
     finally:
-        close_engine(engine)
+        engine.close()
     if exported is not None:
         result["version"] = exported
     return {k: v for k, v in result.items() if k != "per_prompt"}

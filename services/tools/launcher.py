@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,8 +98,8 @@ class Launch:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.tools.cli", role, "--config", str(self.config_path),
-             *extra],
+            [role_python(self.config, role), "-m", "services.tools.cli", role, "--config",
+             str(self.config_path), *extra],
             stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
         return proc, log_file
@@ -164,6 +165,16 @@ class Launch:
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
+
+
+def role_python(config: DapoConfig, role: str) -> str:
+    """The interpreter the role's config names (`<role>.server.python`), else ours."""
+    python = getattr(config, role).server.python  # the role's config section
+    if python is None:
+        return sys.executable
+    if shutil.which(python) is None:
+        raise DapoError(f"{role}.server.python: {python} is not an interpreter here")
+    return python
 
 
 # torch.distributed launcher variables: a child of `dapo up` is a world of its own, even
