@@ -141,7 +141,8 @@ base_images() {
         $DOCKER image inspect "$name" >/dev/null 2>&1 || missing="$missing $name"
     done
     [ -n "$missing" ] || return 0
-    if [ -s "$WORK/base.tar" ]; then  # a bootstrap of an earlier run: Debian, not Docker, state
+    # A bootstrap of an earlier run is Debian's state, not Docker's: reused even when cold.
+    if [ -f "$WORK/base.tar" ] && [ -s "$WORK/base.tar" ]; then
         say "docker import$missing (bootstrap of an earlier run)"
     else
         say "mmdebstrap bookworm for$missing"
@@ -150,12 +151,13 @@ base_images() {
     import_images $missing
 }
 bootstrap() {
+    rm -rf "$WORK/base.new.tar"
     packages=python3,python3-venv,python-is-python3,ca-certificates,libgomp1,passwd
     mmdebstrap -q --variant=minbase --include=$packages,redis-server,redis-tools,prometheus,wget \
         --customize-hook='mkdir -p "$1/etc/ssl/certs"' \
         --customize-hook="copy-in $CERT /etc/ssl/certs" \
-        bookworm "$WORK/base.tar.new" >"$WORK/mmdebstrap.log" 2>&1 || return 1
-    mv "$WORK/base.tar.new" "$WORK/base.tar"
+        bookworm "$WORK/base.new.tar" >"$WORK/mmdebstrap.log" 2>&1 || return 1
+    mv "$WORK/base.new.tar" "$WORK/base.tar"
 }
 import_images() {
     for name in "$@"; do
@@ -279,10 +281,17 @@ crash() {
     say "SIGKILL to $1's process (host pid $pid) at version $2"
 }
 restarts() { $DOCKER inspect -f '{{.RestartCount}}' "$($COMPOSE ps -q "$1")"; }
+# versions LABEL [EXACT]: the run is marked done at the version it ended with; with EXACT
+# (no learner crash) that is total_steps. A learner restored from an older checkpoint
+# republishes from there under new, higher versions (the version never goes back), so a
+# crashed run ends at a version above total_steps. FINAL: the version it ended with.
 versions() {
     version=$(redis_get dapo:tiny:version) done_at=$(redis_get dapo:tiny:done)
     echo "version=$version done=$done_at total_steps=$STEPS ($1)"
-    [ "$version" = "$STEPS" ] && [ "$done_at" = "$STEPS" ] || check "version/done != $STEPS $1"
+    [ -n "$version" ] && [ "$version" = "$done_at" ] && [ "$version" -ge "$STEPS" ] \
+        || check "done ($done_at) is not the last version ($version) >= $STEPS [$1]"
+    [ -z "${2:-}" ] || [ "$version" = "$STEPS" ] || check "version $version != $STEPS [$1]"
+    FINAL=$version
 }
 # `dapo ledger` (services/tools/ledger.py) in a one-off dapo-slim container on the stack's
 # network: the controller has exited by now, so `exec controller` could not run it.
@@ -302,10 +311,10 @@ run() {
         >"$WORK/up.log" 2>&1 || fail "compose up [$1]" "$WORK/up.log"
     ids=$(for service in $SERVICES; do $COMPOSE ps -q "$service"; done)
     [ "$(echo $ids | wc -w)" = "$(echo $SERVICES | wc -w)" ] || fail "a dapo service has no container"
-    deadline=$(( $(date +%s) + ${DAPO_CT_RUN_TIMEOUT:-600} ))
+    deadline=$(( $(date +%s) + ${DAPO_CT_RUN_TIMEOUT:-900} ))
     killed_learner= killed_rollout=
     while $DOCKER inspect -f '{{.State.Status}}' $ids | grep -qv '^exited$'; do
-        [ "$(date +%s)" -lt $deadline ] || fail "the run did not end in ${DAPO_CT_RUN_TIMEOUT:-600} s"
+        [ "$(date +%s)" -lt $deadline ] || fail "the run did not end in ${DAPO_CT_RUN_TIMEOUT:-900} s"
         if [ "$2" = yes ]; then
             version=$(redis_get dapo:tiny:version)
             if [ -z "$killed_learner" ] && [ "${version:-0}" -ge $KILL_LEARNER_AT ]; then
@@ -343,8 +352,12 @@ run() {
         echo "learner: killed at version ${killed_learner:-none}, resumed at step ${resumed:-none}"
         [ -n "$resumed" ] && [ "$resumed" -gt 0 ] && [ "$resumed" -le "${killed_learner:-0}" ] \
             || check "the restarted learner did not resume from a checkpoint taken before its crash"
+        grep -q "reached total_steps=$STEPS; run done" "$WORK/learner.log" \
+            || check "the learner did not reach total_steps=$STEPS"
+        versions "$1"
+    else
+        versions "$1" exact
     fi
-    versions "$1"
     ledger "$1"
 }
 
@@ -363,21 +376,23 @@ python3 "$ROOT/scripts/prometheus_checks.py" --url "http://127.0.0.1:$PROMETHEUS
 say "learner-cpu restarted after the run"
 $COMPOSE run --rm --no-deps -T -e DAPO_LEARNER__LINGER_S=0 learner-cpu \
     >"$WORK/learner-restart.log" 2>&1 || check "the restarted learner exited $?"
-grep -q "resumed step=$STEPS version=$STEPS " "$WORK/learner-restart.log" \
-    || check "the restarted learner did not resume at step $STEPS"
+grep -q "resumed step=$STEPS version=$FINAL " "$WORK/learner-restart.log" \
+    || check "the restarted learner did not resume at step $STEPS, version $FINAL"
 grep -q "reached total_steps=$STEPS; run done" "$WORK/learner-restart.log" \
     || check "the restarted learner did not see the run done"
 if grep -q ' step=[0-9]* loss=' "$WORK/learner-restart.log"; then
     check "the restarted learner trained"
 fi
+final=$FINAL
 versions "after the restart"
+[ "$FINAL" = "$final" ] || check "the restarted learner published a new version ($FINAL)"
 
 # A second run: `down -v` (docs/deploy.md: the volumes hold the finished run), then up.
 say "down -v, then a second run"
 $COMPOSE down -v --remove-orphans >"$WORK/down.log" 2>&1 || check "compose down -v"
 STACK_UP=
 run "second run" no
-say "first run and its checks $(( phase - run_first )) s; second run $(( $(date +%s) - phase )) s"
+say "first run $(( phase - run_first )) s, then checks and a second run $(( $(date +%s) - phase )) s"
 
 wall=$(( $(date +%s) - started ))
 [ $status = 0 ] || fail "checks above" "$WORK/learner.log"
