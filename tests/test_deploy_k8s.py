@@ -372,6 +372,10 @@ def test_learner_group_restarts_as_a_whole_and_resumes(rendered, tmp_path: Path)
     master = f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{subdomain}"
     assert f"--master-addr={master}" in container["args"]
     assert "--node-rank=$(NODE_RANK)" in container["args"]
+    # Restarts belong to the JobSet (all nodes); torchrun restarting one node's ranks
+    # would wait at the rendezvous for the others.
+    assert "--max-restarts=0" in container["args"]
+    assert "--shutdown-timeout=$(TORCH_ELASTIC_SHUTDOWN_TIMEOUT)" in container["args"]
     anti = job["template"]["spec"]["affinity"]["podAntiAffinity"]
     assert anti["requiredDuringSchedulingIgnoredDuringExecution"][0]["topologyKey"] == (
         "kubernetes.io/hostname"
