@@ -319,7 +319,9 @@ run() {
             version=$(redis_get dapo:tiny:version)
             if [ -z "$killed_learner" ] && [ "${version:-0}" -ge $KILL_LEARNER_AT ]; then
                 crash learner-cpu "$version"
-                killed_learner=$version
+                # The learner may have stepped (and checkpointed) between the poll and
+                # the kill: the version it died at is the one Redis holds now.
+                killed_learner=$(redis_get dapo:tiny:version)
             elif [ -n "$killed_learner" ] && [ -z "$killed_rollout" ] \
                 && [ "${version:-0}" -ge $KILL_ROLLOUT_AT ] && [ "$(restarts learner-cpu)" = 1 ]
             then
