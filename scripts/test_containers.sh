@@ -99,6 +99,7 @@ cleanup() {
     [ -z "$DATA_ROOT" ] || rm -rf "$DATA_ROOT"
 }
 trap cleanup EXIT
+trap "exit 143" INT TERM  # so the EXIT trap cleans up after a signal too
 
 start_dockerd() {
     if [ "$COLD" != 0 ]; then
