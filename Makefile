@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format proto bench test-vllm test-containers clean
+.PHONY: install demo test lint format proto bench test-vllm test-containers test-containers-cold clean
 
 install: $(STAMP)
 
@@ -89,13 +89,21 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	  $(VLLM_VENV)/bin/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # The CPU compose stack in real containers (Debian's docker.io + docker-compose 1.29, base
-# images from mmdebstrap): builds dapo-slim and dapo-cpu, runs the tiny preset to its last
-# step and checks the run, the ledger, Prometheus and the dashboard's queries, and a
-# learner restart. The end of `make test`; skips (one line why) only where no container
-# engine can be had: not root, no docker.io, no dockerd, no network from a container;
-# DAPO_SKIP_CONTAINERS=1 skips it by request.
+# images from mmdebstrap, stand-ins for redis/prometheus under names of their own): builds
+# dapo-slim and dapo-cpu, runs the tiny preset with the learner's and then a rollout
+# server's process SIGKILLed mid-run (restarted by `restart: on-failure`, the learner
+# resuming from its checkpoint), and checks the run, `dapo ledger` through a one-off
+# container, Prometheus and the dashboard's queries, a learner restarted after the run,
+# and a second run after `down -v`. The end of `make test`; skips (one line why) only where
+# no container engine can be had: not root, no docker.io, no dockerd, no network from a
+# container; DAPO_SKIP_CONTAINERS=1 skips it by request.
 test-containers:
 	./scripts/test_containers.sh
+
+# The same from a Docker daemon that has never run (an empty data root, no docker0 bridge,
+# no cached image): what CI meets on a new machine. Needs no other dockerd running.
+test-containers-cold:
+	DAPO_CT_COLD=1 ./scripts/test_containers.sh
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .ruff_cache

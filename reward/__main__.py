@@ -12,9 +12,12 @@ from services.common.entry import role_main
 
 def run(config: RewardSettings) -> None:
     from reward.server import create_server
-    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
+    from services.common.service import (
+        idle_when_done,
+        serve,
+    )  # HTTP and gRPC stacks: not for --help
 
-    serve("reward", create_server(config))
+    serve("reward", create_server(config), idle_when_done(config, config.reward.server))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

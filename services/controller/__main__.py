@@ -10,10 +10,13 @@ from services.controller.config import ControllerSettings
 
 
 def run(config: ControllerSettings) -> None:
-    from services.common.service import serve  # HTTP and gRPC stacks: not for --help
+    from services.common.service import (
+        idle_when_done,
+        serve,
+    )  # HTTP and gRPC stacks: not for --help
     from services.controller.server import create_server
 
-    serve("controller", create_server(config))
+    serve("controller", create_server(config), idle_when_done(config, config.controller.server))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
