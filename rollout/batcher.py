@@ -25,6 +25,10 @@ from rollout.engine import RolloutEngine, SamplingParams, StreamedSample
 _DONE = object()
 
 
+class BatcherClosed(RuntimeError):
+    """The server is stopping: this request never reached the engine (retry elsewhere)."""
+
+
 @dataclass
 class _Request:
     prompt: list[int]
@@ -47,14 +51,19 @@ class Batcher:
         self._running_lock = threading.Lock()
         self._queue: queue.Queue[_Request | None] = queue.Queue()
         self._held: _Request | None = None
-        self._closed = False
+        self._closed = False  # the close sentinel was read
+        self._closing = False  # close() was called: no new engine call starts
+        self._closing_lock = threading.Lock()  # no request slips in while close drains
         self._thread = threading.Thread(target=self._loop, daemon=True, name="batcher")
         self._thread.start()
 
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StreamedSample]:
         """Queue one prompt; yields its samples as they finish (raises engine errors)."""
         request = _Request(list(prompt), params)
-        self._queue.put(request)
+        with self._closing_lock:
+            if self._closing:
+                raise BatcherClosed("the rollout server is stopping")
+            self._queue.put(request)
         try:
             while (item := request.out.get()) is not _DONE:
                 if isinstance(item, BaseException):
@@ -68,8 +77,25 @@ class Batcher:
         return self._queue.qsize() + (self._held is not None)
 
     def close(self) -> None:
+        """Stop taking calls; every request not yet in an engine call fails with
+        BatcherClosed. (Left waiting, their gRPC handler threads kept a stopped server's
+        process from exiting: the interpreter joins them at exit.)"""
+        with self._closing_lock:
+            self._closing = True
         self._queue.put(None)
         self._thread.join(timeout=5)
+        waiting = [self._held] if self._held is not None else []
+        self._held = None
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                waiting.append(item)
+        for request in waiting:
+            request.out.put(BatcherClosed("the rollout server stopped before this call ran"))
+            request.out.put(_DONE)
 
     def _next(self, timeout: float | None) -> _Request | None:
         """The next live request (None on close); raises queue.Empty after `timeout`."""
@@ -108,6 +134,8 @@ class Batcher:
         """Wait for a free call first: until then requests stay queued (`pending`)."""
         while True:
             self._calls.acquire()
+            if self._closing:
+                return
             batch = self._next_batch()
             if batch is None:
                 return

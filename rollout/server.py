@@ -28,7 +28,7 @@ import redis
 
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout import adapter
-from rollout.batcher import Batcher
+from rollout.batcher import Batcher, BatcherClosed
 from rollout.config import RolloutSettings, TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import Limits
@@ -190,6 +190,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 yield sample.sample_index, adapter.completion(out, text)
         except ValueError as exc:  # the engine refused this prompt or these params
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BatcherClosed as exc:  # stopping: the controller re-routes the group
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
             log.exception("generation failed")
             self.errors.record(f"failed {type(exc).__name__}", str(exc))

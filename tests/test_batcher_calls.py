@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout.batcher import Batcher
+from rollout.batcher import Batcher, BatcherClosed
 from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
 
@@ -114,3 +114,35 @@ def test_groups_merge_only_for_an_engine_that_takes_one_call(max_calls: int) -> 
 def test_an_engine_declaring_no_call_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one call"):
         Batcher(CountingEngine(0, 0.0), max_sequences=8)
+
+
+def test_close_fails_the_requests_that_never_reached_the_engine() -> None:
+    """A stopping server's queued calls end at once (UNAVAILABLE upstream): left waiting,
+    their gRPC threads kept the process from exiting."""
+    engine = HeldEngine(max_calls=1)
+    batcher = Batcher(engine, max_sequences=64)
+    outcomes: list[str] = []
+
+    def call(seed: int) -> None:  # seeded: never merged, so one runs and two wait
+        try:
+            list(batcher.submit([1, 2], SamplingParams(n=1, max_tokens=1, seed=seed)))
+            outcomes.append("done")
+        except BatcherClosed:
+            outcomes.append("closed")
+
+    threads = [threading.Thread(target=call, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while (engine.running, batcher.pending()) != (1, 2) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (engine.running, batcher.pending()) == (1, 2)
+    closer = threading.Thread(target=batcher.close)
+    closer.start()
+    engine.release.set()  # the call inside the engine still finishes
+    for t in threads:
+        t.join(timeout=10)
+    closer.join(timeout=10)
+    assert sorted(outcomes) == ["closed", "closed", "done"]
+    with pytest.raises(BatcherClosed):
+        list(batcher.submit([1], SamplingParams(n=1, max_tokens=1)))
