@@ -120,12 +120,21 @@ def empty_queries(
     return [(t, q) for t, q in queries if not query_range(url, q, start, end, step_s)]
 
 
+# Panels no CPU stack can fill, with why (the container test runs the torch engine).
+NOT_ON_CPU = {
+    "KV-cache use per rollout server": "vLLM only: the torch engine has no KV-cache pool",
+}
+
+
 def check(url: str, config: str, since: float, step_s: float) -> list[str]:
     """Every problem found over [since, now]: jobs of CONFIG (the text of the Prometheus
     config at URL) never up, panel queries with no data."""
     jobs, end = scrape_jobs(config), time.time()
     rate = rate_interval(scrape_interval_s(config), step_s)
     queries = dashboard_queries(rate, f"{step_s:g}s")
+    for title, why in NOT_ON_CPU.items():
+        print(f"panel {title!r} not checked: {why}")
+    queries = [(t, q) for t, q in queries if t not in NOT_ON_CPU]
     print(f"{len(jobs)} scrape jobs, {len(queries)} panel queries, {end - since:.0f} s window")
     problems = [f"job {job} never up" for job in jobs_never_up(url, jobs, since, end, step_s)]
     empty = empty_queries(url, queries, since, end, step_s)

@@ -27,6 +27,7 @@ from dapo.v1 import reward_pb2_grpc, rollout_pb2_grpc
 from services.common.adapters import encode_group
 from services.common.atomic import admit_inflight, publish_inflight, reject_inflight
 from services.common.data import PromptRecord
+from services.common.data_screen import EMPTY, TOO_LONG
 from services.common.error_log import ErrorLog
 from services.common.errors import DapoError
 from services.common.grpc_server import channel
@@ -48,7 +49,13 @@ from services.controller.admission import (
 from services.controller.config import ControllerSettings
 from services.controller.dataset import Cursor, iterate, load_training_data
 from services.controller.evaluation import start_evaluation
-from services.controller.failures import GroupRejected, Rejection, RejectionStreak, classify
+from services.controller.failures import (
+    REFUSALS,
+    GroupRejected,
+    Rejection,
+    RejectionStreak,
+    classify,
+)
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
 
@@ -67,6 +74,8 @@ REJECTED = Counter(
 PROMPTS_FILTERED = Gauge(
     "dapo_controller_prompts_filtered_at_load", "Dataset rows skipped at load", ["reason"]
 )
+for _reason in (*REFUSALS.values(), "unknown_prompt"):  # at 0 from the start: a panel
+    REJECTED.labels(_reason)  # shows 0 rejections, not "No data"
 
 
 class Controller:
@@ -364,8 +373,8 @@ class Controller:
     def publish_dataset(self) -> None:
         """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
         log.info("%s", self.data.describe())
-        for reason, n in self.data.filtered.items():
-            PROMPTS_FILTERED.labels(reason).set(n)
+        for reason in {EMPTY, TOO_LONG, *self.data.filtered}:  # 0s too: not "No data"
+            PROMPTS_FILTERED.labels(reason).set(self.data.filtered.get(reason, 0))
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.dataset)
         pipe.hset(self.keys.dataset, mapping=self.data.counts())
