@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,7 +173,8 @@ def test_the_documented_overlay_fits_the_paper_example(tmp_path: Path) -> None:
     doc = (ROOT / "docs" / "deploy.md").read_text()
     section = doc.split("### Tensor parallelism")[1]
     patches = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
-    overlay = {"resources": [str(ROOT / "deploy" / "k8s" / "base")], **patches}
+    base = os.path.relpath(ROOT / "deploy" / "k8s" / "base", tmp_path)  # kubectl: no absolute
+    overlay = {"resources": [base], **patches}
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
     gpus, _ = rollout_pod(kustomize(tmp_path))
     example = load_config(ROOT / "examples" / "dapo-qwen2.5-32b.yaml", env={})

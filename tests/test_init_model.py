@@ -163,11 +163,12 @@ def test_init_leaves_global_rng_alone(tmp_path: Path) -> None:
 
 def test_unknown_preset_fails_clearly(tmp_path: Path) -> None:
     with pytest.raises(
-        ValueError, match=r"unknown model preset 'huge'; valid presets: tiny, tiny_long, small"
+        ValueError,
+        match=r"unknown model preset 'huge'; valid presets: tiny, tiny_long, small, tiny_vllm",
     ):
         init_model(tmp_path / "out", "huge")
     assert not (tmp_path / "out").exists()
-    assert set(PRESETS) == {"tiny", "tiny_long", "small"}
+    assert set(PRESETS) == {"tiny", "tiny_long", "tiny_vllm", "small"}
 
 
 def test_tiny_long_names_no_eos(tmp_path: Path) -> None:
