@@ -71,6 +71,7 @@ def vllm_run(model: Path, run: str, redis_url: str, *overrides: str):
     return load_config(preset="tiny_vllm", overrides=[
         f"shared.model_path={model}", f"shared.run_name={run}", f"shared.redis_url={redis_url}",
         "controller.eval.enabled=false", "learner.linger_s=0", "buffer.stream_retain=1000000",
+        "learner.generation_budget=null",  # full batches: the ledger checks count them
         f"rollout.server.python={VLLM_PYTHON}", "rollout.engine.max_model_len=160",
         *(f"{role}.server.python={PYTHON}" for role in OTHER_ROLES), *overrides,
     ])  # fmt: skip
