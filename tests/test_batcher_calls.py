@@ -14,19 +14,26 @@ from rollout.engine import SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
 
 
-class HeldEngine(EngineBase):
-    """Each call waits for `release`; `running` / `most` count calls inside at once."""
+class DeclaredEngine(EngineBase):
+    """A test engine that declares `max_calls` concurrent calls."""
 
     def __init__(self, max_calls: int) -> None:
         super().__init__(vocab_size=16)
         self.max_calls = max_calls
-        self.release = threading.Event()
-        self.running = self.most = 0
-        self._lock = threading.Lock()
 
     @property
     def max_concurrent_calls(self) -> int:
         return self.max_calls
+
+
+class HeldEngine(DeclaredEngine):
+    """Each call waits for `release`; `running` / `most` count calls inside at once."""
+
+    def __init__(self, max_calls: int) -> None:
+        super().__init__(max_calls)
+        self.release = threading.Event()
+        self.running = self.most = 0
+        self._lock = threading.Lock()
 
     def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
@@ -68,17 +75,13 @@ def test_engine_calls_run_side_by_side_up_to_the_engine_limit(max_calls: int) ->
     batcher.close()
 
 
-class CountingEngine(EngineBase):
+class CountingEngine(DeclaredEngine):
     """Records the prompts of each engine call; calls take `hold_s`."""
 
     def __init__(self, max_calls: int, hold_s: float) -> None:
-        super().__init__(vocab_size=16)
-        self.max_calls, self.hold_s = max_calls, hold_s
+        super().__init__(max_calls)
+        self.hold_s = hold_s
         self.calls: list[list[list[int]]] = []
-
-    @property
-    def max_concurrent_calls(self) -> int:
-        return self.max_calls
 
     def _samples(
         self, prompts: list[list[int]], params: SamplingParams, seed: int
