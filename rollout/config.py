@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings
@@ -52,12 +52,26 @@ class VllmEngineConfig(StrictModel):
     max_num_seqs: int | None = Field(
         None, ge=1, description="Most sequences vLLM decodes together; None = vLLM's default."
     )
+    cpu_cores: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM on CPU only: the cores its worker binds to, as "
+        "VLLM_CPU_OMP_THREADS_BIND takes them ('0-3', '0,2', 'nobind'); None = vLLM's 'auto', "
+        "the same first cores for every server on a host. `dapo up --rollouts N` gives each "
+        "vLLM server its own share of the machine's cores.",
+    )
     weight_bucket_bytes: int = Field(
         128 * 1024 * 1024,
         ge=1,
         description="Most weight bytes per RPC into vLLM's workers during a swap: the extra "
         "memory a swap holds on each side at once.",
     )
+
+    @field_validator("cpu_cores", mode="before")
+    @classmethod
+    def _one_core(cls, value: object) -> object:
+        """`--set rollout.engine.cpu_cores=3` arrives as the number 3: a list of one core."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 EngineConfig = Annotated[TorchEngineConfig | VllmEngineConfig, Field(discriminator="kind")]

@@ -221,6 +221,8 @@ class VllmEngine(EngineBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
+        if cfg.cpu_cores is not None:  # read by the engine core's worker when it starts
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=str(self.dtype).removeprefix("torch."),

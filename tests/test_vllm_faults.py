@@ -10,6 +10,8 @@ nothing may be lost or trained twice, and the ledger must balance exactly.
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -37,6 +39,24 @@ from services.tools.config import load_config
 from services.tools.launcher import Launch, launch
 
 OTHER_ROLES = ("reward", "learner", "buffer", "controller")
+VLLM_DRAIN_S = 60.0
+BOUND = re.compile(r"local_rank=0, core ids=\[([\d, ]*)\]")  # vLLM's CPU binding, logged
+
+
+def bound_cores(run_dir: Path) -> list[set[int]]:
+    """The cores each vLLM server's worker bound to, as its log says (first start)."""
+    logs = sorted((run_dir / "logs").glob("rollout-*.log"))
+    found = [BOUND.search(log.read_text()) for log in logs]
+    assert all(found), "every vLLM server logs its CPU binding"
+    return [{int(c) for c in m.group(1).split(",")} for m in found if m]
+
+
+def assert_own_cores(run_dir: Path) -> None:
+    """Two vLLM servers on one machine do not share a core (vLLM's 'auto' made both
+    bind core 0; the launcher now hands each a share, see test_rollout_cores.py)."""
+    first, second = bound_cores(run_dir)
+    if len(os.sched_getaffinity(0)) > 1:  # one core: they can only share it
+        assert first and second and not first & second, (first, second)
 
 
 class KillVllmServer(KillMidResponse):
@@ -99,6 +119,7 @@ def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
     assert code == 0 and hook.exit_code == -signal.SIGKILL
     assert not hook.problems_at_kill, hook.problems_at_kill
     assert "AsyncLLM" in (run_dir / "logs" / "rollout-1.log").read_text()  # vLLM served
+    assert_own_cores(run_dir)
 
     scored = [decode_group(f[b"group"]) for _, f in redis_client.xrange(KEYS.scored)]
     spanning = [s for g in scored for s in g.samples if len(set(s.versions())) > 1]
@@ -133,21 +154,24 @@ def test_a_vllm_rollout_server_drains_on_sigterm_and_the_run_finishes(
     (tmp_path / "tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))  # vLLM's sockets: not the suite's
     run_dir = tmp_path / "run"
+    # 8 calls per server, 60 s to finish them: the drain, not the machine, is under test
+    # (CI, with both servers bound to core 0 and 32 calls each: 30 of 32 cut off in 20 s)
     config = vllm_run(vllm_tiny_model, drain.RUN, redis_server.url,
-                      f"rollout.drain_timeout_s={drain.DRAIN_S}",
-                      "shared.max_response_length=96")  # fmt: skip
+                      f"rollout.drain_timeout_s={VLLM_DRAIN_S}", "shared.max_response_length=96",
+                      "controller.max_groups_in_flight=16")  # fmt: skip
     hook = drain.Drain(redis_client)
     code = launch(config, run_dir=str(run_dir), steps=drain.STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.termed_at is not None
     for child in hook.victims:  # the run may end first: then wait for it here
         if child.name not in hook.exits:
-            code_ = child.proc.wait(timeout=drain.DRAIN_S + 30)
+            code_ = child.proc.wait(timeout=VLLM_DRAIN_S + 30)
             hook.exits[child.name] = (code_, time.monotonic() - hook.termed_at)
     assert {c for c, _ in hook.exits.values()} == {0}, hook.exits
     # vLLM's shutdown takes seconds beyond the drain itself
-    assert max(s for _, s in hook.exits.values()) < drain.DRAIN_S + 20, hook.exits
+    assert max(s for _, s in hook.exits.values()) < VLLM_DRAIN_S + 20, hook.exits
     assert not [s for s in hook.accepting_seen if s > 1.0], hook.accepting_seen
 
+    assert_own_cores(run_dir)
     found = drain.DRAINED.search((run_dir / "logs" / "rollout-0.log").read_text())
     assert found, "the victim logs its drain"
     held, cut = int(found.group(2)), int(found.group(3))

@@ -59,6 +59,7 @@ class Child:
     log_file: IO[bytes]
     name: str = ""
     restarts: int = 0
+    extra: tuple[str, ...] = ()  # its own command-line settings, kept across restarts
 
     @property
     def pid(self) -> int:
@@ -104,17 +105,19 @@ class Launch:
         )  # fmt: skip
         return proc, log_file
 
-    def start_child(self, role: str, name: str | None = None) -> None:
-        proc, log_file = self.spawn(role, name or role)
-        self.children.append(Child(role, proc, log_file, name or role))
+    def start_child(self, role: str, name: str | None = None, extra: tuple[str, ...] = ()) -> None:
+        proc, log_file = self.spawn(role, name or role, extra)
+        self.children.append(Child(role, proc, log_file, name or role, extra=extra))
 
     def start_all(self, rollouts: int) -> None:
         """Every service once, and `rollouts` rollout servers."""
+        cores = rollout_cores(self.config, rollouts)
         for role in ROLES:
             if role != "rollout":
                 self.start_child(role)
             for i in range(rollouts if role == "rollout" else 0):
-                self.start_child(role, "rollout" if rollouts == 1 else f"rollout-{i}")
+                extra = ("--set", f"rollout.engine.cpu_cores={cores[i]}") if cores else ()
+                self.start_child(role, "rollout" if rollouts == 1 else f"rollout-{i}", extra)
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
@@ -126,8 +129,8 @@ class Launch:
         directory reused with a fresh Redis must not inherit an old model).
         """
         child.log_file.close()
-        extra = ("--set", "learner.resume=true") if child.role == "learner" else ()
-        child.proc, child.log_file = self.spawn(child.role, child.name, extra)
+        resume = ("--set", "learner.resume=true") if child.role == "learner" else ()
+        child.proc, child.log_file = self.spawn(child.role, child.name, child.extra + resume)
         child.restarts += 1
 
     def redis_died(self) -> bool:
@@ -165,6 +168,26 @@ class Launch:
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
+
+
+def rollout_cores(config: DapoConfig, rollouts: int) -> list[str]:
+    """Each vLLM rollout server's own cores (`rollout.engine.cpu_cores`), when several
+    share this machine and none are configured: vLLM's 'auto' binds every one of them to
+    the same first cores (two servers on one core, the others idle). Ignored by vLLM on
+    GPU; empty for the torch engine, for one server, or when cores are configured."""
+    engine = config.rollout.engine
+    if engine.kind != "vllm" or engine.cpu_cores is not None or rollouts < 2:
+        return []
+    return core_shares(sorted(os.sched_getaffinity(0)), rollouts)
+
+
+def core_shares(cores: list[int], parts: int) -> list[str]:
+    """`cores` cut into `parts` contiguous shares (one core each, reused in turn, when
+    there are fewer cores than parts), as comma lists."""
+    if parts > len(cores):
+        return [str(cores[i % len(cores)]) for i in range(parts)]
+    bounds = [len(cores) * i // parts for i in range(parts + 1)]
+    return [",".join(map(str, cores[a:b])) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def role_python(config: DapoConfig, role: str) -> str:
