@@ -106,6 +106,8 @@ class DeepSpeedPolicy:
 
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
+        # ZeRO-3 gathers each weight in a collective that must run on the training thread
+        self.weight_copy_overlaps = cfg.zero_stage != 3
         self.world_size = torch.distributed.get_world_size()
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
