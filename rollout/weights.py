@@ -211,7 +211,7 @@ def fetch_update(
     """(transport, (version, tensors)) of the learner's latest weights: over its weight
     socket when it offers one, else (or when the socket cannot be reached) over the
     FetchWeights stream."""
-    return pull(learner_sources(stub, address, config), assemble_update)
+    return pull(learner_sources(stub, address, config), WholeUpdate())
 
 
 def socket_buckets(
@@ -243,22 +243,32 @@ def socket_buckets(
     return PlacedBuckets(sock, config.shared.rpc.max_message_bytes)  # in place, no copy
 
 
-Received = TypeVar("Received")
+Received = TypeVar("Received", covariant=True)
 
 
-def pull(
-    sources: Iterable[WeightSource], receive: Callable[[AssembledBuckets], Received]
-) -> tuple[str, Received]:
-    """(source name, what `receive` made of its buckets) from the first source that offers
-    an update (`receive`: `WeightUpdater.apply` loads it, `assemble_update` returns it). A
-    later source is asked only if the earlier ones offered nothing, or a fallible one (a
-    relay whose server died, stalled or moved on) broke off."""
+class Receiver(Protocol[Received]):
+    """What takes an offered update: `WeightUpdater` loads it, `WholeUpdate` returns it."""
+
+    def apply(self, buckets: AssembledBuckets) -> Received: ...
+
+
+class WholeUpdate:
+    """A receiver that returns the update as it is: (version, tensors)."""
+
+    def apply(self, buckets: AssembledBuckets) -> tuple[int, list[RawTensor]]:
+        return assemble_update(buckets)
+
+
+def pull(sources: Iterable[WeightSource], receiver: Receiver[Received]) -> tuple[str, Received]:
+    """(source name, what `receiver` made of its buckets) from the first source that offers
+    an update. A later source is asked only if the earlier ones offered nothing, or a
+    fallible one (a relay whose server died, stalled or moved on) broke off."""
     for source in sources:
         buckets = source.fetch()
         if buckets is None:
             continue
         try:
-            return source.name, receive(buckets)
+            return source.name, receiver.apply(buckets)
         except (WeightSocketError, TensorWireError) as exc:
             if not source.fallible:
                 raise
@@ -336,7 +346,7 @@ class WeightSync:
         if offered <= self.served:
             return False  # the learner's snapshot is not there yet
         sources = self._relay_sources() + self.sources(stub, address)
-        transport, version = pull(sources, self.updater.apply)
+        transport, version = pull(sources, self.updater)
         log.info("loaded weights version=%d (published %d) over the %s", version, target, transport)
         if version >= target:
             self.caught_up.set()

@@ -17,8 +17,8 @@ import torch
 from rollout.engine import SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
 from rollout.metrics import RolloutMetrics
-from rollout.weights import StaleUpdate, WeightSource, WeightUpdater, pull
-from services.common.assembly import Assembled, AssembledBuckets, Assembling, assemble_update
+from rollout.weights import StaleUpdate, WeightSource, WeightUpdater, WholeUpdate, pull
+from services.common.assembly import Assembled, AssembledBuckets, Assembling
 from services.common.frame_reader import PlacedBuckets
 from services.common.tensor_codec import encode_bucket_bytes, encode_buckets
 from services.common.torch_codec import from_torch
@@ -86,16 +86,16 @@ EXPECTED = (VERSION, {t.name: bytes(t.data) for t in _raw()})
 def test_the_first_source_that_offers_is_received_and_later_ones_never_asked() -> None:
     absent, stream, later = Source("socket"), Source("stream", whole), Source("x", whole)
     sources: list[WeightSource] = [absent, stream, later]
-    name, update = pull(sources, assemble_update)
+    name, update = pull(sources, WholeUpdate())
     assert (name, _tensors(update)) == ("stream", EXPECTED)
     assert (absent.asked, stream.asked, later.asked) == (1, 1, 0)
     with pytest.raises(LookupError, match="no weight source"):
-        pull([absent], assemble_update)
+        pull([absent], WholeUpdate())
 
 
 def test_a_fallible_source_that_breaks_off_hands_over_to_the_next() -> None:
     relay, learner = Source("relay", Breaking, fallible=True), Source("stream", whole)
-    name, update = pull([relay, learner], assemble_update)
+    name, update = pull([relay, learner], WholeUpdate())
     assert (name, _tensors(update)) == ("stream", EXPECTED)
     assert (relay.asked, learner.asked) == (1, 1)
 
@@ -103,7 +103,7 @@ def test_a_fallible_source_that_breaks_off_hands_over_to_the_next() -> None:
 def test_another_sources_break_is_the_pulls_error() -> None:
     socket_source, learner = Source("socket", Breaking), Source("stream", whole)
     with pytest.raises(WeightSocketError, match="parent went away"):
-        pull([socket_source, learner], assemble_update)
+        pull([socket_source, learner], WholeUpdate())
     assert learner.asked == 0
 
 
@@ -125,7 +125,7 @@ class VersionOnly(EngineBase):
 def test_the_updater_abandons_what_breaks_off_and_loads_from_the_next_source() -> None:
     engine = VersionOnly(vocab_size=10)
     relay, learner = Source("relay", Breaking, fallible=True), Source("stream", whole)
-    assert pull([relay, learner], WeightUpdater(engine, RolloutMetrics()).apply) == (
+    assert pull([relay, learner], WeightUpdater(engine, RolloutMetrics())) == (
         "stream",
         VERSION,
     )
