@@ -106,6 +106,8 @@ class DeepSpeedPolicy:
 
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
+        # ZeRO-3 gathers each weight in a collective that must run on the training thread
+        self.weight_copy_overlaps = cfg.zero_stage != 3
         self.world_size = torch.distributed.get_world_size()
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
@@ -189,7 +191,7 @@ class DeepSpeedPolicy:
         import deepspeed
 
         for group in gather_groups(unique_weights(self.module), self.cfg.gather_bucket_bytes):
-            sharded = [t for _, t in group if hasattr(t, "ds_id")]
+            sharded = [t for _, t in group if hasattr(t, "ds_id")]  # probe-ok: ZeRO-3 params
             gathering = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
             with gathering if sharded else contextlib.nullcontext():
                 copies = [(n, _owned(t)) for n, t in group]
@@ -233,12 +235,14 @@ class DeepSpeedPolicy:
 def _owned(tensor: Tensor) -> Tensor:
     """A gathered ZeRO-3 weight copied to host memory (its gathered storage goes with the
     bucket); any other weight as it is."""
-    return tensor.detach().to("cpu", copy=True) if hasattr(tensor, "ds_id") else tensor.detach()
+    gathered = hasattr(tensor, "ds_id")  # probe-ok: DeepSpeed marks ZeRO-3 params (third party)
+    return tensor.detach().to("cpu", copy=True) if gathered else tensor.detach()
 
 
 def full_bytes(tensor: Tensor) -> int:
     """A parameter's gathered size (`ds_numel` under ZeRO-3, its own size otherwise)."""
-    return int(getattr(tensor, "ds_numel", tensor.numel())) * tensor.element_size()
+    numel = getattr(tensor, "ds_numel", tensor.numel())  # probe-ok: a DeepSpeed ZeRO-3 param
+    return int(numel) * tensor.element_size()
 
 
 def gather_groups(

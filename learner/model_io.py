@@ -29,7 +29,7 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     ZeRO-3's parameter hooks. (transformers 5 renamed `gradient_checkpointing_enable`.)
     """
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
+    if hasattr(model, "activation_checkpointing_enable"):  # probe-ok: transformers 5 vs 4
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

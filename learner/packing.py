@@ -50,11 +50,11 @@ def collate_packed(
     starts = [0, *accumulate(s.length for s in seqs)][:-1]
 
     def row(name: str) -> torch.Tensor | None:
-        values = [getattr(p, name) for p in parts]
+        values = [getattr(p, name) for p in parts]  # probe-ok: a LossInputs field by name
         return None if any(v is None for v in values) else torch.cat(values, dim=1)
 
     def joined(name: str) -> torch.Tensor:
-        return torch.cat([getattr(p, name) for p in parts])
+        return torch.cat([getattr(p, name) for p in parts])  # probe-ok: a field by name
 
     return LossInputs(
         input_ids=torch.cat([p.input_ids for p in parts], dim=1),

@@ -39,6 +39,11 @@ class CausalLM(Protocol):
 class Policy(CausalLM, Protocol):
     """What the DAPO step needs from a training engine."""
 
+    # Whether `named_weights` may be read on another thread while the next step trains
+    # (publishing copies a version in the background): not where gathering the weights
+    # is a collective on the training thread (ZeRO-3).
+    weight_copy_overlaps: bool
+
     @property
     def module(self) -> PreTrainedModel:
         """The transformers model being trained, in train mode (checkpointing acts only

@@ -143,12 +143,6 @@ class Learner:
         self.weights.publish(self.version, *self._weights())
         VERSION.set(self.version)
 
-    def _copy_overlaps(self) -> bool:
-        """Whether a version's copy may run in the background (until the next step):
-        not under ZeRO-3, whose gathers are collectives on the training thread."""
-        learner = self.config.learner
-        return not (learner.engine == "deepspeed" and learner.zero_stage == 3)
-
     def _weights(self) -> tuple[Iterator[RawTensor], int]:
         """The policy's weights as `publish` streams them (gathered bucket by bucket)."""
         return stream_views(self.policy.named_weights()), self.policy.weight_count()
@@ -279,7 +273,8 @@ class Learner:
         """
         new_version = self.version + 1
         if self.config.learner.publish_in_background:
-            self.publisher.submit(new_version, *self._weights(), overlap=self._copy_overlaps())
+            overlap = self.policy.weight_copy_overlaps  # the copy runs until the next step
+            self.publisher.submit(new_version, *self._weights(), overlap=overlap)
         else:
             self.weights.publish(new_version, *self._weights())
         step = self.step + 1

@@ -39,6 +39,8 @@ def launched_world_size() -> int:
 class TorchPolicy(LocalCausalLM):
     """Single-process torch training (CPU or one GPU)."""
 
+    weight_copy_overlaps = True  # the weights are whole in this process: any thread reads
+
     def __init__(self, model: PreTrainedModel, cfg: LearnerConfig, device: str = "cpu"):
         if (world := launched_world_size()) > 1:
             raise DapoError(

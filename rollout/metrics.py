@@ -71,10 +71,6 @@ class RolloutMetrics:
         self.rate = RateMeter()
         self.tokens_per_s.set_function(self.rate.rate)
 
-    def watch(self, name: str, read: Callable[[], float]) -> None:
-        """Let the gauge `name` (queue, running, version, in_flight) read live state."""
-        getattr(self, name).set_function(read)
-
     def cache_usage(self, read: Callable[[], float]) -> None:
         """Export KV-cache use (0..1) for engines that know it (the torch engine does not)."""
         Gauge(

@@ -32,7 +32,7 @@ from typing import Any
 
 from rollout.config import RolloutSettings
 from services.common import weight_socket
-from services.common.assembly import Assembled, Assembling, WeightAssembler
+from services.common.assembly import Assembled, AssembledBuckets, Assembling, WeightAssembler
 from services.common.frame_reader import PlacedBuckets
 from services.common.security import TlsConfig
 from services.common.tensor_codec import parse_bucket, wire_bucket_parts
@@ -88,12 +88,12 @@ class Reception:
         """Receive frames read elsewhere (the FetchWeights stream's messages)."""
         return self._spawn(Assembling(map(parse_bucket, frames), self.assembler))
 
-    def _spawn(self, items: Iterable[Assembled]) -> Reception:
-        threading.Thread(target=self._run, args=(iter(items),), daemon=True,
-                         name="relay-recv").start()  # fmt: skip
+    def _spawn(self, items: AssembledBuckets) -> Reception:
+        thread = threading.Thread(target=self._run, args=(items,), daemon=True, name="relay-recv")
+        thread.start()
         return self
 
-    def _run(self, items: Iterator[Assembled]) -> None:
+    def _run(self, items: AssembledBuckets) -> None:
         try:
             for item in items:
                 with self._cond:
@@ -107,7 +107,7 @@ class Reception:
         except Exception as exc:  # the transfer's error is every reader's error
             self.fail(exc)
         finally:
-            getattr(items, "close", lambda: None)()  # the socket goes with it
+            items.close()  # the socket goes with it, also when the updater gave up
             with self._cond:
                 self.done = True
                 self._cond.notify_all()
@@ -168,23 +168,23 @@ def _keep_for_children(
     return keep
 
 
-class RelayedBuckets:
+class RelayedBuckets(AssembledBuckets):
     """A reception's buckets, as a weight source returns them: `Assembled` items from the
-    reception's `assembler`; `WeightUpdater` calls `abandon` when it stops early."""
+    reception's `assembler`. Abandoning them ends the reception for its relay children
+    too (the reception's thread closes the socket)."""
 
     def __init__(self, reception: Reception) -> None:
         self.reception = reception
         self.assembler = reception.assembler
-        self._buckets = reception.buckets()
 
-    def __iter__(self) -> RelayedBuckets:
-        return self
-
-    def __next__(self) -> Assembled:
-        return next(self._buckets)
+    def __iter__(self) -> Iterator[Assembled]:
+        return self.reception.buckets()
 
     def abandon(self, error: BaseException) -> None:
         self.reception.fail(error)
+
+    def close(self) -> None:
+        """Nothing to release here: the reception's thread closes its socket."""
 
 
 class RelayHub:
@@ -325,9 +325,9 @@ class RelaySource:
     hub: RelayHub
     config: RolloutSettings
     name: str = "relay"
-    fallible: bool = True
+    fallible: bool = True  # a parent may die or stall: then the learner's sources follow
 
-    def fetch(self) -> Iterable[Any] | None:
+    def fetch(self) -> RelayedBuckets | None:
         host = self.parent["address"].rsplit(":", 1)[0].strip("[]")
         security = self.config.security
         try:

@@ -71,10 +71,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._watch_metrics()
 
     def _watch_metrics(self) -> None:
-        self.metrics.watch("in_flight", lambda: self.in_flight)
-        self.metrics.watch("queue", self.batcher.pending)
-        self.metrics.watch("running", lambda: self.batcher.running)
-        self.metrics.watch("version", lambda: self.engine.version)
+        """The gauges that read live state when scraped."""
+        self.metrics.in_flight.set_function(lambda: self.in_flight)
+        self.metrics.queue.set_function(self.batcher.pending)
+        self.metrics.running.set_function(lambda: self.batcher.running)
+        self.metrics.version.set_function(lambda: self.engine.version)
         if self.engine.kv_cache_usage() is not None:  # None: no KV-cache pool (torch)
             self.metrics.cache_usage(lambda: self.engine.kv_cache_usage() or 0.0)
 

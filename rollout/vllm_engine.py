@@ -110,7 +110,7 @@ class VllmEngine(EngineBase):
             name: (shape, self.dtype)
             for name, shape in expected_weights(model_path, self.dtype).items()
         }
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))  # probe-ok: an HF config
         self._optional = frozenset({"lm_head.weight"} if tied else ())
         self._swap_lock = threading.Lock()
         self._admission = Admission()
@@ -151,7 +151,8 @@ class VllmEngine(EngineBase):
         """'auto' means the checkpoint's own dtype, so incoming weights can be checked."""
         if self.config.dtype != "auto":
             return DTYPES[self.config.dtype]
-        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = getattr(hf_config, "dtype", None)  # probe-ok: an HF config (transformers 5)
+        dtype = dtype or getattr(hf_config, "torch_dtype", None)  # probe-ok: its 4.x name
         if isinstance(dtype, str):
             return DTYPES.get(dtype, torch.float32)
         return dtype if isinstance(dtype, torch.dtype) else torch.float32

@@ -14,6 +14,8 @@ import torch
 
 from rollout.vllm_weights import decode_bucket
 
+PATCHED = "_dapo_full_vocab_logprobs"  # set on vLLM's sampler once its forward is wrapped
+
 
 def exit_when_gone(pid: int, poll_s: float = 1.0) -> None:
     """A daemon thread that, once `pid` has exited (a zombie counts; a reused pid is told
@@ -62,7 +64,7 @@ class DapoWorkerExtension:
     def dapo_use_full_vocab_logprobs(self) -> None:
         """Return log_softmax of the temperature-scaled logits, before top-k/top-p."""
         sampler = self.model_runner.sampler.topk_topp_sampler
-        if getattr(sampler, "_dapo_full_vocab_logprobs", False):
+        if getattr(sampler, PATCHED, False):  # probe-ok: vLLM's sampler, marked when patched
             return
         truncate_and_sample = sampler.forward
 
@@ -73,7 +75,7 @@ class DapoWorkerExtension:
 
         sampler.logprobs_mode = "raw_logprobs"  # the wrapped sampler need not compute its own
         sampler.forward = forward
-        sampler._dapo_full_vocab_logprobs = True
+        setattr(sampler, PATCHED, True)
 
     def dapo_begin_update(self) -> None:
         """Start a layer-wise reload: each layer is re-processed once all its weights came."""
@@ -108,9 +110,11 @@ def _reprocess_tied_head(model: torch.nn.Module) -> None:
     kernel state; on CPU that is a pre-packed copy of the old embedding, so the logits
     would come from the old weights.
     """
-    head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or getattr(head, "weight", None) is None:
+    head = getattr(model, "lm_head", None)  # probe-ok: vLLM's model (third party)
+    inner = getattr(model, "model", None)  # probe-ok: vLLM's model (third party)
+    embed = getattr(inner, "embed_tokens", None)  # probe-ok: vLLM's model (third party)
+    weight = getattr(head, "weight", None)  # probe-ok: vLLM's head (third party)
+    if head is None or embed is None or weight is None:
         return
     if head.weight.data_ptr() == embed.weight.data_ptr():
         head.quant_method.process_weights_after_loading(head)

@@ -7,9 +7,10 @@ pulls race). The engine checks names, dtypes and shapes before touching any
 weight, so a bad bucket leaves the previous weights and version in place.
 
 `WeightSync` watches the learner's published version in Redis and pulls the full
-weights whenever it moves ahead, from the first `WeightSource` that offers them (the
-learner's weight socket, else its FetchWeights stream); `caught_up` is set the first time
-the served version reaches the published one.
+weights whenever it moves ahead, from the first `WeightSource` that offers them
+(`pull`: the previous server's relay when there is one, then the learner's weight
+socket, else its FetchWeights stream); `caught_up` is set the first time the served
+version reaches the published one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import redis
@@ -30,7 +31,7 @@ from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
 from rollout.relay import RelayHub, RelaySource, chain_index, relay_parent
 from services.common import weight_socket
-from services.common.assembly import assembling
+from services.common.assembly import AssembledBuckets, Assembling, assemble_update, assembling
 from services.common.frame_reader import PlacedBuckets
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
@@ -59,11 +60,9 @@ class WeightUpdater:
         with self._loaded:
             return self._loaded.wait_for(lambda: self.engine.version >= version, timeout)
 
-    def apply(self, buckets: Iterable[Any]) -> int:
+    def apply(self, buckets: AssembledBuckets | Iterable[Any]) -> int:
         """Assemble, check and load one update; raise (old weights stay) on anything wrong.
-        `buckets`: WeightBuckets (generated or parsed), or a source that assembles as it
-        receives (`PlacedBuckets`, a relay's reception): `Assembled` items and its
-        `assembler`."""
+        `buckets`: a weight source's, or WeightBuckets (generated or parsed)."""
         started = time.perf_counter()
         try:
             version = self._apply(buckets)
@@ -73,7 +72,7 @@ class WeightUpdater:
         self.metrics.weight_seconds.observe(time.perf_counter() - started)
         return version
 
-    def _apply(self, buckets: Iterable[Any]) -> int:
+    def _apply(self, buckets: AssembledBuckets | Iterable[Any]) -> int:
         items = assembling(buckets)
         try:
             for bucket, completed in items:
@@ -83,8 +82,7 @@ class WeightUpdater:
             assembler = items.assembler
             named = [(t.name, to_torch(t)) for t in assembler.result()]
         except BaseException as exc:
-            if hasattr(buckets, "abandon"):
-                buckets.abandon(exc)  # its relay children stop too
+            items.abandon(exc)  # its socket closes, its relay children stop
             raise
         version = assembler.version or 0
         with self._lock:
@@ -154,12 +152,15 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
 
 class WeightSource(Protocol):
     """One way the learner's latest weights reach this server (its weight socket, its
-    FetchWeights stream; later others such as a collective broadcast). The catch-up
-    loop tries the sources in order and loads from the first that offers an update."""
+    FetchWeights stream, the previous server's relay). `pull` tries the sources in order
+    and loads from the first that offers an update."""
 
     name: str  # for logs: "loaded weights ... over the <name>"
+    # whether its transfer may break off for reasons of its own (a relay parent that died
+    # or stalled): then `pull` goes on to the next source; other sources' errors are final
+    fallible: bool
 
-    def fetch(self) -> Iterable[Any] | None:
+    def fetch(self) -> AssembledBuckets | None:
         """The latest version's buckets, or None when this source is not on offer."""
         ...
 
@@ -173,8 +174,9 @@ class WeightSocketSource:
     config: RolloutSettings
     hub: RelayHub | None = None  # relay what arrives to the next server in the chain
     name: str = "weight socket"
+    fallible: bool = False
 
-    def fetch(self) -> Iterable[Any] | None:
+    def fetch(self) -> AssembledBuckets | None:
         return socket_buckets(self.stub, self.address, self.config, self.hub)
 
 
@@ -186,13 +188,14 @@ class FetchWeightsSource:
     config: RolloutSettings
     hub: RelayHub | None = None
     name: str = "FetchWeights stream"
+    fallible: bool = False
 
-    def fetch(self) -> Iterable[Any]:
+    def fetch(self) -> AssembledBuckets:
         request = learner_pb2.FetchWeightsRequest(version=0)
         timeout = self.config.shared.rpc.weights_timeout_s
         if self.hub is not None:
             return self.hub.receive_frames(self.stub.fetch_raw(request, timeout=timeout))
-        return self.stub.FetchWeights(request, timeout=timeout)
+        return Assembling(self.stub.FetchWeights(request, timeout=timeout))
 
 
 def learner_sources(
@@ -202,26 +205,18 @@ def learner_sources(
     return [WeightSocketSource(stub, address, config, hub), FetchWeightsSource(stub, config, hub)]
 
 
-def first_offered(sources: Iterable[WeightSource]) -> tuple[str, Iterable[Any]]:
-    """(source name, buckets) of the first source that offers the latest version."""
-    for source in sources:
-        buckets = source.fetch()
-        if buckets is not None:
-            return source.name, buckets
-    raise LookupError("no weight source offered an update")
-
-
-def fetch_buckets(
+def fetch_update(
     stub: WeightStub, address: str, config: RolloutSettings
-) -> tuple[str, Iterable[Any]]:
-    """(transport, the latest version's buckets): over the learner's weight socket when it
-    offers one, else (or when the socket cannot be reached) over the FetchWeights stream."""
-    return first_offered(learner_sources(stub, address, config))
+) -> tuple[str, tuple[int, list[RawTensor]]]:
+    """(transport, (version, tensors)) of the learner's latest weights: over its weight
+    socket when it offers one, else (or when the socket cannot be reached) over the
+    FetchWeights stream."""
+    return pull(learner_sources(stub, address, config), WholeUpdate())
 
 
 def socket_buckets(
     stub: WeightStub, address: str, config: RolloutSettings, hub: RelayHub | None = None
-) -> Iterable[Any] | None:
+) -> AssembledBuckets | None:
     """The latest version's buckets over the weight socket; None when the learner offers
     none (learner.weight_transport=grpc) or it cannot be reached (a warning says why).
     With a `hub` the frames are kept and relayed to the next server as they arrive."""
@@ -248,19 +243,36 @@ def socket_buckets(
     return PlacedBuckets(sock, config.shared.rpc.max_message_bytes)  # in place, no copy
 
 
-def pull(sources: Iterable[WeightSource], updater: WeightUpdater) -> tuple[str, int]:
-    """(source name, version) from the first source that offers an update; a relay that
-    breaks off (its server died, stalled, moved on) hands over to the next source."""
+Received = TypeVar("Received", covariant=True)
+
+
+class Receiver(Protocol[Received]):
+    """What takes an offered update: `WeightUpdater` loads it, `WholeUpdate` returns it."""
+
+    def apply(self, buckets: AssembledBuckets) -> Received: ...
+
+
+class WholeUpdate:
+    """A receiver that returns the update as it is: (version, tensors)."""
+
+    def apply(self, buckets: AssembledBuckets) -> tuple[int, list[RawTensor]]:
+        return assemble_update(buckets)
+
+
+def pull(sources: Iterable[WeightSource], receiver: Receiver[Received]) -> tuple[str, Received]:
+    """(source name, what `receiver` made of its buckets) from the first source that offers
+    an update. A later source is asked only if the earlier ones offered nothing, or a
+    fallible one (a relay whose server died, stalled or moved on) broke off."""
     for source in sources:
         buckets = source.fetch()
         if buckets is None:
             continue
         try:
-            return source.name, updater.apply(buckets)
+            return source.name, receiver.apply(buckets)
         except (WeightSocketError, TensorWireError) as exc:
-            if not getattr(source, "fallible", False):
+            if not source.fallible:
                 raise
-            log.warning("%s failed (%s); pulling from the learner", source.name, exc)
+            log.warning("%s failed (%s); trying the next source", source.name, exc)
     raise LookupError("no weight source offered an update")
 
 

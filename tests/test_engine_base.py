@@ -1,4 +1,4 @@
-"""The engine skeleton and the weight-source chain, with plain objects in place of models."""
+"""The engine skeleton, with plain objects in place of models."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from rollout.engine import RolloutEngine, SampleOutput, SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase, Gate, default_eos, stop_ids
-from rollout.weights import WeightSource, first_offered
 
 
 class EchoEngine(EngineBase):
@@ -105,25 +104,6 @@ def test_stop_and_eos_rules() -> None:
     assert default_eos(3, Tok()) == [3]
     assert stop_ids(SamplingParams(stop_token_ids=(9, 4)), [7]) == [4, 7, 9]
     assert stop_ids(SamplingParams(stop_token_ids=(9,), ignore_eos=True), [7]) == [9]
-
-
-class Source:
-    def __init__(self, name: str, buckets: list[int] | None) -> None:
-        self.name, self.buckets, self.asked = name, buckets, 0
-
-    def fetch(self) -> Iterator[int] | None:
-        self.asked += 1
-        return None if self.buckets is None else iter(self.buckets)
-
-
-def test_first_offered_source_wins_in_order() -> None:
-    absent, stream, later = Source("socket", None), Source("stream", [1, 2]), Source("x", [3])
-    sources: list[WeightSource] = [absent, stream, later]
-    name, buckets = first_offered(sources)
-    assert (name, list(buckets)) == ("stream", [1, 2])
-    assert (absent.asked, stream.asked, later.asked) == (1, 1, 0)
-    with pytest.raises(LookupError):
-        first_offered([absent])
 
 
 def test_stop_token_ids_become_plain_ints() -> None:

@@ -181,3 +181,13 @@ def test_zero3_publication_gathers_one_bucket_at_a_time(tiny_model: Path, tmp_pa
     assert got["peak"] < got["total"] / 2
     # the tiny model's tied head is the embedding: gathered and published once
     assert "lm_head.weight" not in got["names"] and len(got["names"]) == got["count"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_only_zero3_keeps_the_weight_copy_on_the_training_thread(
+    tiny_model: Path, stage: int
+) -> None:
+    """The policy declares it: ZeRO-3 gathers each weight in a collective on the training
+    thread, so the learner must not copy a version while the next step trains."""
+    policy = DeepSpeedPolicy(load_model(tiny_model), _cfg(zero_stage=stage))
+    assert policy.weight_copy_overlaps == (stage < 3)

@@ -206,7 +206,7 @@ def test_a_bucket_is_forwarded_before_the_next_one_arrives() -> None:
         yield from frames[1:]
 
     hub = RelayHub(1 << 20, timeout_s=5.0)
-    buckets = hub.receive_frames(learner_stream())
+    buckets = iter(hub.receive_frames(learner_stream()))
     first, _ = next(buckets)
     reception = hub.acquire(min_version=7, timeout=5.0)
     assert reception is not None and first.index == 0

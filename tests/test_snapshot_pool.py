@@ -21,7 +21,7 @@ import pytest
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.publisher import BackgroundPublisher
 from learner.weights import WeightServicer, add_weight_service
-from rollout.weights import WeightStub, fetch_buckets
+from rollout.weights import WeightStub, fetch_update
 from services.common import weight_socket
 from services.common.assembly import assemble_update
 from services.common.grpc_server import insecure_channel, start_grpc_server
@@ -90,8 +90,8 @@ def contents(version_and_tensors: tuple[int, list[RawTensor]]) -> tuple[int, lis
 
 def pull(learner: Learner) -> tuple[str, tuple[int, list[bytes]]]:
     """A rollout server's fetch (the weight socket), assembled."""
-    transport, buckets = fetch_buckets(WeightStub(learner.channel), learner.address, DapoConfig())
-    return transport, contents(assemble_update(buckets))
+    transport, update = fetch_update(WeightStub(learner.channel), learner.address, DapoConfig())
+    return transport, contents(update)
 
 
 def grpc_pull(learner: Learner) -> tuple[int, list[bytes]]:

@@ -1,7 +1,7 @@
 """The weights' data plane: tickets over gRPC, bytes over a plain or TLS TCP socket.
 
 A real WeightService and WeightSocketServer on free loopback ports; the client is the
-rollout server's own (`rollout.weights.fetch_buckets` / `socket_buckets`).
+rollout server's own (`rollout.weights.fetch_update` / `socket_buckets`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from dapo.v1 import learner_pb2
 from learner.weights import WeightServicer, add_weight_service
-from rollout.weights import WeightStub, fetch_buckets
+from rollout.weights import WeightStub, fetch_update
 from services.common import weight_socket
 from services.common.assembly import assemble_update
 from services.common.grpc_server import channel, start_grpc_server
@@ -80,8 +80,7 @@ def as_tuples(tensors: list[RawTensor]) -> list[tuple[Any, ...]]:
 def pull(learner: Learnerish, security: SecurityConfig | None = None) -> tuple[str, list[Any]]:
     config = DapoConfig().model_copy(update={"security": security or SecurityConfig()})
     with channel(learner.address, config.security) as chan:
-        transport, buckets = fetch_buckets(WeightStub(chan), learner.address, config)
-        version, tensors = assemble_update(buckets)
+        transport, (version, tensors) = fetch_update(WeightStub(chan), learner.address, config)
     assert version == VERSION
     return transport, as_tuples(tensors)
 

@@ -9,6 +9,7 @@ knows a slice's metadata before its data (services/common/frame_reader.py) asks
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,7 +151,7 @@ class WeightAssembler:
         return [self._raw(name) for name in self._tensors]
 
 
-def assemble_update(buckets: Iterable[Any]) -> tuple[int, list[RawTensor]]:
+def assemble_update(buckets: AssembledBuckets | Iterable[Any]) -> tuple[int, list[RawTensor]]:
     """Receive a whole update: (version, tensors), or TensorWireError if incomplete."""
     items = assembling(buckets)
     for _ in items:
@@ -163,9 +164,29 @@ Assembled = tuple[Any, list[RawTensor]]
 the next bucket arrives)."""
 
 
-class Assembling:
-    """Buckets taken into `assembler` as they are iterated, yielded as `Assembled`; the
-    update is `assembler.result()` once they are all through."""
+class AssembledBuckets(ABC):
+    """An update's buckets, each taken into `assembler` as it is iterated and yielded as
+    `Assembled`; the update is `assembler.result()` once they are all through. What a
+    weight source hands its receiver, whatever the transport."""
+
+    assembler: WeightAssembler
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Assembled]: ...
+
+    def abandon(self, error: BaseException) -> None:
+        """The receiver gave up on this update (a stale version, a bad tensor, a broken
+        transfer): stop what still feeds it. By default that is `close`."""
+        self.close()
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the transport now (a socket), also after an early stop, rather than
+        when the iterator is collected."""
+
+
+class Assembling(AssembledBuckets):
+    """WeightBuckets (generated or parsed), taken into `assembler` as they are iterated."""
 
     def __init__(self, buckets: Iterable[Any], assembler: WeightAssembler | None = None) -> None:
         self.assembler = assembler or WeightAssembler()
@@ -176,9 +197,11 @@ class Assembling:
             self.assembler.add(bucket)
             yield bucket, self.assembler.pop_completed()
 
+    def close(self) -> None:
+        """Nothing to release: the buckets' stream is its caller's."""
 
-def assembling(buckets: Iterable[Any]) -> Any:
-    """`buckets` as `Assembled` items with their `assembler`: a source that assembles as
-    it receives (`PlacedBuckets`, a relay's reception) as it is, WeightBuckets (generated
-    or parsed) through an `Assembling`."""
-    return buckets if hasattr(buckets, "assembler") else Assembling(buckets)
+
+def assembling(buckets: AssembledBuckets | Iterable[Any]) -> AssembledBuckets:
+    """`buckets` as `AssembledBuckets`: a source's as they are, WeightBuckets (generated or
+    parsed) through an `Assembling`."""
+    return buckets if isinstance(buckets, AssembledBuckets) else Assembling(buckets)

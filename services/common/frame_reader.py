@@ -17,7 +17,7 @@ import socket
 from collections.abc import Iterator
 
 from dapo.v1 import tensor_pb2
-from services.common.assembly import Assembled, WeightAssembler
+from services.common.assembly import Assembled, AssembledBuckets, WeightAssembler
 from services.common.tensor_codec import (
     DATA_KEY,
     FIXED_WIDTHS,
@@ -158,9 +158,9 @@ def _meta(fields: list[bytes]) -> SliceMeta:
     return SliceMeta.of(from_string(tensor_pb2.TensorSlice, b"".join(fields)))
 
 
-class PlacedBuckets:
+class PlacedBuckets(AssembledBuckets):
     """A weight socket's stream, each frame received into `assembler`'s tensors and
-    yielded as `Assembled`. Closes the socket at the end."""
+    yielded as `Assembled`. Closes the socket at the end, or on `close`/`abandon`."""
 
     def __init__(
         self,
@@ -188,3 +188,6 @@ class PlacedBuckets:
             raise WeightSocketError(f"weight socket failed: {exc}") from exc
         finally:
             self.sock.close()
+
+    def close(self) -> None:
+        self.sock.close()

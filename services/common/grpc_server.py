@@ -67,7 +67,7 @@ def strict_handler(handler: Any, method: str) -> Any:
     if decode is None:
         return handler
     field = BEHAVIORS[(handler.request_streaming, handler.response_streaming)]
-    behavior = getattr(handler, field)
+    behavior = getattr(handler, field)  # probe-ok: grpc's handler tuple, field by name
 
     def run(request: Any, context: Any, *callback: Any) -> Any:
         if handler.request_streaming:
@@ -76,8 +76,8 @@ def strict_handler(handler: Any, method: str) -> Any:
         return behavior(_decode(decode, request, context, method), context, *callback)
 
     for flag in NON_BLOCKING:  # health Watch answers by callback instead of holding a thread
-        if hasattr(behavior, flag):
-            setattr(run, flag, getattr(behavior, flag))
+        if hasattr(behavior, flag):  # probe-ok: grpc's optional flags on a behavior
+            setattr(run, flag, getattr(behavior, flag))  # probe-ok: the same flag, copied
     return handler._replace(request_deserializer=None, **{field: run})
 
 
@@ -104,7 +104,7 @@ class StrictServer:
         self._server.add_registered_method_handlers(service, strict)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._server, name)
+        return getattr(self._server, name)  # probe-ok: __getattr__ delegation to grpc
 
 
 # ------------------------------------------------------------------------ credentials

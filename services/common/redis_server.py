@@ -235,8 +235,7 @@ def check_tls_files(url: str, auth: RedisAuthConfig | None) -> None:
     """Unreadable TLS files fail now, naming the field (redis-py would retry them as an outage)."""
     if auth is None or not url.startswith("rediss://"):
         return
-    for field in ("ca", "cert", "key"):
-        path = getattr(auth, field)
+    for field, path in (("ca", auth.ca), ("cert", auth.cert), ("key", auth.key)):
         if path is not None:
             read_pem(path, field, section="redis")
 

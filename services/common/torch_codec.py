@@ -38,7 +38,7 @@ def to_torch(raw: RawTensor) -> Any:
     """
     import torch
 
-    dtype = getattr(torch, raw.dtype)
+    dtype = getattr(torch, raw.dtype)  # probe-ok: torch's dtype by its name (DTYPE_NAMES)
     if not len(raw.data):
         return torch.empty(raw.shape, dtype=dtype)
     writable = isinstance(raw.data, bytearray) or (

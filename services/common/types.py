@@ -37,7 +37,7 @@ def arrays_equal(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
+        x, y = getattr(a, f.name), getattr(b, f.name)  # probe-ok: dataclass fields
         same = np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
         if not same:
             return False

@@ -120,7 +120,7 @@ def rung_overrides(base: DapoConfig, rung: str) -> dict[str, Any]:
 
 def _get(config: Any, path: str) -> Any:
     for part in path.split("."):
-        config = getattr(config, part)
+        config = getattr(config, part)  # probe-ok: a dotted config path, part by part
     return config
 
 

@@ -293,8 +293,7 @@ def final_export(config: DapoConfig) -> Path:
 
 def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
-    from rollout.weights import WeightStub, fetch_buckets
-    from services.common.assembly import assemble_update
+    from rollout.weights import WeightStub, fetch_update
     from services.common.grpc_server import channel as grpc_channel
     from services.common.torch_codec import to_torch
 
@@ -305,8 +304,7 @@ def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
         learners[0]["address"], config.security, config.shared.rpc.max_message_bytes
     )
     try:
-        _, buckets = fetch_buckets(WeightStub(channel), learners[0]["address"], config)
-        version, tensors = assemble_update(buckets)
+        _, (version, tensors) = fetch_update(WeightStub(channel), learners[0]["address"], config)
         engine.load_weights(((t.name, to_torch(t)) for t in tensors), version)
     finally:
         channel.close()

@@ -192,7 +192,7 @@ def core_shares(cores: list[int], parts: int) -> list[str]:
 
 def role_python(config: DapoConfig, role: str) -> str:
     """The interpreter the role's config names (`<role>.server.python`), else ours."""
-    python = getattr(config, role).server.python  # the role's config section
+    python = getattr(config, role).server.python  # probe-ok: the role's config section
     if python is None:
         return sys.executable
     if shutil.which(python) is None:
@@ -261,8 +261,8 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     if data.learner.checkpoint_dir is None:  # a restarted learner resumes from here
         data.learner.checkpoint_dir = str(run_dir / "checkpoints")
     for section in ROLES:
-        getattr(data, section).server.grpc_port = 0
-        getattr(data, section).server.http_port = 0
+        server = getattr(data, section).server  # probe-ok: a role's config section by name
+        server.grpc_port = server.http_port = 0
     # Inline secrets reach the children through their environment (spawn), not the file.
     file_data = data.model_copy(update={"security": without_secrets(data.security)})
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
