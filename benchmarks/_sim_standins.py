@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from learner.config import LearnerSettings
+from learner.deepspeed_policy import copy_overlaps
 from learner.dist import Single
 from learner.step import StepMetrics
 from learner.trainer import Trainer
@@ -194,8 +195,9 @@ class SimPolicy:
     """The publication half of the learner's `Policy`: one real weight tensor whose
     gathering sleeps per byte (the step itself is `SimTrainer.train`)."""
 
-    def __init__(self, costs: SimCosts) -> None:
+    def __init__(self, costs: SimCosts, zero_stage: int) -> None:
         self.costs = costs
+        self.weight_copy_overlaps = copy_overlaps(zero_stage)  # as the DeepSpeed policy's
         self.weight = torch.zeros(costs.weight_bytes // 4, dtype=torch.float32)
 
     def weight_count(self) -> int:
@@ -215,7 +217,7 @@ class SimTrainer(Trainer):
 
     def __init__(self, config: LearnerSettings, costs: SimCosts) -> None:  # no super(): no model
         self.config, self.model_path, self.pad_id = config, str(config.model_path), 0
-        self.policy = SimPolicy(costs)  # type: ignore[assignment]
+        self.policy = SimPolicy(costs, config.learner.zero_stage)  # type: ignore[assignment]
         self.dp, self.reference, self.costs = Single(), None, costs
         self.busy: list[tuple[float, float]] = []  # (start, end) of each step
 

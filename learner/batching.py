@@ -160,7 +160,7 @@ class LossInputs:
             "position_ids": ((b, length), torch.int64),
         }
         for name, (shape, dtype) in expect.items():
-            t = getattr(self, name)
+            t = getattr(self, name)  # probe-ok: a LossInputs field, by its name
             if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
                 raise ValueError(f"{name}: {tuple(t.shape)} {t.dtype}, expected {shape} {dtype}")
 
@@ -174,7 +174,7 @@ class LossInputs:
         moved = {
             f.name: value.to(device)
             for f in fields(self)
-            if (value := getattr(self, f.name)) is not None
+            if (value := getattr(self, f.name)) is not None  # probe-ok: a dataclass field
         }
         return replace(self, **moved)
 

@@ -98,6 +98,12 @@ def ds_config(cfg: LearnerConfig) -> dict[str, Any]:
     }
 
 
+def copy_overlaps(zero_stage: int) -> bool:
+    """Whether a weight copy may run beside the next step: not under ZeRO-3, which
+    gathers each weight in a collective that must run on the training thread."""
+    return zero_stage != 3
+
+
 class DeepSpeedPolicy:
     """A Hugging Face causal LM trained by a DeepSpeed engine."""
 
@@ -106,8 +112,7 @@ class DeepSpeedPolicy:
 
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
-        # ZeRO-3 gathers each weight in a collective that must run on the training thread
-        self.weight_copy_overlaps = cfg.zero_stage != 3
+        self.weight_copy_overlaps = copy_overlaps(cfg.zero_stage)
         self.world_size = torch.distributed.get_world_size()
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
