@@ -34,12 +34,12 @@ Departures from the paper, each chosen by an argument:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
-LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+from learner.config import LossAggMode
+
 Count = int | float | Tensor
 
 
@@ -75,6 +75,11 @@ class ClipStats:
     dual_clipped: Tensor
     tokens: Tensor
 
+    @classmethod
+    def zero(cls) -> ClipStats:
+        """No token yet: the start of a sum over micro-batches."""
+        return cls(*(torch.zeros((), dtype=torch.float64) for _ in range(4)))
+
     def __add__(self, other: ClipStats) -> ClipStats:
         return ClipStats(
             self.clipped_high + other.clipped_high,
@@ -89,7 +94,7 @@ class ClipStats:
         return {
             "clip_frac_high": float(self.clipped_high) / n,
             "clip_frac_low": float(self.clipped_low) / n,
-            "dual_clip_frac": float(self.dual_clipped) / n,
+            "clip_frac_dual": float(self.dual_clipped) / n,
         }
 
 
@@ -212,21 +217,26 @@ def _at_least_one(count: Count) -> Count:
 def token_logprobs(
     logits: Tensor, token_ids: Tensor, temperature: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """Log-probs of `token_ids` `[B, T]` under `softmax(logits / temperature)`, and entropy.
+    """Log-probs of `token_ids` `[...]` under `softmax(logits / temperature)`, and entropy.
 
-    `logits[b, t]` (`[B, T, V]`) must be the distribution that `token_ids[b, t]` was sampled
-    from (the caller shifts by one). The rollout engine must report its log-probs under the
-    same definition (temperature-scaled, before top-p/top-k), or r and the TIS weights are
-    biased. Computed in fp32 at least (bf16 logits are upcast; float64 stays). The entropy
-    `[B, T]` is a metric and carries no gradient (DAPO has no entropy bonus).
+    `logits[..., :]` (`[..., V]`) must be the distribution that the token at the same index
+    was sampled from (the caller shifts by one). The rollout engine must report its
+    log-probs under the same definition (temperature-scaled, before top-p/top-k), or r and
+    the TIS weights are biased. Computed in fp32 at least (bf16 logits are upcast; float64
+    stays), through logsumexp rather than log_softmax: backward keeps one `[..., V]` copy
+    and the entropy `lse − Σ p·z` one temporary. The entropy is a metric and carries no
+    gradient (DAPO has no entropy bonus).
     """
     if temperature <= 0:
         raise ValueError("temperature must be > 0 (greedy samples have no log-probs)")
-    wide = logits if logits.dtype == torch.float64 else logits.float()
-    log_p = torch.log_softmax(wide / temperature, dim=-1)
-    picked = torch.gather(log_p, -1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    picked = z.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1) - lse
     with torch.no_grad():
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)
+        weighted = (z - lse.unsqueeze(-1)).exp_().mul_(z)
+        entropy = lse - weighted.sum(dim=-1)
     return picked, entropy
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from learner.algorithm import group_advantages
+from learner.algorithm import group_advantages, overlong_filter_mask
 from learner.dist import DataParallel
 from learner.micro_batches import (
     balance_across_ranks,
@@ -39,6 +39,7 @@ from services.common.types import (
     Sample,
     logprob_array,
     token_array,
+    versions_per_token,
 )
 
 
@@ -61,7 +62,7 @@ class TrainSequence:
     group_id: str = ""
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None  # π_ref per response token, set when a KL term is on
-    token_versions: IntArray | None = None  # behaviour version per response token
+    token_versions: IntArray | None = None  # behaviour version per token; None: policy_version
 
     def __post_init__(self) -> None:  # arrays end to end; lists (tests) converted once
         self.prompt_ids = token_array(self.prompt_ids)
@@ -70,6 +71,10 @@ class TrainSequence:
             self.rollout_logprobs = logprob_array(self.rollout_logprobs)
         if self.token_versions is not None:
             self.token_versions = token_array(self.token_versions)
+
+    def versions(self) -> IntArray:
+        """The policy version of every response token (the behaviour policy of its log-prob)."""
+        return versions_per_token(self.token_versions, len(self.response_ids), self.policy_version)
 
     @property
     def length(self) -> int:
@@ -201,7 +206,9 @@ def collate(
         response[row, p:n] = True
         advantages[row, p:n] = s.advantage
     truncated = torch.tensor([s.truncated for s in seqs], dtype=torch.bool)
-    loss_mask = response & ~truncated.unsqueeze(-1) if overlong_filtering else response.clone()
+    loss_mask = (
+        overlong_filter_mask(response, truncated) if overlong_filtering else response.clone()
+    )
     return LossInputs(
         input_ids=input_ids,
         attention_mask=attention,

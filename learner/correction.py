@@ -27,6 +27,7 @@ before `exp`, as in the policy loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -122,24 +123,30 @@ def weight_sums(weights: Tensor | None, mask: Tensor) -> tuple[float, float]:
     return float(w[m].sum()), float((w[m] == 0).sum())
 
 
+@dataclass(frozen=True)
+class OffPolicySums:
+    """Sums over response tokens that make the engine-mismatch and policy-lag metrics."""
+
+    mismatch: float = 0.0  # Σ |log π_behav − log π_prox| over same-version tokens
+    mismatch_tokens: float = 0.0  # tokens sampled by the learner's own version
+    lag: float = 0.0  # Σ (current version − the token's version)
+    tokens: float = 0.0  # every token with engine log-probs
+
+
 def mismatch_and_lag_sums(
     prox: Tensor, behav: Tensor, versions: Tensor, current_version: int
-) -> Tensor:
-    """Sums over tokens (1-D tensors, one entry per response token) that make two metrics.
+) -> OffPolicySums:
+    """The off-policy sums over tokens (1-D tensors, one entry per response token).
 
-    Returns float64 `[|Δ| sum, same-version tokens, lag sum, tokens]`: the engine mismatch
-    is `|log π_behav − log π_prox|` averaged over the tokens sampled by the learner's own
-    version (`versions == current_version`: the same weights, so any gap is the engine's);
-    the policy lag is `current_version − version` averaged over all tokens.
+    The engine mismatch is `|log π_behav − log π_prox|` averaged over the tokens sampled by
+    the learner's own version (`versions == current_version`: the same weights, so any gap
+    is the engine's); the policy lag is `current_version − version` averaged over all tokens.
     """
     same = versions == current_version
     gap = (prox.double() - behav.double()).abs()
-    lag = (current_version - versions).double()
-    return torch.stack(
-        [
-            gap[same].sum(),
-            same.sum().double(),
-            lag.sum(),
-            torch.tensor(float(lag.numel()), dtype=torch.float64),
-        ]
-    ).to(torch.float64)
+    return OffPolicySums(
+        mismatch=float(gap[same].sum()),
+        mismatch_tokens=float(same.sum()),
+        lag=float((current_version - versions).double().sum()),
+        tokens=float(versions.numel()),
+    )

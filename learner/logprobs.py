@@ -81,29 +81,10 @@ class LocalCausalLM:
         return output_head(self.model)
 
 
-def logits_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """`log softmax(logits / T)[target]` `[N]` and the entropy `[N]` (no gradient) of `[N, V]`.
-
-    Through logsumexp rather than log_softmax: backward keeps one `[N, V]` fp32 copy, and
-    the entropy `lse − Σ p·z` needs one temporary. Upcast to fp32 (float64 stays).
-    """
-    if temperature <= 0:
-        raise ValueError("temperature must be > 0 (greedy samples have no log-probs)")
-    z = logits if logits.dtype == torch.float64 else logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    picked = z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - lse
-    with torch.no_grad():
-        weighted = (z - lse.unsqueeze(-1)).exp_().mul_(z)
-        entropy = lse - weighted.sum(dim=-1)
-    return picked, entropy
-
-
 def _head_chunk(
     head: torch.nn.Module, hidden: Tensor, targets: Tensor, temperature: float
 ) -> tuple[Tensor, Tensor]:
-    return logits_logprobs(head(hidden), targets, temperature)
+    return token_logprobs(head(hidden), targets, temperature)
 
 
 def head_logprobs(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -36,7 +35,6 @@ from learner.algorithm import (
     agg_loss,
     kl_k3,
     longest_loss_share,
-    masked_mean,
     per_token_loss,
 )
 from learner.batching import (
@@ -53,46 +51,18 @@ from learner.batching import (
     sequences_from_groups,
 )
 from learner.config import LearnerConfig, NoCorrection
-from learner.correction import correction_weights, mismatch_and_lag_sums, weight_sums
+from learner.correction import (
+    OffPolicySums,
+    correction_weights,
+    mismatch_and_lag_sums,
+    weight_sums,
+)
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
 from learner.packing import collate_packed, use_packing
 from learner.policy import CausalLM, Policy
-from services.common.types import Group, IntArray
-
-
-@dataclass
-class StepMetrics:
-    """What one step reports (metrics, the progress bar, report.json)."""
-
-    loss: float = 0.0
-    clip_frac_high: float = 0.0
-    clip_frac_low: float = 0.0
-    entropy: float = 0.0
-    grad_norm: float = 0.0
-    lr: float = 0.0
-    tokens: int = 0
-    tokens_per_s: float = 0.0
-    response_length: float = 0.0
-    response_length_max: int = 0
-    truncated_frac: float = 0.0  # responses that hit L_max (overlong filtering masks these)
-    longest_loss_share: float = 0.0  # loss weight of the longest quarter (token-level loss)
-    informative_frac: float = 0.0  # groups whose rewards differ (dynamic sampling keeps these)
-    reward_mean: float = 0.0
-    accuracy: float = 0.0
-    engine_mismatch: float = 0.0  # mean |log π_behav − log π_old| over same-version tokens
-    mismatch_tokens: int = 0  # tokens the mismatch is over (sampled by the current version)
-    policy_lag: float = 0.0  # mean versions between a token's sampler and the learner
-    policy_lag_max: int = 0
-    is_weight_mean: float = 1.0  # mean off-policy weight over loss tokens (1: no correction)
-    is_masked_frac: float = 0.0  # loss tokens whose weight is 0 (masked by the correction)
-    kl: float = 0.0
-    updates: int = 0
-    skipped_updates: int = 0  # mini-batches with no loss token left (all overlong-filtered)
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)
+from learner.step_metrics import StepMetrics, StepSums, report_batch, report_sums
+from services.common.types import Group
 
 
 def train_step(
@@ -121,21 +91,29 @@ def train_step(
     recompute_old_logprobs(
         policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
     )
-    off_policy_metrics(metrics, rank_seqs, version, dp)
-    # loss·tok, clip hi, clip lo, ent·tok, tok, kl·tok, IS weight sum, IS-masked tokens
-    totals = torch.zeros(8, dtype=torch.float64)
+    off_policy, lag_max = off_policy_sums(rank_seqs, version)
+    metrics.policy_lag_max = dp.all_reduce_max(lag_max)
+    totals = StepSums(off_policy=off_policy)
     for mine in shares:
         counts = global_counts(mine, cfg.overlong_filtering, dp)
         if counts.tokens == 0:  # every response filtered: a step would only apply momentum
             metrics.skipped_updates += 1
             continue
         totals += accumulate(
-            policy, mine, cfg, pad_id, temperature, max_response_length, dp,
-            fallback=seqs[0], counts=counts,
-        )  # fmt: skip
+            policy,
+            mine,
+            cfg,
+            pad_id,
+            temperature,
+            max_response_length,
+            dp,
+            fallback=seqs[0],
+            counts=counts,
+        )
         metrics.grad_norm = policy.step()
         metrics.updates += 1
-    _fill_metrics(metrics, dp.all_reduce_sum(totals), seqs, groups)
+    report_sums(metrics, reduce_sums(totals, dp))
+    report_batch(metrics, seqs, groups)
     metrics.longest_loss_share = longest_loss_share(
         loss_tokens(seqs, cfg.overlong_filtering), cfg.loss_agg_mode
     )
@@ -143,6 +121,11 @@ def train_step(
     metrics.seconds = time.monotonic() - started
     metrics.tokens_per_s = sum(s.length for s in seqs) / max(metrics.seconds, 1e-9)
     return metrics
+
+
+def reduce_sums(sums: StepSums, dp: DataParallel) -> StepSums:
+    """This rank's sums added over every rank: one all-reduce of one float64 vector."""
+    return StepSums.from_tensor(dp.all_reduce_sum(sums.to_tensor()))
 
 
 def micro_plan(
@@ -192,34 +175,20 @@ def recompute_old_logprobs(
             assign_old_logprobs(batch, inputs, ref, attr="ref_logprobs")
 
 
-def off_policy_metrics(
-    metrics: StepMetrics, seqs: list[TrainSequence], version: int, dp: DataParallel
-) -> None:
-    """Engine mismatch and policy lag over this rank's sequences (summed over ranks).
+def off_policy_sums(seqs: list[TrainSequence], version: int) -> tuple[OffPolicySums, int]:
+    """Engine-mismatch and policy-lag sums over this rank's sequences, and the largest lag.
 
     Only responses with engine log-probs count; run after `recompute_old_logprobs`.
     """
     known = [s for s in seqs if s.rollout_logprobs is not None and s.old_logprobs is not None]
-    sums = torch.zeros(4, dtype=torch.float64)
-    lag_max = 0
-    if known:
-        versions = torch.from_numpy(np.concatenate([_versions(s) for s in known]))
-        prox = torch.cat([s.old_logprobs for s in known if s.old_logprobs is not None])
-        engine = [s.rollout_logprobs for s in known if s.rollout_logprobs is not None]
-        behav = torch.from_numpy(np.concatenate(engine))
-        sums = mismatch_and_lag_sums(prox, behav, versions, version)
-        lag_max = int((version - versions).max())
-    sums = dp.all_reduce_sum(sums)
-    metrics.engine_mismatch = float(sums[0]) / max(float(sums[1]), 1.0)
-    metrics.mismatch_tokens = int(sums[1])
-    metrics.policy_lag = float(sums[2]) / max(float(sums[3]), 1.0)
-    metrics.policy_lag_max = dp.all_reduce_max(lag_max)
-
-
-def _versions(s: TrainSequence) -> IntArray:
-    if s.token_versions is not None and len(s.token_versions):
-        return s.token_versions
-    return np.full(len(s.response_ids), s.policy_version, dtype=np.int64)
+    if not known:
+        return OffPolicySums(), 0
+    versions = torch.from_numpy(np.concatenate([s.versions() for s in known]))
+    prox = torch.cat([s.old_logprobs for s in known if s.old_logprobs is not None])
+    engine = [s.rollout_logprobs for s in known if s.rollout_logprobs is not None]
+    behav = torch.from_numpy(np.concatenate(engine))
+    lag_max = int((version - versions).max())
+    return mismatch_and_lag_sums(prox, behav, versions, version), lag_max
 
 
 def accumulate(
@@ -232,7 +201,7 @@ def accumulate(
     dp: DataParallel | None = None,
     fallback: TrainSequence | None = None,
     counts: LossCounts | None = None,
-) -> Tensor:
+) -> StepSums:
     """Accumulate this rank's share of one mini-batch's gradient; return its metric sums.
 
     `seqs` is this rank's share; the counts (`global_counts`, unless given) are summed
@@ -241,7 +210,7 @@ def accumulate(
     dp = dp or Single()
     counts = counts or global_counts(seqs, cfg.overlong_filtering, dp)
     plan = micro_plan(seqs, fallback or seqs[0], cfg, dp)
-    sums = torch.zeros(8, dtype=torch.float64)
+    sums = StepSums()
     for k, (batch, real) in enumerate(plan):
         inputs = collate_micro(batch, pad_id, cfg)
         logprobs, entropy = score(policy, inputs, cfg, temperature, dp)
@@ -311,33 +280,27 @@ def _micro_sums(
     kl: Tensor | None,
     weights: Tensor | None,
     mask: Tensor,
-) -> Tensor:
-    n = float(stats.tokens)
-    kl_mean = float(masked_mean(kl.detach(), mask)) if kl is not None else 0.0
-    return torch.tensor(
-        [loss * counts.tokens, float(stats.clipped_high), float(stats.clipped_low),
-         float(masked_mean(entropy, mask)) * n, n, kl_mean * n, *weight_sums(weights, mask)],
-        dtype=torch.float64,
-    )  # fmt: skip
+) -> StepSums:
+    """One micro-batch's sums over its loss tokens (`mask`), on the CPU in float64."""
+    is_weight, is_masked = weight_sums(weights, mask)
+    return StepSums(
+        clip=ClipStats(
+            clipped_high=_cpu(stats.clipped_high),
+            clipped_low=_cpu(stats.clipped_low),
+            dual_clipped=_cpu(stats.dual_clipped),
+            tokens=_cpu(stats.tokens),
+        ),
+        loss=loss * counts.tokens,
+        entropy=_masked_sum(entropy, mask),
+        kl=_masked_sum(kl.detach(), mask) if kl is not None else 0.0,
+        is_weight=is_weight,
+        is_masked=is_masked,
+    )
 
 
-def _fill_metrics(
-    metrics: StepMetrics, totals: Tensor, seqs: list[TrainSequence], groups: Sequence[Group]
-) -> None:
-    tokens = max(float(totals[4]), 1.0)
-    metrics.loss = float(totals[0]) / tokens
-    metrics.clip_frac_high = float(totals[1]) / tokens
-    metrics.clip_frac_low = float(totals[2]) / tokens
-    metrics.entropy = float(totals[3]) / tokens
-    metrics.kl = float(totals[5]) / tokens
-    metrics.is_weight_mean = float(totals[6]) / tokens if totals[4] else 1.0
-    metrics.is_masked_frac = float(totals[7]) / tokens
-    metrics.tokens = int(sum(len(s.response_ids) for s in seqs))
-    metrics.response_length = metrics.tokens / max(len(seqs), 1)
-    metrics.response_length_max = max((len(s.response_ids) for s in seqs), default=0)
-    metrics.truncated_frac = sum(s.truncated for s in seqs) / max(len(seqs), 1)
-    metrics.reward_mean = sum(s.reward for s in seqs) / max(len(seqs), 1)
-    samples = [s for g in groups for s in g.samples]
-    metrics.accuracy = sum(s.correct for s in samples) / max(len(samples), 1)
-    informative = [g for g in groups if 0 < g.accuracy < 1]  # DAPO's rule (0 < acc < 1)
-    metrics.informative_frac = len(informative) / max(len(groups), 1)
+def _cpu(count: Tensor) -> Tensor:
+    return count.detach().to("cpu", torch.float64)
+
+
+def _masked_sum(values: Tensor, mask: Tensor) -> float:
+    return float(torch.where(mask.bool(), values, torch.zeros_like(values)).sum())

@@ -40,6 +40,19 @@ def make_groups(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[G
     return groups
 
 
+def hand_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0):
+    """π(response token | prefix) `[n]` and the entropy `[n]` of each of those distributions,
+    from one plain forward of the transformers `model` over prompt + response and a
+    float64 log_softmax: the learner's numbers computed without the learner's code."""
+    import torch
+
+    ids = torch.tensor([[*prompt, *response]])
+    logits = model(input_ids=ids).logits[0].double() / temperature
+    log_p = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    picked = log_p[torch.arange(len(response)), torch.tensor(response)]
+    return picked, -(log_p.exp() * log_p).sum(dim=-1).detach()
+
+
 def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     """One rank: π_old recompute, then accumulate one mini-batch on this rank's share."""
     import torch

@@ -51,7 +51,7 @@ def test_policy_loss_each_branch_with_dual_clip() -> None:
     assert stats.fractions() == {
         "clip_frac_high": 0.125,
         "clip_frac_low": 0.125,
-        "dual_clip_frac": 0.125,
+        "clip_frac_dual": 0.125,
     }
 
 
@@ -78,7 +78,7 @@ def test_clip_stats_count_only_masked_tokens_and_add_up() -> None:
     assert (stats.dual_clipped.item(), stats.tokens.item()) == (0.0, 6.0)
     total = stats + stats
     assert total.tokens.item() == 12.0 and total.fractions()["clip_frac_low"] == 2 / 12
-    empty = ClipStats(*(torch.tensor(0.0) for _ in range(4)))
+    empty = ClipStats.zero()
     assert empty.fractions()["clip_frac_high"] == 0.0
 
 

@@ -11,6 +11,7 @@ import torch
 from learner.algorithm import agg_loss, per_token_loss
 from learner.config import MaskedIS, NoCorrection, SequenceTIS, TokenTIS, TwoSidedMask
 from learner.correction import (
+    OffPolicySums,
     correction_weights,
     masked_is_weights,
     mismatch_and_lag_sums,
@@ -146,4 +147,4 @@ def test_mismatch_counts_same_version_tokens_and_lag_counts_all() -> None:
     versions = torch.tensor([5, 4, 5, 3])
     sums = mismatch_and_lag_sums(prox, behav, versions, current_version=5)
     # |Δ| over versions == 5: 0.5 + 1.0; lag: 0 + 1 + 0 + 2 over 4 tokens.
-    assert sums.tolist() == [1.5, 2.0, 3.0, 4.0]
+    assert sums == OffPolicySums(mismatch=1.5, mismatch_tokens=2.0, lag=3.0, tokens=4.0)

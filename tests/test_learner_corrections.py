@@ -21,7 +21,7 @@ from learner.packing import use_packing
 from learner.reference import Reference
 from learner.step import accumulate, recompute_old_logprobs, train_step
 from learner.torch_policy import TorchPolicy
-from tests.learner_fixtures import make_groups
+from tests.learner_fixtures import hand_logprobs, make_groups
 
 MAX_LEN = 16
 
@@ -120,13 +120,17 @@ def test_step_reports_engine_mismatch_on_current_version_tokens_and_policy_lag(
     assert metrics.policy_lag_max == 2 and metrics.is_weight_mean == 1.0
 
 
-def _perturbed_reference(model: Path) -> Reference:
+def _perturbed_model(model: Path):
     ref = load_model(model)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return Reference(ref)
+    return ref
+
+
+def _perturbed_reference(model: Path) -> Reference:
+    return Reference(_perturbed_model(model))
 
 
 def test_kl_adds_exactly_coef_times_the_token_mean_k3_gradient(tiny_model: Path) -> None:
@@ -163,7 +167,18 @@ def test_kl_step_reports_kl_and_needs_a_reference(tiny_model: Path) -> None:
     metrics = train_step(
         policy, make_groups(), cfg, 0, 1.0, MAX_LEN, reference=_perturbed_reference(tiny_model)
     )
-    assert metrics.kl > 0 and math.isfinite(metrics.loss)
+    # By hand: the k3 estimator exp(ref − logp) − (ref − logp) − 1 averaged over every
+    # loss token, at the initial weights (one mini-batch), from plain forwards.
+    start, ref = load_model(tiny_model), _perturbed_model(tiny_model)
+    k3 = []
+    with torch.no_grad():
+        for group in make_groups():
+            for sample in group.samples:
+                args = (group.prompt_token_ids, sample.token_ids.tolist())
+                delta = hand_logprobs(ref, *args)[0] - hand_logprobs(start, *args)[0]
+                k3 += (delta.exp() - delta - 1).tolist()
+    assert metrics.kl == pytest.approx(sum(k3) / len(k3), rel=1e-4)
+    assert math.isfinite(metrics.loss)
     plain = train_step(TorchPolicy(load_model(tiny_model), _cfg()), make_groups(), _cfg(), 0, 1.0,
                        MAX_LEN)  # fmt: skip
     assert plain.kl == 0.0

@@ -17,7 +17,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner.algorithm import token_logprobs
 from learner.batching import collate, sequences_from_groups
 from learner.config import LearnerConfig
-from learner.logprobs import head_logprobs, logits_logprobs, sequence_logprobs
+from learner.logprobs import head_logprobs, sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
 
@@ -41,20 +41,21 @@ def _cfg(chunk: int, **kw) -> LearnerConfig:
     return LearnerConfig(**{**base, **kw})
 
 
-def test_logits_logprobs_equals_log_softmax_and_has_its_gradient() -> None:
+def test_token_logprobs_of_head_rows_equal_log_softmax_and_have_its_gradient() -> None:
+    """The `[N, V]` rows the chunked head scores: log-probs and entropy as log_softmax says."""
     torch.manual_seed(0)
     logits = torch.randn(6, 11, dtype=torch.float64) * 3
     targets = torch.randint(0, 11, (6,))
-    lp, ent = logits_logprobs(logits, targets, TEMPERATURE)
-    want_lp, want_ent = token_logprobs(logits, targets, TEMPERATURE)
-    torch.testing.assert_close(lp, want_lp)
-    torch.testing.assert_close(ent, want_ent)
+    lp, ent = token_logprobs(logits, targets, TEMPERATURE)
+    log_p = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    torch.testing.assert_close(lp, log_p[torch.arange(6), targets])
+    torch.testing.assert_close(ent, -(log_p.exp() * log_p).sum(dim=-1))
     x = logits.clone().requires_grad_()
-    assert torch.autograd.gradcheck(lambda z: logits_logprobs(z, targets, TEMPERATURE)[0], (x,))
+    assert torch.autograd.gradcheck(lambda z: token_logprobs(z, targets, TEMPERATURE)[0], (x,))
     bf16 = logits.to(torch.bfloat16)
-    assert logits_logprobs(bf16, targets, 1.0)[0].dtype == torch.float32
+    assert token_logprobs(bf16, targets, 1.0)[0].dtype == torch.float32
     with pytest.raises(ValueError, match="temperature"):
-        logits_logprobs(logits, targets, 0.0)
+        token_logprobs(logits, targets, 0.0)
 
 
 def test_head_logprobs_runs_at_least_min_chunks_calls() -> None:

@@ -49,6 +49,14 @@ def _materialised(values: Any) -> Any:
     return values if isinstance(values, np.ndarray | list | tuple) else list(values)
 
 
+def versions_per_token(versions: IntArray | None, length: int, policy_version: int) -> IntArray:
+    """Each of `length` tokens' policy version: `versions` when given, else `policy_version`
+    for all (a response sampled by one version carries no per-token list)."""
+    if versions is not None and len(versions):
+        return versions
+    return np.full(length, policy_version, dtype=np.int64)
+
+
 class TokenArrays:
     """Base of the records that hold a response's per-token arrays (`token_ids`,
     `logprobs`, `token_versions`): lists given to the constructor (engines, tests) become
@@ -93,9 +101,7 @@ class Sample(TokenArrays):
 
     def versions(self) -> IntArray:
         """The policy version of every token (the behaviour policy of its log-prob)."""
-        if len(self.token_versions):
-            return self.token_versions
-        return np.full(len(self.token_ids), self.policy_version, dtype=np.int64)
+        return versions_per_token(self.token_versions, len(self.token_ids), self.policy_version)
 
 
 @dataclass
