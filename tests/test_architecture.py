@@ -3,6 +3,7 @@ torch-free roles start without torch (the layer contract itself is `lint-imports
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -51,6 +52,28 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
 def test_no_module_imports_itself_through_others() -> None:
     graph = grimp.build_graph(*PACKAGES)
     assert cycles(graph) == []
+
+
+def package_imports_of_test_helpers(source: str) -> list[str]:
+    """`tests.X` imports: the test helpers (learner_fixtures, pki, ...) are imported by module
+    name only, so one module is never loaded twice under two names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+            found.append(str(node.module))
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("tests.")]
+    return found
+
+
+def test_test_helpers_are_imported_by_module_name_only() -> None:
+    assert package_imports_of_test_helpers("from tests.pki import make_pki\nimport tests.fuzzing")
+    offenders = {
+        path.name: found
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if (found := package_imports_of_test_helpers(path.read_text()))
+    }
+    assert offenders == {}
 
 
 @pytest.mark.parametrize("role", ROLE_MODULES)
