@@ -76,6 +76,24 @@ def test_test_helpers_are_imported_by_module_name_only() -> None:
     assert offenders == {}
 
 
+SERVER_SIGNS = ("subprocess", "Popen", "redis_server", "start_redis", "tiny_model: ", "grpc.server")
+
+
+def test_the_unit_layer_lists_existing_modules_that_start_no_server() -> None:
+    """`make test-fast` runs UNIT_MODULES: a renamed module would silently drop out, and one
+    that starts a process or a server does not belong to the fast layer."""
+    from conftest import UNIT_MODULES
+
+    missing = sorted(name for name in UNIT_MODULES if not (ROOT / "tests" / name).is_file())
+    assert missing == []
+    heavy = {
+        name: signs
+        for name in sorted(UNIT_MODULES)
+        if (signs := [s for s in SERVER_SIGNS if s in (ROOT / "tests" / name).read_text()])
+    }
+    assert heavy == {}
+
+
 @pytest.mark.parametrize("role", ROLE_MODULES)
 def test_every_role_prints_its_usage(role: str) -> None:
     done = subprocess.run(
