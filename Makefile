@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint format proto bench test-vllm test-containers test-containers-cold clean
+.PHONY: install demo test test-fast lint format proto bench test-vllm test-containers test-containers-cold clean
 
 install: $(STAMP)
 
@@ -34,6 +34,12 @@ test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 	$(MAKE) test-containers
+
+# The unit layer alone: tests marked `unit` (the modules listed in tests/conftest.py's
+# UNIT_MODULES: in-process checks, no subprocess, server or Redis), well under a minute on
+# 2 cores. For the edit-test loop; `make test` runs everything.
+test-fast: install
+	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

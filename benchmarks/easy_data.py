@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import check, result_path, write_result
+
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "easy_data.json"
+RESULTS = result_path("easy_data")
 PAPER_SAMPLING = ["learner.generation_budget=null", "controller.difficulty_window=0"]
 THRESHOLDS = (0.8, 0.85, 0.9)
 # The check's threshold: the demo plateaus at 0.89-0.90 held-out avg@4 by step 100, so in
@@ -112,10 +114,20 @@ def checks(
     tail: dict[str, Any], demos: list[dict[str, Any]], no_backoff: dict[str, Any]
 ) -> list[dict[str, Any]]:
     backoff = tail["generated_per_trained"] / no_backoff["generated_per_trained"]
-    out = [{"name": "easy tail: steps/s last 50 / first 100", "value": tail["ratio"],
-            "target": ">= 0.5", "ok": tail["ratio"] >= 0.5},
-           {"name": "easy tail: generated per trained, difficulty-aware / plain admission",
-            "value": round(backoff, 3), "target": "< 1", "ok": backoff < 1}]  # fmt: skip
+    out = [
+        check(
+            "easy tail: steps/s last 50 / first 100",
+            tail["ratio"],
+            ">= 0.5",
+            tail["ratio"] >= 0.5,
+        ),
+        check(
+            "easy tail: generated per trained, difficulty-aware / plain admission",
+            backoff,
+            "< 1",
+            backoff < 1,
+        ),
+    ]
     if not demos:
         return out
     seconds = {
@@ -124,9 +136,14 @@ def checks(
     }
     reached = all(s is not None for v in seconds.values() for s in v)
     ratio = mean(seconds["preset"]) / mean(seconds["paper"]) if reached else None
-    out.append({"name": f"demo seconds to held-out {TARGET_ACCURACY}: preset / paper sampling",
-                "value": None if ratio is None else round(ratio, 3), "target": "<= 1.1",
-                "ok": ratio is not None and ratio <= 1.1})  # fmt: skip
+    out.append(
+        check(
+            f"demo seconds to held-out {TARGET_ACCURACY}: preset / paper sampling",
+            ratio,
+            "<= 1.1",
+            ratio is not None and ratio <= 1.1,
+        )
+    )
     return out
 
 
@@ -170,8 +187,7 @@ def main(argv: list[str]) -> None:
                 print(json.dumps(demos[-1]))
         result["demo"] = demos
     result["checks"] = checks(tail, demos, no_backoff)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import check, result_path, write_result
+
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "eval_curve.json"
+RESULTS = result_path("eval_curve")
 
 
 def run_once(tmp: Path, model: Path, every: int, steps: int, index: int) -> dict[str, Any]:
@@ -68,14 +70,16 @@ def checks(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     last = min(r["curve"][-1][1] for r in on)
     wall = max(r["wall_s"] for r in on)
     return [
-        {"name": "train span on / (off + eval seconds)", "value": round(stall, 3),
-         "target": "<= 1.1", "ok": stall <= 1.1},
-        {"name": "eval points per run (min)", "value": points, "target": ">= 5", "ok": points >= 5},
-        {"name": "curve first / last avg@4", "value": [first, last],
-         "target": "<= 0.2 / >= 0.8", "ok": first <= 0.2 and last >= 0.8},
-        {"name": "dapo up wall seconds with the curve (max)", "value": wall,
-         "target": "<= 300", "ok": wall <= 300},
-    ]  # fmt: skip
+        check("train span on / (off + eval seconds)", stall, "<= 1.1", stall <= 1.1),
+        check("eval points per run (min)", points, ">= 5", points >= 5),
+        check(
+            "curve first / last avg@4",
+            [first, last],
+            "<= 0.2 / >= 0.8",
+            first <= 0.2 and last >= 0.8,
+        ),
+        check("dapo up wall seconds with the curve (max)", wall, "<= 300", wall <= 300),
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -92,11 +96,14 @@ def main(argv: list[str]) -> None:
             for i, every in enumerate((0, 10, 10, 0)):
                 runs.append(run_once(Path(tmp), model, every, args.steps, 4 * block + i))
                 print(json.dumps(runs[-1]))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
-        "benchmark": "eval_curve", "machine": platform.machine(), "steps": args.steps,
-        "runs": runs, "checks": checks(runs),
-    }, indent=2) + "\n")  # fmt: skip
+    result = {
+        "benchmark": "eval_curve",
+        "machine": platform.machine(),
+        "steps": args.steps,
+        "runs": runs,
+        "checks": checks(runs),
+    }
+    write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

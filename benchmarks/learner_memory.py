@@ -43,8 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import check, result_path, write_result
+
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "learner_memory.json"
+RESULTS = result_path("learner_memory")
 VOCAB, PROMPT, CHUNK, THREADS = 151_936, 256, 512, 2
 TARGET_SLOPE, TARGET_TIME, TARGET_BARE = 0.10, 1.3, 1.2
 ROW_TIMEOUT_S = 1800
@@ -282,11 +284,6 @@ def find(
     return {"ok": False}
 
 
-def check(name: str, value: Any, target: str, ok: bool) -> dict[str, Any]:
-    value = round(value, 4) if isinstance(value, float) else value
-    return {"name": name, "value": value, "target": target, "ok": bool(ok)}
-
-
 def checks(rows: list[dict]) -> list[dict[str, Any]]:
     out = []
     for engine in ENGINES:
@@ -302,6 +299,7 @@ def checks(rows: list[dict]) -> list[dict[str, Any]]:
                 ratio,
                 f"<= {TARGET_BARE}",
                 ratio is not None and ratio <= TARGET_BARE,
+                digits=4,
             )
         )
     a, b = find(rows, "fp32_zero0", 4096), find(rows, "fp32_zero0", 16384)
@@ -316,6 +314,7 @@ def checks(rows: list[dict]) -> list[dict[str, Any]]:
             slope,
             f"<= {TARGET_SLOPE}",
             slope is not None and slope <= TARGET_SLOPE,
+            digits=4,
         )
     )
     new, old = find(rows, "fp32_zero0", 4096), find(rows, "fp32_zero0", 4096, chunk=0)
@@ -326,6 +325,7 @@ def checks(rows: list[dict]) -> list[dict[str, Any]]:
             ratio,
             f"<= {TARGET_TIME}",
             ratio is not None and ratio <= TARGET_TIME,
+            digits=4,
         )
     )
     return out
@@ -373,9 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "checks": checks(rows),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

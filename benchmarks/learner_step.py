@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _weight_publication
+from benchmarks._results import check, result_path, write_result
 from services.common.malloc import keep_freed_memory
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learner_step.json"
+RESULTS = result_path("learner_step")
 
 
 TARGET_SPEEDUP, TARGET_PADDING, TARGET_WIRE = 0.8, 0.10, 0.5
@@ -176,19 +177,38 @@ def bench_padding() -> dict[str, Any]:
 
 # ------------------------------------------------------------------ main
 def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
-    def check(name: str, value: float, target: str, ok: bool) -> dict[str, Any]:
-        return {"name": name, "value": round(value, 4), "target": target, "ok": bool(ok)}
-
+    padding = pad["with_token_budget"]
+    megabytes = pub["model_bytes"] / 1e6
     return [
-        check("learner_vs_plain_torch_tokens_per_s", thr["ratio"], f">= {TARGET_SPEEDUP}",
-              thr["ratio"] >= TARGET_SPEEDUP),
-        check("padding_fraction_with_token_budget", pad["with_token_budget"],
-              f"<= {TARGET_PADDING}", pad["with_token_budget"] <= TARGET_PADDING),
-        check("publication_vs_raw_tcp_bytes_per_s", pub["ratio"], f">= {TARGET_WIRE}",
-              pub["ratio"] >= TARGET_WIRE),
-        check("publication_model_megabytes", pub["model_bytes"] / 1e6, ">= 100",
-              pub["model_bytes"] >= 100e6),
-    ]  # fmt: skip
+        check(
+            "learner_vs_plain_torch_tokens_per_s",
+            thr["ratio"],
+            f">= {TARGET_SPEEDUP}",
+            thr["ratio"] >= TARGET_SPEEDUP,
+            digits=4,
+        ),
+        check(
+            "padding_fraction_with_token_budget",
+            padding,
+            f"<= {TARGET_PADDING}",
+            padding <= TARGET_PADDING,
+            digits=4,
+        ),
+        check(
+            "publication_vs_raw_tcp_bytes_per_s",
+            pub["ratio"],
+            f">= {TARGET_WIRE}",
+            pub["ratio"] >= TARGET_WIRE,
+            digits=4,
+        ),
+        check(
+            "publication_model_megabytes",
+            megabytes,
+            ">= 100",
+            pub["model_bytes"] >= 100e6,
+            digits=4,
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_avg_1m": os.getloadavg()[0]},
         "throughput": thr, "padding": pad, "publication": pub, "checks": checks(thr, pad, pub),
     }  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

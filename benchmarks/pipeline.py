@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "pipeline.json"
+from benchmarks._results import at_least, at_most, result_path, write_result
+
+RESULTS = result_path("pipeline")
 STEPS = 30
 REPEATS = 2
 
@@ -197,11 +198,6 @@ def plain_rate(model: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def check(name: str, value: float, target: float, higher: bool = True) -> dict[str, Any]:
-    ok = value >= target if higher else value <= target
-    return {"name": name, "value": round(value, 3), "target": target, "ok": bool(ok)}
-
-
 def measure(steps: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The sync/async pairs, the plain loop before and after them, and the mixed runs."""
     from learner.init_model import init_model
@@ -262,15 +258,14 @@ def summarize(
             "generated_per_trained_difficulty_aware": mixed_d["generated_per_trained"],
         },
         "checks": [
-            check("async speedup / ideal overlap bound", speedup / ideal, 0.9),
-            check("dapo up responses/s / plain loop", overhead, 0.5),
-            check(
+            at_least("async speedup / ideal overlap bound", speedup / ideal, 0.9),
+            at_least("dapo up responses/s / plain loop", overhead, 0.5),
+            at_most(
                 "generated per trained: difficulty-aware / plain admission",
                 mixed_d["generated_per_trained"] / mixed["generated_per_trained"],
                 1.0,
-                higher=False,
             ),
-            check(
+            at_least(
                 "ledger holds in every run", float(all(r["ledger_ok"] for r in runs.values())), 1.0
             ),
         ],
@@ -296,9 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary = summarize(runs, plain_before, plain_after, args.repeats)
     result = {"machine": machine, "steps_per_run": args.steps, **summary}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

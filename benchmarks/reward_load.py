@@ -39,11 +39,12 @@ from typing import Any
 import grpc
 import httpx
 
+from benchmarks._results import at_most, check, result_path, write_result
 from dapo.v1 import reward_pb2_grpc
 from reward.adapter import proto_from_inputs
 from reward.scoring import ScoreInput
 
-RESULTS = Path(__file__).resolve().parent / "results" / "reward_load.json"
+RESULTS = result_path("reward_load")
 TOWER = "Answer: $9^{9^{9^{9^9}}}$"
 BIG = "x" * 1_000_000  # 1 MB: math-verify parses all of it (the rule reads 300 chars)
 ODD = ["", "\\boxed{\\boxed{\\boxed{7}}}", "Answer: \\boxed{\\boxed{7}}"]
@@ -119,7 +120,10 @@ def send(
     return [{"id": r.id, "correct": r.correct, "error": r.error} for r in response.results]
 
 
-def check(items: list[tuple[Any, ...]], results: list[dict[str, Any]], tally: Tally) -> None:
+def tally_replies(
+    items: list[tuple[Any, ...]], results: list[dict[str, Any]], tally: Tally
+) -> None:
+    """Count one reply's timeouts, item errors and wrong verdicts; raise if it lost an item."""
     if [r["id"] for r in results] != [str(i) for i in range(len(items))]:
         raise RuntimeError(f"results out of order or missing: {len(results)}/{len(items)}")
     for (response, _, expected), result in zip(items, results, strict=True):
@@ -142,7 +146,7 @@ def client_loop(
             items = batch(index, n, k, pacer, transport == "http")
             start = time.perf_counter()
             try:
-                check(items, send(transport, items, http, stub), tally)
+                tally_replies(items, send(transport, items, http, stub), tally)
             except Exception as exc:  # counted: the target is zero
                 tally.errors += 1
                 tally.messages.append(f"{transport}: {exc}"[:300])
@@ -225,12 +229,10 @@ def summarize(args: argparse.Namespace, base: Tally, base_s: float, load: Tally,
     everything = load.latencies["http"] + load.latencies["grpc"]
     p99 = percentile(everything, 0.99)
     checks = [
-        {"name": "errors", "value": load.errors, "target": 0, "ok": load.errors == 0},
-        {"name": "wrong_verdicts", "value": load.wrong_verdicts, "target": 0,
-         "ok": load.wrong_verdicts == 0},
-        {"name": "p99_latency_s", "value": round(p99, 3), "target": round(target, 3),
-         "ok": p99 <= target},
-    ]  # fmt: skip
+        at_most("errors", load.errors, 0),
+        at_most("wrong_verdicts", load.wrong_verdicts, 0),
+        check("p99_latency_s", p99, round(target, 3), p99 <= target),
+    ]
     return {
         "benchmark": "reward_load",
         "config": {**vars(args), "out": str(args.out)},
@@ -278,6 +280,4 @@ def main(argv: list[str] | None = None) -> int:
     loads = {"loadavg_before": [round(x, 2) for x in before],
              "loadavg_after": [round(x, 2) for x in after]}  # fmt: skip
     result = summarize(args, base, args.baseline_s, load, t_big, loads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return write_result(args.out, result)

@@ -16,7 +16,6 @@ shared with other busy processes the ratio mostly measures the scheduler's fair 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._results import at_least, check, result_path, write_result
 from services.common.data import aime_path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "reward_throughput.json"
+RESULTS = result_path("reward_throughput")
 AIME = aime_path()
 TARGET_SPEEDUP = 1.8
 REASONING = "Let me work through the problem step by step, checking each case. " * 8
@@ -242,18 +242,14 @@ def summarize(
         "warmup_rep": {k: warmup[k] for k in ("inprocess_s", "grpc_s")},
         "verdict_agreement": agreement,
         "checks": [
-            {
-                "name": f"grpc_batch_{workers}_workers_vs_inprocess_loop",
-                "value": round(speedup, 3),
-                "target": TARGET_SPEEDUP,
-                "ok": speedup >= TARGET_SPEEDUP,
-            },
-            {
-                "name": "verdicts_identical_service_vs_inprocess",
-                "value": agreement,
-                "target": 1.0,
-                "ok": agreement == 1.0,
-            },
+            at_least(f"grpc_batch_{workers}_workers_vs_inprocess_loop", speedup, TARGET_SPEEDUP),
+            check(
+                "verdicts_identical_service_vs_inprocess",
+                agreement,
+                1.0,
+                agreement == 1.0,
+                digits=6,
+            ),
         ],
     }
 
@@ -266,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     result = measure(args.items, args.reps, args.workers)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    code = write_result(RESULTS, result)
     print(
         f"in-process {result['inprocess']['verifications_per_s']:.0f}/s, "
         f"gRPC batch ({args.workers} workers) {result['grpc_batch']['verifications_per_s']:.0f}/s, "
@@ -276,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         f"worker utilisation {result['costs']['worker_utilisation']:.2f}, "
         f"load {result['load_average_after'][0]:.1f} -> {RESULTS}"
     )
-    return 0 if all(check["ok"] for check in result["checks"]) else 1
+    return code
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Targets: batched >= 10x one-at-a-time; a >= 100 MB update applied in <= 5 s.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -35,7 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "rollout_engine.json"
+from benchmarks._results import at_least, at_most, result_path, write_result
+
+RESULTS = result_path("rollout_engine")
 TARGET_SPEEDUP = 10.0
 TARGET_UPDATE_S = 5.0
 MIN_MODEL_MB = 100.0
@@ -280,10 +281,6 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
 # -- report ----------------------------------------------------------------------------
 
 
-def check(name: str, value: float, target: float, ok: bool) -> dict[str, Any]:
-    return {"name": name, "value": round(value, 3), "target": target, "ok": ok}
-
-
 def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, Any]:
     mb = updates["model"]["megabytes"]
     pull = updates["pull_from_learner"]["median_s"]
@@ -295,10 +292,10 @@ def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, An
         "sampling": sampling,
         "weight_updates": updates,
         "checks": [
-            check("batched_engine_vs_one_at_a_time_generate", sampling["speedup"],
-                  TARGET_SPEEDUP, sampling["speedup"] >= TARGET_SPEEDUP),
-            check("update_model_megabytes", mb, MIN_MODEL_MB, mb >= MIN_MODEL_MB),
-            check("pull_update_seconds", pull, TARGET_UPDATE_S, pull <= TARGET_UPDATE_S),
+            at_least("batched_engine_vs_one_at_a_time_generate", sampling["speedup"],
+                     TARGET_SPEEDUP),
+            at_least("update_model_megabytes", mb, MIN_MODEL_MB),
+            at_most("pull_update_seconds", pull, TARGET_UPDATE_S),
         ],
     }  # fmt: skip
 
@@ -327,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         mb = build_big_model(big, tiny)
         updates = measure_updates(big, mb, args.update_reps, args.bucket_mb)
     result = summarize(sampling, updates)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    code = write_result(RESULTS, result)
     print(
         f"tokens/s: batched engine {sampling['batched_engine']['tokens_per_s']:.0f}, "
         f"service {sampling['service_grpc']['tokens_per_s']:.0f}, one-at-a-time "
@@ -336,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(x{sampling['speedup']:.1f}); {mb:.0f} MB update: pull "
         f"{updates['pull_from_learner']['median_s']:.2f}s -> {RESULTS}"
     )
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return code
 
 
 if __name__ == "__main__":

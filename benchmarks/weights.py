@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _weight_publication
+from benchmarks._results import check, result_path, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "weights.json"
+RESULTS = result_path("weights")
 QWEN25_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
@@ -257,12 +258,10 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
     one, four = result["servers_1"], result.get("servers_4")
-    out = [{"name": "one_server_vs_raw_loopback", "value": round(one["ratio"], 3),
-            "target": ">= 0.5", "ok": one["ratio"] >= 0.5}]  # fmt: skip
+    out = [check("one_server_vs_raw_loopback", one["ratio"], ">= 0.5", one["ratio"] >= 0.5)]
     if four is not None:
         growth = four["learner_bytes"] / one["learner_bytes"]
-        out.append({"name": "learner_bytes_4_over_1", "value": round(growth, 3),
-                    "target": "<= 1.1", "ok": growth <= 1.1})  # fmt: skip
+        out.append(check("learner_bytes_4_over_1", growth, "<= 1.1", growth <= 1.1))
     return out
 
 
@@ -285,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     result["publication"] = "in the step (sync)" if args.sync_publish else "background"
     result |= {"total_s": time.perf_counter() - started, "load_avg_1m": os.getloadavg()[0],
                "cpus": os.cpu_count(), "checks": checks(result)}  # fmt: skip
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if all(c["ok"] for c in result["checks"]) else 1
+    return write_result(RESULTS, result)
 
 
 if __name__ == "__main__":

@@ -207,12 +207,19 @@ class LearnerSettings(RoleSettings):
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
+    @model_validator(mode="after")
+    def _resolve_correction(self) -> LearnerSettings:
+        """None becomes token_tis when stale groups can be trained (hard bound > 0), else none."""
+        if self.learner.correction is None:
+            stale = self.shared.staleness_hard_bound > 0
+            chosen = DEFAULT_CORRECTION if stale else NoCorrection()
+            self.learner = self.learner.model_copy(update={"correction": chosen})
+        return self
+
     @property
     def correction(self) -> Correction:
-        """The correction in effect: the configured one, else on iff groups may be stale."""
-        if self.learner.correction is not None:
-            return self.learner.correction
-        return DEFAULT_CORRECTION if self.shared.staleness_hard_bound > 0 else NoCorrection()
+        """The correction in effect (`_resolve_correction` has replaced None)."""
+        return self.learner.correction or NoCorrection()
 
     @property
     def model_path(self) -> str | None:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.concurrency import run_in_threadpool
 
 from reward.config import VerifierName
-from reward.scoring import LimitExceeded, RequestError, ScoreInput, Scorer
+from reward.scoring import RequestError, ScoreInput, ScoreLimitExceeded, Scorer
 from services.common.errors import describe_validation, one_line
 
 
@@ -98,9 +98,9 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _too_large(size: int, limit: int) -> LimitExceeded:
+def _too_large(size: int, limit: int) -> ScoreLimitExceeded:
     message = f"request body of {size}+ bytes > reward.max_request_bytes={limit}"
-    return LimitExceeded("max_request_bytes", message, http_status=413)
+    return ScoreLimitExceeded("max_request_bytes", message, http_status=413)
 
 
 def parse_items(body: bytes) -> list[ScoreInput]:
@@ -135,7 +135,7 @@ def _describe(exc: ValidationError) -> str:
 def error_response(exc: RequestError) -> JSONResponse:
     """The JSON body of a refused request."""
     content: dict[str, Any] = {"detail": str(exc)}
-    if isinstance(exc, LimitExceeded):
+    if isinstance(exc, ScoreLimitExceeded):
         content["limit"] = exc.limit
     return JSONResponse(content, status_code=exc.http_status)
 

@@ -2,7 +2,7 @@
 
 Both front ends (gRPC `RewardService.Score` and `POST /v1/score`) translate their
 messages to `ScoreInput`s and back from `ScoreOutput`s and call `Scorer.score`; a
-`LimitExceeded` becomes INVALID_ARGUMENT or HTTP 422/413 naming the limit.
+`ScoreLimitExceeded` becomes INVALID_ARGUMENT or HTTP 422/413 naming the limit.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class RequestError(ValueError):
         self.http_status = http_status
 
 
-class LimitExceeded(RequestError):
-    """A request breaks a limit; `limit` names the config field, `http_status` 422 or 413."""
+class ScoreLimitExceeded(RequestError):
+    """A Score request breaks a limit; `limit` names it, `http_status` is 422 or 413."""
 
     def __init__(self, limit: str, message: str, http_status: int = 422) -> None:
         super().__init__(message, http_status)
@@ -73,20 +73,20 @@ class LimitExceeded(RequestError):
 
 
 def check_limits(items: Sequence[ScoreInput], limits: Limits) -> None:
-    """Raise LimitExceeded for the first limit the request breaks."""
+    """Raise ScoreLimitExceeded for the first limit the request breaks."""
     if len(items) > limits.max_items:
-        raise LimitExceeded(
+        raise ScoreLimitExceeded(
             "max_items", f"{len(items)} items > shared.rpc.max_score_items={limits.max_items}"
         )
     for index, item in enumerate(items):
         if len(item.response) > limits.max_response_chars:
-            raise LimitExceeded(
+            raise ScoreLimitExceeded(
                 "max_response_chars",
                 f"item {index}: response has {len(item.response)} characters > "
                 f"reward.max_response_chars={limits.max_response_chars}",
             )
         if len(item.ground_truth) > limits.max_ground_truth_chars:
-            raise LimitExceeded(
+            raise ScoreLimitExceeded(
                 "max_ground_truth_chars",
                 f"item {index}: ground_truth has {len(item.ground_truth)} characters > "
                 f"reward.max_ground_truth_chars={limits.max_ground_truth_chars}",
@@ -104,11 +104,11 @@ class Scorer:
         self.items_scored = 0
 
     def score(self, items: Sequence[ScoreInput], transport: str = "direct") -> list[ScoreOutput]:
-        """Score a batch; raises only LimitExceeded (before any work is done)."""
+        """Score a batch; raises only ScoreLimitExceeded (before any work is done)."""
         start = time.perf_counter()
         try:
             check_limits(items, self.limits)
-        except LimitExceeded as exc:
+        except ScoreLimitExceeded as exc:
             metrics.REJECTED.labels(exc.limit).inc()
             raise
         tasks = [

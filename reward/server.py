@@ -21,7 +21,7 @@ from reward import adapter, metrics
 from reward.config import RewardSettings
 from reward.http_api import add_score_route
 from reward.pool import VerifierPool
-from reward.scoring import LimitExceeded, Limits, RequestError, Scorer
+from reward.scoring import Limits, RequestError, ScoreLimitExceeded, Scorer
 from reward.shaping import OverlongShaping
 from services.common.errors import REFUSAL_KEY
 from services.common.grpc_server import start_grpc_server
@@ -45,7 +45,7 @@ class RewardServicer:
             items = adapter.inputs_from_proto(adapter.parse_request(data))
             outputs = self.scorer.score(items, "grpc")
         except RequestError as exc:
-            refusal = exc.limit if isinstance(exc, LimitExceeded) else "invalid"
+            refusal = exc.limit if isinstance(exc, ScoreLimitExceeded) else "invalid"
             context.set_trailing_metadata(((REFUSAL_KEY, refusal),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return adapter.outputs_to_proto(outputs)

@@ -153,7 +153,14 @@ class RolloutSettings(RoleSettings):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _resolve_partial_rollouts(self) -> RolloutSettings:
+        """None becomes on for asynchronous runs (shared.max_staleness > 0), off otherwise."""
+        if self.rollout.partial_rollouts is None:
+            on = self.shared.max_staleness > 0
+            self.rollout = self.rollout.model_copy(update={"partial_rollouts": on})
+        return self
+
     def partial_rollouts(self) -> bool:
-        """The switch resolved: explicit, else on for asynchronous runs."""
-        explicit = self.rollout.partial_rollouts
-        return self.shared.max_staleness > 0 if explicit is None else explicit
+        """The switch as a bool (`_resolve_partial_rollouts` has replaced None)."""
+        return bool(self.rollout.partial_rollouts)

@@ -1,7 +1,7 @@
 """Request limits of a rollout server; each violation names the config field it breaks.
 
-The service turns `LimitExceeded` into gRPC INVALID_ARGUMENT. Size, n and max_tokens are
-checked before tokenising, so an oversized prompt costs no tokenizer time.
+The service turns `GenerateLimitExceeded` into gRPC INVALID_ARGUMENT. Size, n and
+max_tokens are checked before tokenising, so an oversized prompt costs no tokenizer time.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from rollout.config import RolloutSettings
 from rollout.engine import out_of_vocab
 
 
-class LimitExceeded(ValueError):
-    """A request breaks a limit; `limit` is the config field, e.g. 'shared.max_prompt_length'."""
+class GenerateLimitExceeded(ValueError):
+    """A GenerateGroup request breaks a limit; `limit` is the config field it names,
+    e.g. 'shared.max_prompt_length' (sent under REFUSAL_KEY)."""
 
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
@@ -42,12 +43,12 @@ class Limits:
         )
 
     def check_request(self, request: rollout_pb2.GenerateRequest) -> None:
-        """Size, n and max_tokens; raise LimitExceeded for the first broken one."""
+        """Size, n and max_tokens; raise GenerateLimitExceeded for the first broken one."""
         size = request.ByteSize()
         if size > self.max_request_bytes:
             _fail("rollout.max_request_bytes", f"request of {size} bytes", self.max_request_bytes)
         if not 1 <= request.n <= self.max_n:
-            raise LimitExceeded(
+            raise GenerateLimitExceeded(
                 "rollout.max_n", f"n={request.n} is outside [1, rollout.max_n={self.max_n}]"
             )
         max_tokens = request.sampling.max_tokens
@@ -59,7 +60,7 @@ class Limits:
     def check_prompt(self, prompt: Sequence[int], vocab_size: int) -> None:
         """Length and token ids of the tokenised prompt."""
         if not prompt:
-            raise LimitExceeded("prompt", "the prompt is empty")
+            raise GenerateLimitExceeded("prompt", "the prompt is empty")
         if len(prompt) > self.max_prompt_length:
             _fail(
                 "shared.max_prompt_length",
@@ -68,10 +69,10 @@ class Limits:
             )
         bad = out_of_vocab(prompt, vocab_size)
         if bad is not None:
-            raise LimitExceeded(
+            raise GenerateLimitExceeded(
                 "vocab_size", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
             )
 
 
 def _fail(limit: str, what: str, bound: int) -> NoReturn:
-    raise LimitExceeded(limit, f"{what} exceeds {limit}={bound}")
+    raise GenerateLimitExceeded(limit, f"{what} exceeds {limit}={bound}")

@@ -31,7 +31,7 @@ from rollout import adapter
 from rollout.batcher import Batcher, BatcherClosed
 from rollout.config import RolloutSettings, TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
-from rollout.limits import LimitExceeded, Limits
+from rollout.limits import GenerateLimitExceeded, Limits
 from rollout.metrics import RolloutMetrics
 from rollout.relay import RelayHub, RelayServer
 from rollout.weights import WeightSync, WeightUpdater
@@ -110,7 +110,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                          "rollout server is catching up to the published weights")  # fmt: skip
         try:
             prompt, params = self._parse(request)
-        except LimitExceeded as exc:  # names the config field it broke
+        except GenerateLimitExceeded as exc:  # names the config field it broke
             self._refuse(context, exc.limit, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ValueError as exc:
             self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))

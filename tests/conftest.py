@@ -16,6 +16,50 @@ import redis
 
 from services.common.redis_server import RedisServer, start_redis
 
+# The unit layer (`make test-fast`, `pytest -m unit`): modules of in-process checks that start
+# no subprocess, server or Redis and build no model on disk; together well under a minute on
+# 2 cores. A module joins by name here (test_architecture checks that each exists and stays
+# free of servers); the rest of the suite is the integration and system layer.
+UNIT_MODULES = frozenset(
+    {
+        "test_ablation_results.py",
+        "test_algorithm.py",
+        "test_batching.py",
+        "test_bench_results.py",
+        "test_buffer_filters.py",
+        "test_config.py",
+        "test_correction.py",
+        "test_deploy_autoscaling.py",
+        "test_deploy_grafana.py",
+        "test_deploy_stack_checks.py",
+        "test_docs_reward.py",
+        "test_engine_base.py",
+        "test_no_unsafe_deserialization.py",
+        "test_packing.py",
+        "test_recycled.py",
+        "test_report.py",
+        "test_reward_shaping.py",
+        "test_reward_verifiers.py",
+        "test_staleness.py",
+    }
+)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Under exactly `-m unit` import only the unit modules: importing the rest to deselect
+    them would cost ~10 s of a fast run."""
+    is_test_module = collection_path.name.startswith("test_") and collection_path.suffix == ".py"
+    if config.getoption("markexpr") == "unit" and is_test_module:
+        return collection_path.name not in UNIT_MODULES
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test of a UNIT_MODULES module `unit`."""
+    for item in items:
+        if item.path.name in UNIT_MODULES:
+            item.add_marker(pytest.mark.unit)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:

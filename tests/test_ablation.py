@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from learner_fixtures import make_groups
 
 from learner.batching import sequences_from_groups
 from learner.model_io import load_model
@@ -45,7 +46,6 @@ from services.tools.ablation_table import (
     table_md,
 )
 from services.tools.config import DapoConfig
-from tests.learner_fixtures import make_groups
 
 
 @pytest.fixture(scope="module")

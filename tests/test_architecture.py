@@ -3,6 +3,7 @@ torch-free roles start without torch (the layer contract itself is `lint-imports
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -51,6 +52,46 @@ def test_the_cycle_finder_finds_a_planted_cycle() -> None:
 def test_no_module_imports_itself_through_others() -> None:
     graph = grimp.build_graph(*PACKAGES)
     assert cycles(graph) == []
+
+
+def package_imports_of_test_helpers(source: str) -> list[str]:
+    """`tests.X` imports: the test helpers (learner_fixtures, pki, ...) are imported by module
+    name only, so one module is never loaded twice under two names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+            found.append(str(node.module))
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("tests.")]
+    return found
+
+
+def test_test_helpers_are_imported_by_module_name_only() -> None:
+    assert package_imports_of_test_helpers("from tests.pki import make_pki\nimport tests.fuzzing")
+    offenders = {
+        path.name: found
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if (found := package_imports_of_test_helpers(path.read_text()))
+    }
+    assert offenders == {}
+
+
+SERVER_SIGNS = ("subprocess", "Popen", "redis_server", "start_redis", "tiny_model: ", "grpc.server")
+
+
+def test_the_unit_layer_lists_existing_modules_that_start_no_server() -> None:
+    """`make test-fast` runs UNIT_MODULES: a renamed module would silently drop out, and one
+    that starts a process or a server does not belong to the fast layer."""
+    from conftest import UNIT_MODULES
+
+    missing = sorted(name for name in UNIT_MODULES if not (ROOT / "tests" / name).is_file())
+    assert missing == []
+    heavy = {
+        name: signs
+        for name in sorted(UNIT_MODULES)
+        if (signs := [s for s in SERVER_SIGNS if s in (ROOT / "tests" / name).read_text()])
+    }
+    assert heavy == {}
 
 
 @pytest.mark.parametrize("role", ROLE_MODULES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.buffer.filters import decide
+from services.common.settings import SharedConfig
 from services.common.types import Group, Sample
 from services.controller.admission import (
     PipelineCounts,
@@ -26,8 +27,12 @@ def make_group(correct: list[bool], version: int = 3, rewards: list[float] | Non
 
 
 def run(group: Group, **kw) -> str:
-    args = dict(group_size=4, current_version=3, max_staleness=0, metric="acc")
-    return decide(group, **{**args, **kw}).reason
+    """decide() as the buffer calls it: the hard bound resolved by the config unless given."""
+    args = dict(group_size=4, current_version=3, max_staleness=0, metric="acc") | kw
+    if "max_staleness_hard" not in args:
+        shared = SharedConfig(max_staleness=args["max_staleness"])
+        args["max_staleness_hard"] = shared.staleness_hard_bound
+    return decide(group, **args).reason
 
 
 @pytest.mark.parametrize(

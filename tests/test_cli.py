@@ -70,6 +70,37 @@ def test_config_show_prints_the_resolved_config() -> None:
     assert data["learner"]["lr"] == 0.5 and data["shared"]["run_name"] == "tiny"
 
 
+@pytest.mark.parametrize(
+    ("staleness", "hard", "partial", "correction"),
+    [(0, 0, False, "none"), (2, 8, True, "token_tis")],
+)
+def test_config_show_prints_auto_values_resolved(
+    staleness: int, hard: int, partial: bool, correction: str, tmp_path: Path
+) -> None:
+    """ "None = auto" fields show what the run will use, and the shown file reads back as is."""
+    args = ("config", "show", "--set", f"shared.max_staleness={staleness}", "--format", "json")
+    data = json.loads(dapo(*args).stdout)
+    assert data["shared"]["max_staleness_hard"] == hard
+    assert data["rollout"]["partial_rollouts"] is partial
+    assert data["learner"]["correction"]["kind"] == correction
+    shown = tmp_path / "shown.json"
+    shown.write_text(json.dumps(data))
+    again = dapo("config", "show", "--config", str(shown), "--format", "json")
+    assert json.loads(again.stdout) == data
+
+
+def test_config_show_keeps_explicit_values_of_auto_fields() -> None:
+    sets = [
+        "shared.max_staleness=2",
+        "shared.max_staleness_hard=3",
+        "rollout.partial_rollouts=false",
+    ]
+    flags = [arg for value in sets for arg in ("--set", value)]
+    data = json.loads(dapo("config", "show", *flags, "--format", "json").stdout)
+    assert data["shared"]["max_staleness_hard"] == 3
+    assert data["rollout"]["partial_rollouts"] is False
+
+
 def test_unknown_preset(tmp_path: Path) -> None:
     assert_one_line_error(dapo("up", "--preset", "huge"), "unknown preset 'huge'")
 

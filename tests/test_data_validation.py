@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from messy_data import OVERLONG, clean_rows, messy_rows, row, write_jsonl, write_parquet
 from transformers import AutoTokenizer
 
 from services.common.data import DataError, PromptRecord, aime_path
@@ -19,7 +20,6 @@ from services.common.errors import DapoError
 from services.common.prompt_tokens import CounterUnavailable, prompt_counter
 from services.controller.config import DatasetConfig
 from services.controller.dataset import load_training_data
-from tests.messy_data import OVERLONG, clean_rows, messy_rows, row, write_jsonl, write_parquet
 
 MESSY_PROMPTS = [
     "3,7,1=",

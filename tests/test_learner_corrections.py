@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from learner_fixtures import hand_logprobs, make_groups
 
 from learner.algorithm import agg_loss, kl_k3
 from learner.batching import collate, loss_counts, sequences_from_groups
@@ -21,7 +22,6 @@ from learner.packing import use_packing
 from learner.reference import Reference
 from learner.step import accumulate, recompute_old_logprobs, train_step
 from learner.torch_policy import TorchPolicy
-from tests.learner_fixtures import hand_logprobs, make_groups
 
 MAX_LEN = 16
 

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tests.messy_data import (
+from messy_data import (
     HUGE_GROUND_TRUTH,
     OVERLONG,
     clean_rows,

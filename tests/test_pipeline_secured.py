@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 import yaml
+from pki import Issued, make_node_cert
 
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from services.common.grpc_server import channel, insecure_channel
@@ -19,7 +20,6 @@ from services.common.keys import RunKeys
 from services.common.redis_server import connect
 from services.common.registry import discover
 from services.common.security import AuthConfig, RedisAuthConfig, SecurityConfig, TlsConfig
-from tests.pki import Issued, make_node_cert
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 from learner_fixtures import make_groups
+from pki import Pki, make_pki
+from tls_proxy import TlsProxy
 
 from services.common.adapters import encode_group
 from services.common.errors import DapoError
@@ -26,8 +28,6 @@ from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer, connect
 from services.common.security import RedisAuthConfig, SecurityError
 from services.tools.cli import main as dapo
-from tests.pki import Pki, make_pki
-from tests.tls_proxy import TlsProxy
 
 PASSWORD = "tls-redis-pw-41c7"
 FAST_S = 3.0  # a refused handshake is a DapoError well within this, never a 20 s retry

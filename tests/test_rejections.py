@@ -17,6 +17,8 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2
 from grpc_health.v1 import health_pb2_grpc as grpc_health
+from messy_data import HUGE_GROUND_TRUTH, OVERLONG, clean_rows, row, write_parquet
+from rollout_fixtures import Served, make_config, serve
 
 from reward.server import RewardServer
 from reward.server import create_server as create_reward_server
@@ -32,8 +34,6 @@ from services.controller.failures import GroupRejected, Rejection, RejectionStre
 from services.controller.server import REJECTED, RETRIES, Controller
 from services.tools.config import DapoConfig, load_config
 from services.tools.ledger import format_ledger
-from tests.messy_data import HUGE_GROUND_TRUTH, OVERLONG, clean_rows, row, write_parquet
-from tests.rollout_fixtures import Served, make_config, serve
 
 RUN = "rej"
 

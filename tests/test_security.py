@@ -13,6 +13,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pki import Pki, client_tls, make_pki, server_tls
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.weights import WeightServicer, add_weight_service
@@ -31,7 +32,6 @@ from services.common.security import (
 from services.common.server_config import ServerConfig
 from services.common.tensor_codec import RawTensor
 from services.tools.config import DapoConfig, dump_config, load_config
-from tests.pki import Pki, client_tls, make_pki, server_tls
 
 TOKEN = "s3cret-token"
 FETCH = "/dapo.v1.WeightService/FetchWeights"

@@ -14,11 +14,11 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pki import Pki, client_tls, make_pki, server_tls
 
 from services.common.grpc_server import channel, insecure_channel
 from services.common.security import AuthConfig, SecurityConfig
 from services.tools.config import DapoConfig
-from tests.pki import Pki, client_tls, make_pki, server_tls
 
 TOKEN = "s3cret-token"
 

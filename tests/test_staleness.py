@@ -8,6 +8,8 @@ from pydantic import ValidationError
 from test_buffer_filters import make_group, run
 
 from learner.config import LearnerSettings, MaskedIS, NoCorrection, TokenTIS
+from services.buffer.config import BufferSettings
+from services.buffer.filters import decide
 from services.common.ledger import Ledger
 from services.common.settings import SharedConfig
 from services.common.staleness import judge, staleness, too_stale
@@ -33,11 +35,36 @@ def test_staleness_is_measured_from_the_oldest_token() -> None:
 def test_buffer_keeps_informative_groups_up_to_the_hard_bound() -> None:
     informative = [True, False, True, False]
     old = make_group(informative, version=1)  # 2 versions behind the buffer's 3
-    assert run(old, max_staleness=1) == "stale"  # hard = soft: today's rule
+    assert run(old, max_staleness=1, max_staleness_hard=1) == "stale"  # hard = soft
     assert run(old, max_staleness=1, max_staleness_hard=2) == "kept"
     assert run(make_group(informative, version=0), max_staleness=1, max_staleness_hard=2) == (
         "stale"
     )
+
+
+def test_the_buffer_takes_the_hard_bound_the_config_resolved() -> None:
+    """No second default in the filters: decide() needs the bound, the config supplies it."""
+    informative = [True, False, True, False]
+    with pytest.raises(TypeError, match="max_staleness_hard"):
+        decide(
+            make_group(informative, version=1),
+            group_size=4,
+            current_version=3,
+            max_staleness=1,
+            metric="acc",
+        )
+    settings = BufferSettings.model_validate({"shared": {"max_staleness": 1}})
+    assert settings.shared.max_staleness_hard == 4  # resolved in the model, visible as data
+    for version, verdict in ((1, "kept"), (0, "stale")):  # 4 and 5 versions behind
+        decision = decide(
+            make_group(informative, version=version),
+            group_size=4,
+            current_version=5,
+            max_staleness=settings.shared.max_staleness,
+            max_staleness_hard=settings.shared.staleness_hard_bound,
+            metric="acc",
+        )
+        assert decision.reason == verdict
 
 
 def test_uninformative_stale_groups_are_counted_as_uninformative() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+from pki import Pki, make_pki
 
 from dapo.v1 import learner_pb2
 from learner.weights import WeightServicer, add_weight_service
@@ -28,7 +29,6 @@ from services.common.server_config import ServerConfig
 from services.common.tensor_codec import RawTensor, parse_bucket
 from services.common.weight_socket import WeightSocketError, WeightSocketServer
 from services.tools.config import DapoConfig
-from tests.pki import Pki, make_pki
 
 VERSION = 5
 BUCKET = 4096

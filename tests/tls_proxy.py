@@ -15,7 +15,7 @@ import ssl
 import threading
 from pathlib import Path
 
-from tests.pki import Issued
+from pki import Issued
 
 POLL_S = 0.05  # how often idle threads look at the stop flag
 IO_TIMEOUT_S = 5.0  # a handshake or a half-sent record never blocks a thread longer

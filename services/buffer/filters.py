@@ -67,19 +67,19 @@ def decide(
     group_size: int,
     current_version: int,
     max_staleness: int,
+    max_staleness_hard: int,
     metric: Literal["acc", "reward"],
     dynamic_sampling: bool = True,
-    max_staleness_hard: int | None = None,
 ) -> FilterDecision:
     """Apply the filters in order; the first refusal is the reason.
 
-    `max_staleness_hard` defaults to the soft bound (every group past it dropped).
+    `max_staleness_hard` is the resolved `shared.staleness_hard_bound`: its default lives in
+    the config alone.
     """
-    hard = max_staleness if max_staleness_hard is None else max_staleness_hard
     for decision in (
         check_wellformed(group, group_size),
         check_informative(group, metric) if dynamic_sampling else KEPT,
-        check_fresh(group, current_version, max_staleness, hard),
+        check_fresh(group, current_version, max_staleness, max_staleness_hard),
     ):
         if not decision.keep:
             return decision

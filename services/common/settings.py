@@ -100,14 +100,18 @@ class SharedConfig(StrictModel):
 
     @property
     def staleness_hard_bound(self) -> int:
-        """The hard bound in effect (decoupled PPO held accuracy to staleness 4-8 in AReaL)."""
-        if self.max_staleness_hard is not None:
-            return self.max_staleness_hard
-        return HARD_BOUND_FACTOR * self.max_staleness
+        """`max_staleness_hard` as an int: `_resolve_hard_bound` has replaced None."""
+        if self.max_staleness_hard is None:  # only model_construct() skips the validator
+            raise ValueError("shared.max_staleness_hard was never resolved (unvalidated config)")
+        return self.max_staleness_hard
 
     @model_validator(mode="after")
-    def _hard_at_least_soft(self) -> SharedConfig:
-        if self.max_staleness_hard is not None and self.max_staleness_hard < self.max_staleness:
+    def _resolve_hard_bound(self) -> SharedConfig:
+        """None becomes HARD_BOUND_FACTOR x the soft bound: the one place that default lives
+        (decoupled PPO held accuracy to staleness 4-8 in AReaL)."""
+        if self.max_staleness_hard is None:
+            self.max_staleness_hard = HARD_BOUND_FACTOR * self.max_staleness
+        if self.max_staleness_hard < self.max_staleness:
             raise ValueError("shared.max_staleness_hard must be >= shared.max_staleness")
         return self
 

@@ -1,0 +1,47 @@
+"""The one shape of a benchmark's result: `checks` rows and the file `dapo bench` reads.
+
+Every benchmark writes benchmarks/results/NAME.json with its details and
+`checks: [{name, value, target, ok}]`; these helpers are the only place that shape is made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+Check = dict[str, Any]
+
+
+def check(name: str, value: Any, target: Any, ok: bool, digits: int = 3) -> Check:
+    """One `checks` row; a float value is rounded to `digits` places for reading."""
+    shown = round(value, digits) if isinstance(value, float) else value
+    return {"name": name, "value": shown, "target": target, "ok": bool(ok)}
+
+
+def at_least(name: str, value: float, target: float, digits: int = 3) -> Check:
+    """A row that passes when the (unrounded) value reaches a numeric target."""
+    return check(name, value, target, value >= target, digits)
+
+
+def at_most(name: str, value: float, target: float, digits: int = 3) -> Check:
+    """A row that passes when the (unrounded) value stays within a numeric ceiling."""
+    return check(name, value, target, value <= target, digits)
+
+
+def result_path(name: str) -> Path:
+    """Where benchmark NAME writes its result (what `dapo bench NAME` reads back)."""
+    return RESULTS_DIR / f"{name}.json"
+
+
+def all_ok(checks: list[Check]) -> bool:
+    return all(row["ok"] for row in checks)
+
+
+def write_result(path: Path, result: dict[str, Any]) -> int:
+    """Write `result` (details + `checks`) as indented JSON; 0 if every check is ok, else 1."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all_ok(result.get("checks", [])) else 1

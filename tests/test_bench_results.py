@@ -1,0 +1,60 @@
+"""benchmarks/_results.py: the one `checks` row shape and result writer every benchmark uses."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks._results import at_least, at_most, check, result_path, write_result
+from services.tools.bench import list_benchmarks
+
+
+def test_check_row_has_the_result_file_shape_and_rounds_floats_only() -> None:
+    assert check("ratio", 1.23456, ">= 1", True) == {
+        "name": "ratio",
+        "value": 1.235,
+        "target": ">= 1",
+        "ok": True,
+    }
+    assert check("r", 0.123456, 0.1, 1, digits=4)["value"] == 0.1235
+    assert check("count", 7, 0, False)["value"] == 7
+    assert check("pair", [0.11111, 0.9], "x", True)["value"] == [0.11111, 0.9]
+    assert check("missing", None, "<= 1.1", False)["value"] is None
+    assert check("r", 1.0, 1.0, 1)["ok"] is True  # a truthy int becomes a JSON bool
+
+
+def test_bounds_compare_the_unrounded_value() -> None:
+    assert at_least("a", 0.9, 0.9)["ok"] and not at_least("a", 0.8999, 0.9)["ok"]
+    assert at_least("a", 0.8999, 0.9)["value"] == 0.9  # shown rounded, judged exact
+    assert at_most("b", 1.0, 1.0)["ok"] and not at_most("b", 1.0004, 1.0)["ok"]
+    assert at_most("errors", 0, 0) == {"name": "errors", "value": 0, "target": 0, "ok": True}
+
+
+def test_write_result_writes_what_dapo_bench_reads_and_returns_the_exit_code(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "deep" / "x.json"
+    good = {"details": {"n": 3}, "checks": [at_least("a", 2.0, 1.0)]}
+    assert write_result(path, good) == 0
+    text = path.read_text()
+    assert text.endswith("}\n") and json.loads(text) == good
+    bad = {"checks": [at_least("a", 2.0, 1.0), at_most("b", 2.0, 1.0)]}
+    assert write_result(path, bad) == 1
+    assert json.loads(path.read_text())["checks"][1]["ok"] is False
+
+
+def test_result_path_is_where_dapo_bench_reads() -> None:
+    import services.tools.bench as bench
+
+    assert result_path("pipeline") == bench.BENCH_DIR / "results" / "pipeline.json"
+
+
+@pytest.mark.parametrize("name", list_benchmarks())
+def test_every_benchmark_writes_its_result_through_the_shared_writer(name: str) -> None:
+    """Each benchmark (what `dapo bench` lists) imports and writes where `dapo bench` reads."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.RESULTS == result_path(name)
+    assert module.write_result is write_result
