@@ -43,23 +43,45 @@ def score_group(engine: TorchEngine, record: Any, outs: list, verifier: str) -> 
     for o in outs:
         text = engine.tokenizer.decode(o.token_ids, skip_special_tokens=True)
         verdict = run_verifier(verifier, text, record.ground_truth)
-        samples.append(Sample(o.token_ids, o.logprobs, text, o.finish_reason, o.policy_version,
-                              reward=1.0 if verdict.correct else -1.0, correct=verdict.correct,
-                              truncated=o.finish_reason == "length"))  # fmt: skip
-    return Group(record.prompt_id, record.prompt_id, record.prompt,
-                 prompt_ids(engine.tokenizer, record.prompt, False), record.ground_truth,
-                 samples=samples)  # fmt: skip
+        samples.append(
+            Sample(
+                o.token_ids,
+                o.logprobs,
+                text,
+                o.finish_reason,
+                o.policy_version,
+                reward=1.0 if verdict.correct else -1.0,
+                correct=verdict.correct,
+                truncated=o.finish_reason == "length",
+            )
+        )
+    return Group(
+        record.prompt_id,
+        record.prompt_id,
+        record.prompt,
+        prompt_ids(engine.tokenizer, record.prompt, False),
+        record.ground_truth,
+        samples=samples,
+    )
 
 
 def held_out_accuracy(engine: TorchEngine, cfg: DapoConfig, n: int = 4) -> float:
     records = synthetic_records(cfg.controller.dataset.synthetic_task, split="test")
-    params = SamplingParams(n=n, temperature=1.0, top_p=0.7,
-                            max_tokens=cfg.shared.max_response_length)  # fmt: skip
+    params = SamplingParams(
+        n=n, temperature=1.0, top_p=0.7, max_tokens=cfg.shared.max_response_length
+    )
     outs = engine.generate([prompt_ids(engine.tokenizer, r.prompt, False) for r in records], params)
-    correct = [[run_verifier(cfg.shared.verifier,
-                             engine.tokenizer.decode(o.token_ids, skip_special_tokens=True),
-                             r.ground_truth).correct for o in row]
-               for r, row in zip(records, outs, strict=True)]  # fmt: skip
+    correct = [
+        [
+            run_verifier(
+                cfg.shared.verifier,
+                engine.tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                r.ground_truth,
+            ).correct
+            for o in row
+        ]
+        for r, row in zip(records, outs, strict=True)
+    ]
     return summarise(correct, n)[f"avg@{n}"]
 
 
@@ -68,8 +90,9 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
     engine = TorchEngine(cfg.model_path, dtype="float32")
     policy = TorchPolicy(load_model(cfg.model_path), cfg.learner)
     records = synthetic_records(cfg.controller.dataset.synthetic_task, seed=cfg.shared.seed)
-    params = SamplingParams(n=cfg.shared.group_size, temperature=1.0,
-                            max_tokens=cfg.shared.max_response_length)  # fmt: skip
+    params = SamplingParams(
+        n=cfg.shared.group_size, temperature=1.0, max_tokens=cfg.shared.max_response_length
+    )
     need, cursor, result = cfg.shared.train_batch_groups, 0, PlainResult()
     pad = engine.pad_token_id
     started = time.perf_counter()
@@ -79,10 +102,13 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
         while len(carry) < need:
             batch = [records[(cursor + i) % len(records)] for i in range(need)]
             cursor += need
-            outs = engine.generate([prompt_ids(engine.tokenizer, r.prompt, False) for r in batch],
-                                   params)  # fmt: skip
-            groups = [score_group(engine, r, o, cfg.shared.verifier)
-                      for r, o in zip(batch, outs, strict=True)]  # fmt: skip
+            outs = engine.generate(
+                [prompt_ids(engine.tokenizer, r.prompt, False) for r in batch], params
+            )
+            groups = [
+                score_group(engine, r, o, cfg.shared.verifier)
+                for r, o in zip(batch, outs, strict=True)
+            ]
             result.groups_generated += len(groups)
             result.responses += len(groups) * cfg.shared.group_size
             carry += [g for g in groups if check_informative(g, "acc").keep]
@@ -98,8 +124,9 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
         result.train_seconds += time.perf_counter() - t1
         if eval_every and result.steps % eval_every == 0:
             acc = held_out_accuracy(engine, cfg)
-            result.curve.append({"step": result.steps, "seconds": time.perf_counter() - started,
-                                 "held_out": acc})  # fmt: skip
+            result.curve.append(
+                {"step": result.steps, "seconds": time.perf_counter() - started, "held_out": acc}
+            )
     result.wall_seconds = time.perf_counter() - started
     return result
 

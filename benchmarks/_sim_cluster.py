@@ -55,23 +55,31 @@ class Shape:
 def sim_config(mode: Mode, model: Path, redis_url: str, shape: Shape) -> Any:
     from services.tools.config import load_config
 
-    ports = [f"{role}.server.{kind}_port=0" for role in ("rollout", "reward", "learner")
-             for kind in ("grpc", "http")] + ["controller.server.http_port=0",
-                                              "buffer.server.http_port=0"]  # fmt: skip
+    ports = [
+        f"{role}.server.{kind}_port=0"
+        for role in ("rollout", "reward", "learner")
+        for kind in ("grpc", "http")
+    ] + ["controller.server.http_port=0", "buffer.server.http_port=0"]
     config = load_config(
         preset="tiny",
         env={},
         overrides=[
-            f"shared.run_name=sim-{mode.name}", f"shared.model_path={model}",
-            f"shared.redis_url={redis_url}", f"shared.max_staleness={mode.staleness}",
-            f"shared.max_response_length={shape.l_max}", f"shared.group_size={shape.group_size}",
+            f"shared.run_name=sim-{mode.name}",
+            f"shared.model_path={model}",
+            f"shared.redis_url={redis_url}",
+            f"shared.max_staleness={mode.staleness}",
+            f"shared.max_response_length={shape.l_max}",
+            f"shared.group_size={shape.group_size}",
             f"shared.train_batch_groups={shape.batch_groups}",
-            f"rollout.partial_rollouts={str(mode.partial).lower()}", "rollout.weight_poll_s=0.01",
-            f"learner.total_steps={shape.steps}", "learner.linger_s=0",
-            "controller.eval.enabled=false", *ports,
+            f"rollout.partial_rollouts={str(mode.partial).lower()}",
+            "rollout.weight_poll_s=0.01",
+            f"learner.total_steps={shape.steps}",
+            "learner.linger_s=0",
+            "controller.eval.enabled=false",
+            *ports,
             *([] if mode.hard is None else [f"shared.max_staleness_hard={mode.hard}"]),
         ],
-    )  # fmt: skip
+    )
     config.rollout.engine = VllmEngineConfig()  # what SimEngine stands for: its limits
     return config
 
@@ -149,13 +157,20 @@ def run_mode(
 
 
 def measure(
-    mode: Mode, client: redis.Redis, run: str, shape: Shape, costs: SimCosts,
-    trainer: SimTrainer, sampler: Sampler,
-) -> dict[str, Any]:  # fmt: skip
+    mode: Mode,
+    client: redis.Redis,
+    run: str,
+    shape: Shape,
+    costs: SimCosts,
+    trainer: SimTrainer,
+    sampler: Sampler,
+) -> dict[str, Any]:
     """Throughput, idle shares, staleness and the ledger over steps warmup+1..steps."""
     keys = RunKeys(run)
-    records = [(int(i.split(b"-")[0]) / 1000, json.loads(f[b"json"]))
-               for i, f in client.xrange(keys.metrics)]  # fmt: skip
+    records = [
+        (int(i.split(b"-")[0]) / 1000, json.loads(f[b"json"]))
+        for i, f in client.xrange(keys.metrics)
+    ]
     start, end = records[shape.warmup - 1][0], records[-1][0]
     window, measured = end - start, records[shape.warmup :]
     rows0, tokens0 = sampler.at(start)
@@ -209,12 +224,21 @@ def run_isolated(
 ) -> dict:
     """`run_mode` in a fresh process (arguments and result as JSON): the in-process
     services share one interpreter, whose exit a leftover atexit hook could hold up."""
-    args = {"mode": asdict(mode), "model": str(model), "redis_url": redis_url,
-            "shape": asdict(shape), "costs": asdict(costs)}  # fmt: skip
+    args = {
+        "mode": asdict(mode),
+        "model": str(model),
+        "redis_url": redis_url,
+        "shape": asdict(shape),
+        "costs": asdict(costs),
+    }
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks._sim_cluster", json.dumps(args)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{mode.name} failed ({out.returncode}): {out.stderr[-3000:]}")
@@ -224,9 +248,12 @@ def run_isolated(
 def _child(raw: str) -> None:
     args = json.loads(raw)
     result = run_mode(
-        Mode(**args["mode"]), Path(args["model"]), args["redis_url"],
-        Shape(**args["shape"]), SimCosts(**args["costs"]),
-    )  # fmt: skip
+        Mode(**args["mode"]),
+        Path(args["model"]),
+        args["redis_url"],
+        Shape(**args["shape"]),
+        SimCosts(**args["costs"]),
+    )
     print("RESULT " + json.dumps(result), flush=True)
     sys.stderr.flush()
     os._exit(0)  # every service is stopped; skip the interpreter's exit hooks

@@ -23,9 +23,15 @@ def big_model_tensors() -> tuple[list[Any], int]:
 
     from learner.weights import live_views
 
-    config = Qwen2Config(vocab_size=12000, hidden_size=512, intermediate_size=1536,
-                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=12000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     with torch.no_grad():
         model = Qwen2ForCausalLM(config)
@@ -137,14 +143,21 @@ def publish_and_fetch(bucket_bytes: int, versions: int, tuned: bool) -> dict[str
     argv = [sys.executable, "-m", module, str(bucket_bytes)]
     publisher = subprocess.Popen(
         argv + ([] if tuned else ["--no-malloc-tuning"]),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     assert publisher.stdin and publisher.stdout
     _, grpc_port, tcp_port, nbytes = publisher.stdout.readline().split()
     nbytes = int(nbytes)
     runs: dict[str, Any] = {
-        "publish_s": [], "fetch_s": [], "repeat_fetch_s": [], "grpc_fetch_s": [], "tcp": []
-    }  # fmt: skip
+        "publish_s": [],
+        "fetch_s": [],
+        "repeat_fetch_s": [],
+        "grpc_fetch_s": [],
+        "tcp": [],
+    }
     try:
         with insecure_channel(f"127.0.0.1:{grpc_port}", RpcConfig().max_message_bytes) as ch:
             for version in range(1, versions + 1):
@@ -185,21 +198,32 @@ def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[st
     )
     repeat = nbytes / statistics.median(steady["repeat_fetch_s"])
     grpc_pairs = paired(nbytes, steady["grpc_fetch_s"], steady["tcp"])
-    return {"model_bytes": nbytes, "publisher": "own process", "bucket_bytes": bucket,
-            "transport": "weight socket (ticket over gRPC)",
-            "versions": versions, "total_s": total_s, "publish_s": publish_s,
-            "raw_tcp_bytes_per_s": tcp, "fetch_bytes_per_s": nbytes / fetch_s,
-            "repeat_fetch_bytes_per_s": repeat,
-            "publish_plus_fetch_bytes_per_s": nbytes / (publish_s + fetch_s),
-            "ratio": statistics.median(pairs), "paired_ratios": pairs,
-            "ratio_of_medians": nbytes / fetch_s / tcp, "repeat_ratio": repeat / tcp,
-            "publish_plus_fetch_ratio": nbytes / (publish_s + fetch_s) / tcp,
-            "grpc_stream_ratio": statistics.median(grpc_pairs),
-            "grpc_stream_paired_ratios": grpc_pairs,
-            "cold_version_1": {"tcp_bytes_per_s": runs["tcp"][0],
-                               "publish_s": runs["publish_s"][0],
-                               "fetch_bytes_per_s": nbytes / runs["fetch_s"][0]},
-            "runs": runs}  # fmt: skip
+    return {
+        "model_bytes": nbytes,
+        "publisher": "own process",
+        "bucket_bytes": bucket,
+        "transport": "weight socket (ticket over gRPC)",
+        "versions": versions,
+        "total_s": total_s,
+        "publish_s": publish_s,
+        "raw_tcp_bytes_per_s": tcp,
+        "fetch_bytes_per_s": nbytes / fetch_s,
+        "repeat_fetch_bytes_per_s": repeat,
+        "publish_plus_fetch_bytes_per_s": nbytes / (publish_s + fetch_s),
+        "ratio": statistics.median(pairs),
+        "paired_ratios": pairs,
+        "ratio_of_medians": nbytes / fetch_s / tcp,
+        "repeat_ratio": repeat / tcp,
+        "publish_plus_fetch_ratio": nbytes / (publish_s + fetch_s) / tcp,
+        "grpc_stream_ratio": statistics.median(grpc_pairs),
+        "grpc_stream_paired_ratios": grpc_pairs,
+        "cold_version_1": {
+            "tcp_bytes_per_s": runs["tcp"][0],
+            "publish_s": runs["publish_s"][0],
+            "fetch_bytes_per_s": nbytes / runs["fetch_s"][0],
+        },
+        "runs": runs,
+    }
 
 
 if __name__ == "__main__":

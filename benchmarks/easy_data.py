@@ -49,10 +49,23 @@ def dapo_up(run_dir: Path, model: Path, steps: int, sets: list[str]) -> dict[str
     started = time.monotonic()
     args = [arg for s in [f"shared.model_path={model}", *sets] for arg in ("--set", s)]
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny",
-         "--run-dir", str(run_dir), "--steps", str(steps), *args],
-        capture_output=True, text=True, cwd=ROOT.parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            str(steps),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT.parent,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"dapo up failed: {result.stderr[-2000:]}")
     report = json.loads((run_dir / "report.json").read_text())
@@ -85,8 +98,12 @@ def easy_tail(report: dict[str, Any]) -> dict[str, Any]:
     split = n - 50
     first = (split - 1) / (t[split] - t[1])
     last = 50 / (t[n] - t[split])
-    return dict(run_summary(report), first_100_steps_per_s=round(first, 3),
-                last_50_steps_per_s=round(last, 3), ratio=round(last / first, 3))  # fmt: skip
+    return dict(
+        run_summary(report),
+        first_100_steps_per_s=round(first, 3),
+        last_50_steps_per_s=round(last, 3),
+        ratio=round(last / first, 3),
+    )
 
 
 def time_to_accuracy(report: dict[str, Any]) -> dict[str, Any]:
@@ -151,8 +168,11 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="dapo bench easy_data")
     parser.add_argument("--steps", type=int, default=150, help="steps of the easy-tail run")
     parser.add_argument("--pairs", type=int, default=1, help="ABBA demo blocks (0: none)")
-    parser.add_argument("--paper", action="store_true",
-                        help="also run the easy tail with the paper's sampling (slow)")  # fmt: skip
+    parser.add_argument(
+        "--paper",
+        action="store_true",
+        help="also run the easy tail with the paper's sampling (slow)",
+    )
     args = parser.parse_args(argv)
     from learner.init_model import init_model
 
@@ -168,8 +188,14 @@ def main(argv: list[str]) -> None:
         tail = easy_tail(dapo_up(Path(tmp) / "easy", model, args.steps, no_eval))
         print(json.dumps(tail))
         result["easy_tail"] = tail
-        no_backoff = easy_tail(dapo_up(Path(tmp) / "easy-no-backoff", model, args.steps,
-                                       no_eval + ["controller.difficulty_window=0"]))  # fmt: skip
+        no_backoff = easy_tail(
+            dapo_up(
+                Path(tmp) / "easy-no-backoff",
+                model,
+                args.steps,
+                no_eval + ["controller.difficulty_window=0"],
+            )
+        )
         print(json.dumps(no_backoff))
         result["easy_tail_without_difficulty_admission"] = no_backoff
         if args.paper:

@@ -33,11 +33,26 @@ def run_once(tmp: Path, model: Path, every: int, steps: int, index: int) -> dict
     run_dir = tmp / f"run-{index}-every{every}"
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-         str(run_dir), "--set", f"shared.model_path={model}", "--steps", str(steps),
-         "--eval-every", str(every)],
-        capture_output=True, text=True, cwd=ROOT.parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={model}",
+            "--steps",
+            str(steps),
+            "--eval-every",
+            str(every),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT.parent,
+    )
     wall = time.monotonic() - started
     if result.returncode != 0:
         raise RuntimeError(f"dapo up failed: {result.stderr[-2000:]}")

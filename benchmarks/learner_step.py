@@ -85,9 +85,16 @@ def bench_model_dir(root: Path) -> Path:
     from learner.init_model import init_model
 
     out = init_model(root / "bench", preset="tiny", seed=0)
-    config = Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=768,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=True, max_position_embeddings=1024)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(out)
     return out
@@ -132,9 +139,15 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     model_dir = bench_model_dir(root)
     # Like for like with the plain loop: no activation checkpointing (it recomputes each
     # layer in backward, ~1/3 more compute, a memory trade the small model does not need).
-    cfg = LearnerConfig(engine="deepspeed", zero_stage=0, dtype="float32", lr=1e-5,
-                        mini_batch_responses=32, micro_batch_tokens=4096,
-                        gradient_checkpointing=False)  # fmt: skip
+    cfg = LearnerConfig(
+        engine="deepspeed",
+        zero_stage=0,
+        dtype="float32",
+        lr=1e-5,
+        mini_batch_responses=32,
+        micro_batch_tokens=4096,
+        gradient_checkpointing=False,
+    )
     groups = make_groups(4096, n_groups=8, group_size=8)
     tokens = sum(len(g.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.samples)
     policy = DeepSpeedPolicy(load_model(model_dir), cfg)
@@ -154,12 +167,14 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     return {
         "model": "Qwen2 4 layers, hidden 256, vocab 4096 (random)",
         "batch": {"groups": 8, "responses": 64, "real_tokens": tokens, "mini_batches": 2},
-        "learner": {"engine": "deepspeed zero0 fp32, chunked log-probs, no checkpointing",
-                    "tokens_per_s": learner_tps,
-                    "seconds": learner_s},
+        "learner": {
+            "engine": "deepspeed zero0 fp32, chunked log-probs, no checkpointing",
+            "tokens_per_s": learner_tps,
+            "seconds": learner_s,
+        },
         "plain_torch": {"tokens_per_s": plain_tps, "seconds": plain_s},
         "ratio": learner_tps / plain_tps,
-    }  # fmt: skip
+    }
 
 
 # ------------------------------------------------------------------ 2. padding
@@ -171,8 +186,13 @@ def bench_padding() -> dict[str, Any]:
     fixed = padding_fraction(lengths, fixed_size_micro_batches(len(lengths), 16))
     by_budget = {b: padding_fraction(lengths, budgeted(lengths, b)) for b in (2048, 4096, 8192)}
     budget = 4096  # the tiny preset's micro_batch_tokens
-    return {"rows": len(lengths), "fixed_16_rows": fixed, "token_budget": budget,
-            "with_token_budget": by_budget[budget], "by_budget": by_budget}  # fmt: skip
+    return {
+        "rows": len(lengths),
+        "fixed_16_rows": fixed,
+        "token_budget": budget,
+        "with_token_budget": by_budget[budget],
+        "by_budget": by_budget,
+    }
 
 
 # ------------------------------------------------------------------ main
@@ -244,10 +264,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"throughput ratio: {thr['ratio']:.3f}", flush=True)
     pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
     result = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "load_avg_1m": os.getloadavg()[0]},
-        "throughput": thr, "padding": pad, "publication": pub, "checks": checks(thr, pad, pub),
-    }  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
+        "throughput": thr,
+        "padding": pad,
+        "publication": pub,
+        "checks": checks(thr, pad, pub),
+    }
     return write_result(RESULTS, result)
 
 

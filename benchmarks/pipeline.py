@@ -141,9 +141,14 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     learner = sum(r["learner_seconds_per_step"] * r["steps"] for r in runs)
     responses = sum(r["responses_generated"] for r in runs)
     cpu = [r["cpu_seconds_per_step"] for r in runs if r["cpu_seconds_per_step"] is not None]
-    return {"steps": steps, "train_phase_seconds": phase, "responses_per_s": responses / phase,
-            "learner_seconds_per_step": learner / steps, "step_seconds": phase / steps,
-            "cpu_seconds_per_step": sum(cpu) / len(cpu) if cpu else None}  # fmt: skip
+    return {
+        "steps": steps,
+        "train_phase_seconds": phase,
+        "responses_per_s": responses / phase,
+        "learner_seconds_per_step": learner / steps,
+        "step_seconds": phase / steps,
+        "cpu_seconds_per_step": sum(cpu) / len(cpu) if cpu else None,
+    }
 
 
 def overlap_of(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, float]:
@@ -152,9 +157,14 @@ def overlap_of(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, float]:
     t_gen = max(sync["step_seconds"] - t_train, 0.0)
     ideal = (t_gen + t_train) / max(t_gen, t_train)
     speedup = asyn["responses_per_s"] / sync["responses_per_s"]
-    return {"t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal,
-            "measured_speedup": speedup, "fraction_of_ideal": speedup / ideal,
-            **cpu_floor(sync, asyn, ideal)}  # fmt: skip
+    return {
+        "t_gen_s": t_gen,
+        "t_train_s": t_train,
+        "ideal_speedup": ideal,
+        "measured_speedup": speedup,
+        "fraction_of_ideal": speedup / ideal,
+        **cpu_floor(sync, asyn, ideal),
+    }
 
 
 def cpu_floor(sync: dict[str, Any], asyn: dict[str, Any], ideal: float) -> dict[str, float]:
@@ -165,9 +175,12 @@ def cpu_floor(sync: dict[str, Any], asyn: dict[str, Any], ideal: float) -> dict[
         return {}
     floor = cpu / (os.cpu_count() or 1)
     best = sync["step_seconds"] / floor
-    return {"async_cpu_seconds_per_step": cpu, "cpu_floor_step_s": floor,
-            "best_speedup_the_cores_allow": best,
-            "best_fraction_of_ideal_the_cores_allow": min(best, ideal) / ideal}  # fmt: skip
+    return {
+        "async_cpu_seconds_per_step": cpu,
+        "cpu_floor_step_s": floor,
+        "best_speedup_the_cores_allow": best,
+        "best_fraction_of_ideal_the_cores_allow": min(best, ideal) / ideal,
+    }
 
 
 def half_trivial_dataset(path: Path, n: int = 200) -> Path:
@@ -214,8 +227,11 @@ def measure(steps: int, repeats: int) -> tuple[dict[str, Any], dict[str, Any], d
         plain_after = plain_rate(model, steps)
         data = half_trivial_dataset(work / "half.jsonl")
         # The paper's refill-until-full, so generated/trained shows admission alone.
-        mixed = ["controller.dataset.kind=jsonl", f"controller.dataset.path={data}",
-                 "learner.generation_budget=null"]  # fmt: skip
+        mixed = [
+            "controller.dataset.kind=jsonl",
+            f"controller.dataset.path={data}",
+            "learner.generation_budget=null",
+        ]
         runs["mixed"] = run_up(
             tiny_config("mixed", model, steps, *mixed, "controller.difficulty_window=0"),
             work / "mixed",

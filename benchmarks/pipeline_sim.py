@@ -67,8 +67,11 @@ def bounds(results: dict[str, dict], costs: SimCosts) -> dict[str, Any]:
     per_mode = {}
     for name, r in results.items():
         speedup = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
-        per_mode[name] = {"speedup": round(speedup, 3), "ideal_speedup": round(ideal[name], 3),
-                          "fraction_of_ideal": round(speedup / ideal[name], 3)}  # fmt: skip
+        per_mode[name] = {
+            "speedup": round(speedup, 3),
+            "ideal_speedup": round(ideal[name], 3),
+            "fraction_of_ideal": round(speedup / ideal[name], 3),
+        }
     times = {"t_gen_s": t_gen, "t_train_s": t_train, "t_gen_full_s": t_full}
     return {"times": {k: round(v, 4) for k, v in times.items()}, "modes": per_mode}
 
@@ -141,18 +144,24 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(shape, costs, args.staleness)
     summary = bounds(results, costs)
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_start": [round(x, 2) for x in load_start],
-                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_start": [round(x, 2) for x in load_start],
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "shape": asdict(shape),
         "costs": asdict(costs),
         "engine": engine_assumed(),
-        "lengths": {"l_max": shape.l_max, "tail_at_l_max": TAIL,
-                    "mean": round(mean_length(shape.l_max), 1)},
+        "lengths": {
+            "l_max": shape.l_max,
+            "tail_at_l_max": TAIL,
+            "mean": round(mean_length(shape.l_max), 1),
+        },
         **summary,
         "runs": results,
         "checks": checks(results, summary),
-    }  # fmt: skip
+    }
     return write_result(RESULTS, result)
 
 

@@ -85,8 +85,11 @@ def batch(client: int, n: int, k: int, pacer: Pacer | None, http: bool) -> list[
     items: list[tuple[Any, ...]] = []
     for j in range(k):
         a = (client * 7919 + n * 31 + j) % 1000
-        items.append((f"Working... Answer: {a}", str(a), True) if j % 2 == 0 else
-                     (f"Working... Answer: {a + 1}", str(a), False))  # fmt: skip
+        items.append(
+            (f"Working... Answer: {a}", str(a), True)
+            if j % 2 == 0
+            else (f"Working... Answer: {a + 1}", str(a), False)
+        )
     if n % 5 == 0:
         items[-1] = (ODD[n // 5 % len(ODD)], "7", None)
     if http and n % 7 == 0:
@@ -110,8 +113,11 @@ def send(
     """Score one batch; results as dicts with id, correct, error. Raises on any failure."""
     inputs = [ScoreInput(r, g, id=str(i)) for i, (r, g, _) in enumerate(items)]
     if transport == "http":
-        body = {"items": [{"id": x.id, "response": x.response, "ground_truth": x.ground_truth}
-                          for x in inputs]}  # fmt: skip
+        body = {
+            "items": [
+                {"id": x.id, "response": x.response, "ground_truth": x.ground_truth} for x in inputs
+            ]
+        }
         reply = http.post("/v1/score", content=json.dumps(body).encode())
         if reply.status_code != 200:
             raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
@@ -195,18 +201,27 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency(values: list[float]) -> dict[str, float]:
     mean = statistics.fmean(values) if values else 0.0
-    return {"p50_s": round(percentile(values, 0.5), 4), "p99_s": round(percentile(values, 0.99), 4),
-            "max_s": round(max(values, default=0.0), 4), "mean_s": round(mean, 4)}  # fmt: skip
+    return {
+        "p50_s": round(percentile(values, 0.5), 4),
+        "p99_s": round(percentile(values, 0.99), 4),
+        "max_s": round(max(values, default=0.0), 4),
+        "mean_s": round(mean, 4),
+    }
 
 
 def start(workers: int, timeout_s: float) -> Any:
     from reward.server import create_server
     from services.tools.config import DapoConfig
 
-    config = DapoConfig.model_validate({"reward": {
-        "num_workers": workers, "timeout_s": timeout_s,
-        "server": {"grpc_port": 0, "http_port": 0},
-    }})  # fmt: skip
+    config = DapoConfig.model_validate(
+        {
+            "reward": {
+                "num_workers": workers,
+                "timeout_s": timeout_s,
+                "server": {"grpc_port": 0, "http_port": 0},
+            }
+        }
+    )
     server = create_server(config).start()
     if not server.scorer.pool.wait_ready(120):
         raise RuntimeError("reward workers did not start")
@@ -222,8 +237,14 @@ def measure_big(server: Any) -> float:
     return time.perf_counter() - started
 
 
-def summarize(args: argparse.Namespace, base: Tally, base_s: float, load: Tally, t_big: float,
-              loads: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    args: argparse.Namespace,
+    base: Tally,
+    base_s: float,
+    load: Tally,
+    t_big: float,
+    loads: dict[str, Any],
+) -> dict[str, Any]:
     t_item = base_s * args.workers / max(1, base.items)
     target = args.timeout_s + args.clients * args.items * t_item + t_big
     everything = load.latencies["http"] + load.latencies["grpc"]
@@ -237,21 +258,38 @@ def summarize(args: argparse.Namespace, base: Tally, base_s: float, load: Tally,
         "benchmark": "reward_load",
         "config": {**vars(args), "out": str(args.out)},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), **loads},
-        "baseline": {"seconds": round(base_s, 2), "requests": base.requests, "items": base.items,
-                     "errors": base.errors, "t_item_s": round(t_item, 5),
-                     "items_per_s": round(base.items / base_s, 1)},
+        "baseline": {
+            "seconds": round(base_s, 2),
+            "requests": base.requests,
+            "items": base.items,
+            "errors": base.errors,
+            "t_item_s": round(t_item, 5),
+            "items_per_s": round(base.items / base_s, 1),
+        },
         "t_big_s": round(t_big, 3),
-        "requests": load.requests, "items": load.items, "errors": load.errors,
-        "error_messages": load.messages[:10], "wrong_verdicts": load.wrong_verdicts,
-        "timeouts": load.timeouts, "item_errors": load.item_errors, "heavy_items": load.heavy,
-        "latency": {"all": latency(everything), "http": latency(load.latencies["http"]),
-                    "grpc": latency(load.latencies["grpc"])},
-        "throughput": {"requests_per_s": round(load.requests / args.duration, 1),
-                       "items_per_s": round(load.items / args.duration, 1)},
-        "target_p99_s": {"value": round(target, 3),
-                         "formula": "timeout_s + clients*items*t_item + t_big"},
+        "requests": load.requests,
+        "items": load.items,
+        "errors": load.errors,
+        "error_messages": load.messages[:10],
+        "wrong_verdicts": load.wrong_verdicts,
+        "timeouts": load.timeouts,
+        "item_errors": load.item_errors,
+        "heavy_items": load.heavy,
+        "latency": {
+            "all": latency(everything),
+            "http": latency(load.latencies["http"]),
+            "grpc": latency(load.latencies["grpc"]),
+        },
+        "throughput": {
+            "requests_per_s": round(load.requests / args.duration, 1),
+            "items_per_s": round(load.items / args.duration, 1),
+        },
+        "target_p99_s": {
+            "value": round(target, 3),
+            "formula": "timeout_s + clients*items*t_item + t_big",
+        },
         "checks": checks,
-    }  # fmt: skip
+    }
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -277,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         after = os.getloadavg()
     finally:
         server.stop()
-    loads = {"loadavg_before": [round(x, 2) for x in before],
-             "loadavg_after": [round(x, 2) for x in after]}  # fmt: skip
+    loads = {
+        "loadavg_before": [round(x, 2) for x in before],
+        "loadavg_after": [round(x, 2) for x in after],
+    }
     result = summarize(args, base, args.baseline_s, load, t_big, loads)
     return write_result(args.out, result)

@@ -41,10 +41,15 @@ TARGET_SPEEDUP = 10.0
 TARGET_UPDATE_S = 5.0
 MIN_MODEL_MB = 100.0
 BIG_MODEL = {  # ~35 M parameters, ~141 MB in fp32
-    "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000,
-    "max_position_embeddings": 512, "tie_word_embeddings": True,
-}  # fmt: skip
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+}
 
 
 # -- sampling --------------------------------------------------------------------------
@@ -83,11 +88,18 @@ def time_hf_loop(model: Any, prompts: list[list[int]], tokens: int, pad_id: int)
     for prompt in prompts:
         ids = torch.tensor([prompt])
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=tokens,
-            min_new_tokens=tokens, pad_token_id=pad_id, output_scores=True,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            pad_token_id=pad_id,
+            output_scores=True,
             return_dict_in_generate=True,
-        )  # fmt: skip
+        )
         model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
         assert out.sequences.shape[1] == len(prompt) + tokens
     return time.perf_counter() - start
@@ -156,26 +168,40 @@ def measure_sampling(model_dir: Path, args: argparse.Namespace) -> dict[str, Any
         "loop": len(subset) * args.tokens * args.reps / sum(sides["loop"]),
     }
     return {
-        "model": str(model_dir), "torch_threads": args.threads, "prompts": args.prompts,
+        "model": str(model_dir),
+        "torch_threads": args.threads,
+        "prompts": args.prompts,
         "group": args.group,
-        "tokens_per_sample": args.tokens, "reps": args.reps,
-        "batched_engine": {"samples": args.prompts * args.group, "seconds": sides["engine"],
-                           "tokens_per_s": rate["engine"]},
-        "service_grpc": {"calls": args.prompts, "seconds": service_s, "tokens": service_tokens,
-                         "tokens_per_s": rate["service"],
-                         "note": "GenerateGroup has no ignore_eos: samples stop at EOS; compare "
-                                 "with batched_engine_stop_at_eos"},
-        "batched_engine_stop_at_eos": {"seconds": eos_s, "tokens": eos_tokens,
-                                       "tokens_per_s": rate["engine_eos"]},
+        "tokens_per_sample": args.tokens,
+        "reps": args.reps,
+        "batched_engine": {
+            "samples": args.prompts * args.group,
+            "seconds": sides["engine"],
+            "tokens_per_s": rate["engine"],
+        },
+        "service_grpc": {
+            "calls": args.prompts,
+            "seconds": service_s,
+            "tokens": service_tokens,
+            "tokens_per_s": rate["service"],
+            "note": "GenerateGroup has no ignore_eos: samples stop at EOS; compare "
+            "with batched_engine_stop_at_eos",
+        },
+        "batched_engine_stop_at_eos": {
+            "seconds": eos_s,
+            "tokens": eos_tokens,
+            "tokens_per_s": rate["engine_eos"],
+        },
         "one_at_a_time_generate": {
-            "samples_measured": len(subset), "seconds": sides["loop"],
+            "samples_measured": len(subset),
+            "seconds": sides["loop"],
             "tokens_per_s": rate["loop"],
             "note": f"HF model.generate, one sample per call, on the first {len(subset)} of "
-                    f"the {args.prompts * args.group} samples",
+            f"the {args.prompts * args.group} samples",
         },
         "speedup": rate["engine"] / rate["loop"],
         "service_vs_engine_stop_at_eos": rate["service"] / rate["engine_eos"],
-    }  # fmt: skip
+    }
 
 
 # -- weight updates --------------------------------------------------------------------
@@ -250,10 +276,12 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
     from services.tools.config import DapoConfig
 
     bucket_bytes = bucket_mb * 1024 * 1024
-    config = DapoConfig.model_validate({
-        "shared": {"run_name": "bench-rollout"},
-        "rollout": {"server": {"grpc_port": 0, "http_port": 0}, "weight_poll_s": 0.01},
-    })  # fmt: skip
+    config = DapoConfig.model_validate(
+        {
+            "shared": {"run_name": "bench-rollout"},
+            "rollout": {"server": {"grpc_port": 0, "http_port": 0}, "weight_poll_s": 0.01},
+        }
+    )
     redis_server = start_redis()
     client = redis.Redis.from_url(redis_server.url)
     learner, learner_server, registration = start_learner(client, "bench-rollout", bucket_bytes)
@@ -271,11 +299,14 @@ def measure_updates(big_dir: Path, model_mb: float, reps: int, bucket_mb: int) -
     return {
         "model": dict(BIG_MODEL, dtype="float32", megabytes=model_mb),
         "bucket_megabytes": bucket_mb,
-        "pull_from_learner": {"seconds": pull, "median_s": statistics.median(pull),
-                              "mb_per_s": model_mb / statistics.median(pull),
-                              "note": "learner publish + Redis version -> new version served "
-                                      "(includes the rollout's version poll, 10 ms)"},
-    }  # fmt: skip
+        "pull_from_learner": {
+            "seconds": pull,
+            "median_s": statistics.median(pull),
+            "mb_per_s": model_mb / statistics.median(pull),
+            "note": "learner publish + Redis version -> new version served "
+            "(includes the rollout's version poll, 10 ms)",
+        },
+    }
 
 
 # -- report ----------------------------------------------------------------------------
@@ -287,17 +318,21 @@ def summarize(sampling: dict[str, Any], updates: dict[str, Any]) -> dict[str, An
     return {
         "benchmark": "rollout_engine",
         "description": "torch-engine tokens/s (batched vs one-at-a-time) and weight-update s",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+        },
         "sampling": sampling,
         "weight_updates": updates,
         "checks": [
-            at_least("batched_engine_vs_one_at_a_time_generate", sampling["speedup"],
-                     TARGET_SPEEDUP),
+            at_least(
+                "batched_engine_vs_one_at_a_time_generate", sampling["speedup"], TARGET_SPEEDUP
+            ),
             at_least("update_model_megabytes", mb, MIN_MODEL_MB),
             at_most("pull_update_seconds", pull, TARGET_UPDATE_S),
         ],
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

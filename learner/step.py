@@ -238,14 +238,26 @@ def micro_batch_loss(
     kl = kl_term(logprobs, inputs, cfg)
     weights = importance_weights(inputs, cfg)
     loss_mat, stats = per_token_loss(
-        logprobs, inputs.old_logprobs, inputs.advantages, inputs.loss_mask,
-        cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c, cfg.logratio_clamp,
-        is_weights=weights, kl=kl, kl_coef=cfg.kl_coef,
-    )  # fmt: skip
+        logprobs,
+        inputs.old_logprobs,
+        inputs.advantages,
+        inputs.loss_mask,
+        cfg.clip_ratio_low,
+        cfg.clip_ratio_high,
+        cfg.clip_ratio_c,
+        cfg.logratio_clamp,
+        is_weights=weights,
+        kl=kl,
+        kl_coef=cfg.kl_coef,
+    )
     loss = agg_loss(
-        loss_mat, inputs.loss_mask, cfg.loss_agg_mode, counts.tokens, counts.sequences,
+        loss_mat,
+        inputs.loss_mask,
+        cfg.loss_agg_mode,
+        counts.tokens,
+        counts.sequences,
         max_response_length,
-    )  # fmt: skip
+    )
     return loss, stats, kl, weights
 
 
@@ -258,9 +270,12 @@ def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
             f"correction {cfg.correction.kind!r} needs the engine's log-probs of every response"
         )
     return correction_weights(
-        cfg.correction, inputs.old_logprobs, inputs.rollout_logprobs, inputs.response_mask,
+        cfg.correction,
+        inputs.old_logprobs,
+        inputs.rollout_logprobs,
+        inputs.response_mask,
         cfg.logratio_clamp,
-    )  # fmt: skip
+    )
 
 
 def kl_term(logprobs: Tensor, inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:

@@ -97,10 +97,17 @@ class Trainer:
         """One step on `groups` with the weights of policy `version`."""
         cfg, shared = self.learner_config, self.config.shared
         metrics = train_step(
-            self.policy, groups, cfg, self.pad_id, shared.sampling.temperature,
-            shared.max_response_length, seed=seed, dp=self.dp, reference=self.reference,
+            self.policy,
+            groups,
+            cfg,
+            self.pad_id,
+            shared.sampling.temperature,
+            shared.max_response_length,
+            seed=seed,
+            dp=self.dp,
+            reference=self.reference,
             version=version,
-        )  # fmt: skip
+        )
         self.policy.advance_schedule()
         return metrics
 

@@ -62,9 +62,11 @@ class RolloutMetrics:
         )
         self.version = Gauge("dapo_rollout_policy_version", "Policy version served", registry=r)
         self.weight_seconds = Histogram(
-            "dapo_rollout_weight_update_seconds", "Receive/fetch + load of one update",
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r,
-        )  # fmt: skip
+            "dapo_rollout_weight_update_seconds",
+            "Receive/fetch + load of one update",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.weight_failures = Counter(
             "dapo_rollout_weight_update_failures", "Updates rejected or failed", registry=r
         )

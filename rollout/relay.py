@@ -228,8 +228,9 @@ class RelayHub:
 class RelayServer:
     """Serves the hub's frames to children: one thread per connection, a few at once."""
 
-    def __init__(self, hub: RelayHub, host: str, port: int, tls: TlsConfig,
-                 token: str | None) -> None:  # fmt: skip
+    def __init__(
+        self, hub: RelayHub, host: str, port: int, tls: TlsConfig, token: str | None
+    ) -> None:
         self.hub, self._digest = hub, token_digest(token)
         self._context = weight_socket.server_context(tls)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -254,8 +255,9 @@ class RelayServer:
             if not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="relay-child").start()  # fmt: skip
+            threading.Thread(
+                target=self._serve, args=(conn, peer), daemon=True, name="relay-child"
+            ).start()
 
     def _serve(self, conn: socket.socket, peer: object) -> None:
         try:
@@ -285,8 +287,9 @@ class RelayServer:
         weight_socket.linger(conn)
 
 
-def connect(host: str, port: int, min_version: int, tls: TlsConfig, token: str | None,
-            timeout_s: float) -> socket.socket:  # fmt: skip
+def connect(
+    host: str, port: int, min_version: int, tls: TlsConfig, token: str | None, timeout_s: float
+) -> socket.socket:
     """A socket to a parent's relay that has sent its request (TLS as configured)."""
     request = REQUEST.pack(min_version, token_digest(token))
     return weight_socket.connect(host, port, request, tls, timeout_s)
@@ -331,8 +334,14 @@ class RelaySource:
         host = self.parent["address"].rsplit(":", 1)[0].strip("[]")
         security = self.config.security
         try:
-            sock = connect(host, int(self.parent["relay"]), self.min_version, security.tls,
-                           security.auth.secret(), self.config.rollout.relay_timeout_s)  # fmt: skip
+            sock = connect(
+                host,
+                int(self.parent["relay"]),
+                self.min_version,
+                security.tls,
+                security.auth.secret(),
+                self.config.rollout.relay_timeout_s,
+            )
         except OSError as exc:
             log.warning("relay %s unreachable (%s); pulling from the learner", host, exc)
             return None

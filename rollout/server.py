@@ -94,20 +94,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         prompt, params = self._accept(request, context)
         done = sorted(self._samples(prompt, params, context), key=lambda s: s[0])
         return rollout_pb2.GenerateGroupResponse(
-            request_id=request.request_id, prompt_token_ids=prompt,
+            request_id=request.request_id,
+            prompt_token_ids=prompt,
             completions=[completion for _, completion in done],
-        )  # fmt: skip
+        )
 
     def _accept(
         self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> tuple[list[int], SamplingParams]:
         """Parse, admit and bring the weights to min_version, or abort the call."""
         if self.draining.is_set():  # UNAVAILABLE: the controller re-routes the group
-            self._refuse(context, "draining", grpc.StatusCode.UNAVAILABLE,
-                         "rollout server is shutting down")  # fmt: skip
+            self._refuse(
+                context, "draining", grpc.StatusCode.UNAVAILABLE, "rollout server is shutting down"
+            )
         if self.sync is not None and not self.sync.caught_up.is_set():
-            self._refuse(context, "catching_up", grpc.StatusCode.UNAVAILABLE,
-                         "rollout server is catching up to the published weights")  # fmt: skip
+            self._refuse(
+                context,
+                "catching_up",
+                grpc.StatusCode.UNAVAILABLE,
+                "rollout server is catching up to the published weights",
+            )
         try:
             prompt, params = self._parse(request)
         except GenerateLimitExceeded as exc:  # names the config field it broke
@@ -119,9 +125,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._refuse(context, *refusal)
         if not self._reach_version(request.min_version, context):
             self._release()
-            self._refuse(context, "behind", grpc.StatusCode.UNAVAILABLE,
-                         f"serving version {self.engine.version}, the request needs "
-                         f">= {request.min_version} and it did not arrive in time")  # fmt: skip
+            self._refuse(
+                context,
+                "behind",
+                grpc.StatusCode.UNAVAILABLE,
+                f"serving version {self.engine.version}, the request needs "
+                f">= {request.min_version} and it did not arrive in time",
+            )
         return prompt, params
 
     def _reach_version(self, wanted: int, context: grpc.ServicerContext) -> bool:
@@ -150,9 +160,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         prompt = self._prompt_ids(request)
         self.limits.check_prompt(prompt, len(self.tokenizer))
         params = adapter.sampling_params(
-            request.sampling, request.n, self.config.shared.sampling,
+            request.sampling,
+            request.n,
+            self.config.shared.sampling,
             self.config.shared.max_response_length,
-        )  # fmt: skip
+        )
         return prompt, params
 
     def _prompt_ids(self, request: rollout_pb2.GenerateRequest) -> list[int]:
@@ -210,10 +222,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     def GetStatus(self, request, context):
         return rollout_pb2.RolloutStatus(
-            version=self.engine.version, ready=self.ready(),
-            requests_in_flight=self.in_flight, engine=self.config.rollout.engine.kind,
+            version=self.engine.version,
+            ready=self.ready(),
+            requests_in_flight=self.in_flight,
+            engine=self.config.rollout.engine.kind,
             model=str(self.config.rollout.model_path or self.config.shared.model_path),
-        )  # fmt: skip
+        )
 
 
 def merged_sequences(config: RolloutSettings) -> int:
@@ -317,15 +331,24 @@ class RolloutServer:
             return self
         host = self.config.rollout.server.host
         self.registration = register(
-            self.client, self.config, "rollout", host, self.grpc_port,
-            http=advertised_address(host, self.http.port), ready=False, accepting=False,
-            version=self.engine.version, relay=self.relay.port if self.relay else 0,
-        )  # fmt: skip
+            self.client,
+            self.config,
+            "rollout",
+            host,
+            self.grpc_port,
+            http=advertised_address(host, self.http.port),
+            ready=False,
+            accepting=False,
+            version=self.engine.version,
+            relay=self.relay.port if self.relay else 0,
+        )
         self.sync.instance = self.registration.info["instance"]
         threading.Thread(
-            target=self.sync.run, args=(self.stop_event, self._announce),
-            daemon=True, name="weight-sync",
-        ).start()  # fmt: skip
+            target=self.sync.run,
+            args=(self.stop_event, self._announce),
+            daemon=True,
+            name="weight-sync",
+        ).start()
         return self
 
     def _announce(self) -> None:
@@ -333,8 +356,11 @@ class RolloutServer:
         if self.registration is None:
             return
         servicer = self.servicer
-        state = {"ready": servicer.ready(), "accepting": servicer.accepting(),
-                 "version": self.engine.version}  # fmt: skip
+        state = {
+            "ready": servicer.ready(),
+            "accepting": servicer.accepting(),
+            "version": self.engine.version,
+        }
         with self._announce_lock:
             if state == self._announced:
                 return
@@ -362,8 +388,12 @@ class RolloutServer:
         held = self.servicer.in_flight
         while self.servicer.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        log.info("drained in %.2fs: %d calls held, %d cut off (re-routed by the controller)",
-                 time.monotonic() - started, held, self.servicer.in_flight)  # fmt: skip
+        log.info(
+            "drained in %.2fs: %d calls held, %d cut off (re-routed by the controller)",
+            time.monotonic() - started,
+            held,
+            self.servicer.in_flight,
+        )
 
     def _should_drain(self) -> bool:
         """Only mid-run: once the run is done there is no one to hand work back to."""

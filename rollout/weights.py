@@ -235,8 +235,10 @@ def socket_buckets(
     except OSError as exc:  # ssl.SSLError included
         log.warning(
             "weight socket %s:%d unreachable (%s); using the FetchWeights stream",
-            host, ticket.port, exc,
-        )  # fmt: skip
+            host,
+            ticket.port,
+            exc,
+        )
         return None
     if hub is not None:
         return hub.receive(sock)
@@ -369,8 +371,14 @@ class WeightSync:
                 self.sync_once()
             except StaleUpdate as exc:
                 log.debug("weight sync raced another update: %s", exc)
-            except (grpc.RpcError, TensorWireError, WeightSocketError, ValueError,
-                    LookupError, redis.RedisError) as exc:  # fmt: skip
+            except (
+                grpc.RpcError,
+                TensorWireError,
+                WeightSocketError,
+                ValueError,
+                LookupError,
+                redis.RedisError,
+            ) as exc:
                 log.warning("weight sync failed, will retry: %s", exc)
             except Exception:  # the loop must outlive any surprise, or readiness freezes
                 log.exception("weight sync failed unexpectedly, will retry")

@@ -20,10 +20,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN25_15B = dict(
-    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
     max_position_embeddings=32768,
-)  # fmt: skip
+)
 STEP_TOKENS = (4096, 16384, 32768)
 PROMPT = 256
 
@@ -32,9 +37,13 @@ def device_facts() -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(0)
-    return {"device": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
-            "torch": torch.__version__, "cuda": torch.version.cuda,
-            "platform": platform.platform()}  # fmt: skip
+    return {
+        "device": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "platform": platform.platform(),
+    }
 
 
 def save_model(out: Path) -> int:
@@ -73,8 +82,13 @@ def generation(model_dir: Path) -> dict[str, Any]:
     finite = all(bool((s.logprobs <= 0).all()) for row in out for s in row)
     del engine
     torch.cuda.empty_cache()
-    return {"samples": 64, "tokens": tokens, "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1), "logprobs_ok": finite}  # fmt: skip
+    return {
+        "samples": 64,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "logprobs_ok": finite,
+    }
 
 
 def make_group(tokens: int) -> Any:
@@ -87,8 +101,10 @@ def make_group(tokens: int) -> Any:
     rng = random.Random(tokens)
     prompt = [rng.randrange(1, 151936) for _ in range(PROMPT)]
     long = [rng.randrange(1, 151936) for _ in range(tokens - PROMPT)]
-    samples = [Sample(long, [-2.0] * len(long), "", "stop", 0, 1.0, True),
-               Sample(long[:1], [-2.0], "", "stop", 0, -1.0, False)]  # fmt: skip
+    samples = [
+        Sample(long, [-2.0] * len(long), "", "stop", 0, 1.0, True),
+        Sample(long[:1], [-2.0], "", "stop", 0, -1.0, False),
+    ]
     return Group("g", "p", "", prompt, "", samples=samples)
 
 
@@ -104,9 +120,14 @@ def learner_steps(model_dir: Path) -> list[dict[str, Any]]:
 
     rows = []
     cfg = LearnerConfig(
-        engine="torch", dtype="bfloat16", lr=1e-6, warmup_steps=0, mini_batch_responses=2,
-        micro_batch_tokens=max(STEP_TOKENS), gradient_checkpointing=True,
-    )  # fmt: skip
+        engine="torch",
+        dtype="bfloat16",
+        lr=1e-6,
+        warmup_steps=0,
+        mini_batch_responses=2,
+        micro_batch_tokens=max(STEP_TOKENS),
+        gradient_checkpointing=True,
+    )
     policy = TorchPolicy(load_model(model_dir, "bfloat16"), cfg, device="cuda")
     train_step(policy, [make_group(PROMPT + 256)], cfg, 0, 1.0, max(STEP_TOKENS))
     for tokens in STEP_TOKENS:
@@ -121,10 +142,15 @@ def learner_steps(model_dir: Path) -> list[dict[str, Any]]:
             torch.cuda.empty_cache()
             continue
         seconds = time.perf_counter() - started
-        rows.append({"tokens": tokens, "seconds": round(seconds, 3),
-                     "tokens_per_s": round(tokens / seconds, 1),
-                     "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                     "grad_norm": float(metrics.grad_norm)})  # fmt: skip
+        rows.append(
+            {
+                "tokens": tokens,
+                "seconds": round(seconds, 3),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                "grad_norm": float(metrics.grad_norm),
+            }
+        )
         print(f"learner step {tokens} tokens: {rows[-1]}", flush=True)
     del policy
     torch.cuda.empty_cache()
@@ -159,13 +185,19 @@ def main(out: str) -> int:
     import_parts()
     print("gpu_check: the engine, learner and weight transport import", flush=True)
     if not torch.cuda.is_available():
-        print("gpu_check: CUDA is not available here; stopping before the GPU parts "
-              "(everything up to this point ran)", flush=True)  # fmt: skip
+        print(
+            "gpu_check: CUDA is not available here; stopping before the GPU parts "
+            "(everything up to this point ran)",
+            flush=True,
+        )
         path.write_text(json.dumps({"status": "no CUDA", "torch": torch.__version__}) + "\n")
         return 3
     figures: dict[str, Any] = {"status": "running", **device_facts()}
-    parts = (("generation", generation), ("learner_steps", learner_steps),
-             ("publication", publication))  # fmt: skip
+    parts = (
+        ("generation", generation),
+        ("learner_steps", learner_steps),
+        ("publication", publication),
+    )
     with tempfile.TemporaryDirectory(prefix="dapo-gpu-check-") as tmp:
         model_dir = Path(tmp) / "qwen2.5-1.5b-shaped"
         figures["parameters"] = save_model(model_dir)

@@ -165,26 +165,62 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
 _INT32 = st.integers(-(2**31), 2**31 - 1)
 # A valid message of another RPC's type (or of this one's, for the other services).
 FOREIGN_MESSAGES = st.one_of(
-    st.builds(rollout_pb2.RolloutStatus, version=st.integers(0, 2**64 - 1),
-              ready=st.booleans(), engine=st.text(max_size=8), model=st.text(max_size=8)),
-    st.builds(rollout_pb2.GenerateGroupResponse, request_id=st.text(max_size=8),
-              prompt_token_ids=st.lists(_INT32, max_size=8),
-              completions=st.lists(st.builds(rollout_pb2.Completion,
-                                             token_ids_i32=st.binary(max_size=16),
-                                             text=st.text(max_size=8)), max_size=3)),
-    st.builds(tensor_pb2.WeightBucket, version=st.integers(0, 2**64 - 1),
-              index=st.integers(0, 2**32 - 1), last=st.booleans(),
-              slices=st.lists(st.builds(tensor_pb2.TensorSlice, name=st.text(max_size=8),
-                                        shape=st.lists(st.integers(-5, 5), max_size=3),
-                                        data=st.binary(max_size=16)), max_size=2)),
-    st.builds(learner_pb2.FetchWeightsRequest, version=st.integers(0, 2**64 - 1),
-              bucket_bytes=st.integers(0, 2**32 - 1)),
-    st.builds(rollout_pb2.GenerateRequest, prompt=st.text(max_size=8), n=st.integers(0, 9),
-              prompt_token_ids=st.lists(_INT32, max_size=8)),
-    st.builds(reward_pb2.ScoreRequest, items=st.lists(st.builds(
-        reward_pb2.ScoreItem, response=st.text(max_size=8), ground_truth=st.text(max_size=8)
-    ), max_size=3)),
-)  # fmt: skip
+    st.builds(
+        rollout_pb2.RolloutStatus,
+        version=st.integers(0, 2**64 - 1),
+        ready=st.booleans(),
+        engine=st.text(max_size=8),
+        model=st.text(max_size=8),
+    ),
+    st.builds(
+        rollout_pb2.GenerateGroupResponse,
+        request_id=st.text(max_size=8),
+        prompt_token_ids=st.lists(_INT32, max_size=8),
+        completions=st.lists(
+            st.builds(
+                rollout_pb2.Completion,
+                token_ids_i32=st.binary(max_size=16),
+                text=st.text(max_size=8),
+            ),
+            max_size=3,
+        ),
+    ),
+    st.builds(
+        tensor_pb2.WeightBucket,
+        version=st.integers(0, 2**64 - 1),
+        index=st.integers(0, 2**32 - 1),
+        last=st.booleans(),
+        slices=st.lists(
+            st.builds(
+                tensor_pb2.TensorSlice,
+                name=st.text(max_size=8),
+                shape=st.lists(st.integers(-5, 5), max_size=3),
+                data=st.binary(max_size=16),
+            ),
+            max_size=2,
+        ),
+    ),
+    st.builds(
+        learner_pb2.FetchWeightsRequest,
+        version=st.integers(0, 2**64 - 1),
+        bucket_bytes=st.integers(0, 2**32 - 1),
+    ),
+    st.builds(
+        rollout_pb2.GenerateRequest,
+        prompt=st.text(max_size=8),
+        n=st.integers(0, 9),
+        prompt_token_ids=st.lists(_INT32, max_size=8),
+    ),
+    st.builds(
+        reward_pb2.ScoreRequest,
+        items=st.lists(
+            st.builds(
+                reward_pb2.ScoreItem, response=st.text(max_size=8), ground_truth=st.text(max_size=8)
+            ),
+            max_size=3,
+        ),
+    ),
+)
 
 
 def nested_groups(field: int = 15) -> st.SearchStrategy[bytes]:

@@ -65,9 +65,14 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     from learner.model_io import load_model
     from learner.step import accumulate, recompute_old_logprobs
 
-    cfg = LearnerConfig(engine="deepspeed", zero_stage=stage, dtype="float32",
-                        micro_batch_tokens=micro_tokens, lr=1e-3,
-                        logprob_chunk_tokens=5)  # fmt: skip
+    cfg = LearnerConfig(
+        engine="deepspeed",
+        zero_stage=stage,
+        dtype="float32",
+        micro_batch_tokens=micro_tokens,
+        lr=1e-3,
+        logprob_chunk_tokens=5,
+    )
     policy = DeepSpeedPolicy(load_model(model), cfg)
     dp = data_parallel()
     seqs = sequences_from_groups(make_groups())
@@ -98,13 +103,20 @@ def train_worker(model: str, out: str, stage: int, dtype: str) -> None:
     from learner.model_io import load_model
     from learner.step import train_step
 
-    cfg = LearnerConfig(zero_stage=stage, dtype=dtype, lr=1e-3, warmup_steps=0,
-                        mini_batch_responses=8, micro_batch_tokens=64)  # fmt: skip
+    cfg = LearnerConfig(
+        zero_stage=stage,
+        dtype=dtype,
+        lr=1e-3,
+        warmup_steps=0,
+        mini_batch_responses=8,
+        micro_batch_tokens=64,
+    )
     started = time.monotonic()
     policy = DeepSpeedPolicy(load_model(model), cfg)
     dp, groups = data_parallel(), make_groups(seed=5)
-    losses = [train_step(policy, groups, cfg, 0, 1.0, 16, seed=k, dp=dp).loss
-              for k in range(TRAIN_STEPS)]  # fmt: skip
+    losses = [
+        train_step(policy, groups, cfg, 0, 1.0, 16, seed=k, dp=dp).loss for k in range(TRAIN_STEPS)
+    ]
     weights = {name: t.float().cpu().clone() for name, t in policy.named_weights()}
     if dp.rank == 0:
         meta = {"losses": json.dumps(losses), "seconds": f"{time.monotonic() - started:.2f}"}
@@ -162,9 +174,16 @@ def gather_worker(model: str, out: str) -> None:
         torch.equal(streamed[n], whole[n]) for n in whole
     )
     if torch.distributed.get_rank() == 0:
-        result = {"peak": peak[0], "bucket": bucket, "largest": max(sizes), "total": sum(sizes),
-                  "same": same, "whole_peak": whole_peak, "names": sorted(whole),
-                  "count": policy.weight_count()}  # fmt: skip
+        result = {
+            "peak": peak[0],
+            "bucket": bucket,
+            "largest": max(sizes),
+            "total": sum(sizes),
+            "same": same,
+            "whole_peak": whole_peak,
+            "names": sorted(whole),
+            "count": policy.weight_count(),
+        }
         with open(out, "w") as f:
             json.dump(result, f)
 

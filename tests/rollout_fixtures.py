@@ -36,18 +36,22 @@ def make_config(run: str = "svc", **rollout: Any) -> DapoConfig:
     return DapoConfig.model_validate(
         {
             "shared": {
-                "run_name": run, "max_prompt_length": MAX_PROMPT,
-                "max_response_length": MAX_RESPONSE, "group_size": 2,
+                "run_name": run,
+                "max_prompt_length": MAX_PROMPT,
+                "max_response_length": MAX_RESPONSE,
+                "group_size": 2,
                 "overlong_buffer_length": 0,
                 "registry_ttl_s": 2.0,
             },
             "rollout": {
-                "server": {"grpc_port": 0, "http_port": 0}, "max_n": MAX_N,
-                "max_request_bytes": MAX_REQUEST_BYTES, "weight_poll_s": 0.05,
+                "server": {"grpc_port": 0, "http_port": 0},
+                "max_n": MAX_N,
+                "max_request_bytes": MAX_REQUEST_BYTES,
+                "weight_poll_s": 0.05,
                 **rollout,
             },
         }
-    )  # fmt: skip
+    )
 
 
 class Served:

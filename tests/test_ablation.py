@@ -197,8 +197,10 @@ def test_soft_overlong_switch_changes_the_reward(plan: Plan) -> None:
         config.reward.num_workers = 1
         scorer = create_scorer(config)
         try:
-            items = [ScoreInput(text, "7", verifier="dapo", response_length=n)
-                     for text, n in (("7,7,7,7,7,7\nAnswer: 7", 18), ("Answer: 7", 3))]  # fmt: skip
+            items = [
+                ScoreInput(text, "7", verifier="dapo", response_length=n)
+                for text, n in (("7,7,7,7,7,7\nAnswer: 7", 18), ("Answer: 7", 3))
+            ]
             rewards[name] = [o.reward for o in scorer.score(items)]
         finally:
             scorer.pool.close()
@@ -221,8 +223,11 @@ def test_dynamic_sampling_switch_changes_what_is_trained(
     from services.buffer.server import Buffer
 
     g = plan.base.shared.group_size
-    groups = [scored_group("all-right", [True] * g), scored_group("all-wrong", [False] * g),
-              scored_group("mixed", [True] + [False] * (g - 1))]  # fmt: skip
+    groups = [
+        scored_group("all-right", [True] * g),
+        scored_group("all-wrong", [False] * g),
+        scored_group("mixed", [True] + [False] * (g - 1)),
+    ]
     forwarded = {}
     for name in ("token_level_loss", "dynamic_sampling"):
         config = rung(plan, name)
@@ -248,14 +253,27 @@ def test_grid_curve_interpolates_between_evaluated_versions() -> None:
 
 
 def test_summary_is_mean_and_spread_over_seeds(plan: Plan) -> None:
-    small = Plan(plan.name, plan.base, ["naive_grpo"], [0, 1], steps=10, eval_every=5,
-                 eval_n=4, target=0.5)  # fmt: skip
+    small = Plan(
+        plan.name, plan.base, ["naive_grpo"], [0, 1], steps=10, eval_every=5, eval_n=4, target=0.5
+    )
     rows = [
-        {"rung": "naive_grpo", "curve": [(0, 0.0), (5, 0.5), (10, 0.6)],
-         "generated_per_trained": 1.0, "entropy_end": 2.0, "train_s": 10.0, "wall_s": 20.0},
-        {"rung": "naive_grpo", "curve": [(0, 0.0), (5, 0.2), (10, 0.4)],
-         "generated_per_trained": 1.2, "entropy_end": 1.0, "train_s": 12.0, "wall_s": 22.0},
-    ]  # fmt: skip
+        {
+            "rung": "naive_grpo",
+            "curve": [(0, 0.0), (5, 0.5), (10, 0.6)],
+            "generated_per_trained": 1.0,
+            "entropy_end": 2.0,
+            "train_s": 10.0,
+            "wall_s": 20.0,
+        },
+        {
+            "rung": "naive_grpo",
+            "curve": [(0, 0.0), (5, 0.2), (10, 0.4)],
+            "generated_per_trained": 1.2,
+            "entropy_end": 1.0,
+            "train_s": 12.0,
+            "wall_s": 22.0,
+        },
+    ]
     s = summarise_rung(plan_info(small), rows)
     assert s["grid"] == [0, 5, 10]
     assert s["acc_mean"] == pytest.approx([0.0, 0.35, 0.5])
@@ -267,17 +285,23 @@ def test_summary_is_mean_and_spread_over_seeds(plan: Plan) -> None:
 
 def test_mechanism_numbers_compare_the_first_and_last_tenth() -> None:
     steps = [
-        {"truncated_frac": 0.5 if i < 2 else 0.0, "response_length": 12.0 - i / 2,
-         "response_length_max": 20 - i // 2, "entropy": 2.0 - i / 10}
+        {
+            "truncated_frac": 0.5 if i < 2 else 0.0,
+            "response_length": 12.0 - i / 2,
+            "response_length_max": 20 - i // 2,
+            "entropy": 2.0 - i / 10,
+        }
         for i in range(20)
-    ]  # fmt: skip
+    ]
     m = mechanism_numbers(steps)
     assert (m["truncated_start"], m["truncated_end"]) == (0.5, 0.0)
     assert (m["length_start"], m["length_end"]) == (pytest.approx(11.75), pytest.approx(2.75))
     assert m["length_max_end"] == 11 and m["entropy_start"] == pytest.approx(1.95)
     assert m["long_share_end"] is None and m["full_informative"] is None  # older reports
-    later = [{"longest_loss_share": 0.4 - i / 100, "informative_frac": 1.0 - (i % 4) / 8}
-             for i in range(20)]  # fmt: skip
+    later = [
+        {"longest_loss_share": 0.4 - i / 100, "informative_frac": 1.0 - (i % 4) / 8}
+        for i in range(20)
+    ]
     m = mechanism_numbers(later)
     assert (m["long_share_start"], m["long_share_end"]) == pytest.approx((0.395, 0.215))
     assert m["full_informative"] == 0.25  # every 4th step had only informative groups
@@ -286,12 +310,27 @@ def test_mechanism_numbers_compare_the_first_and_last_tenth() -> None:
 
 
 def test_table_shows_the_mechanism_columns(plan: Plan) -> None:
-    small = Plan(plan.name, plan.base, ["naive_grpo"], [0], steps=10, eval_every=5,
-                 eval_n=4, target=0.5)  # fmt: skip
-    row = {"rung": "naive_grpo", "curve": [(0, 0.0), (10, 0.6)], "generated_per_trained": 1.0,
-           "entropy_end": 0.5, "train_s": 10.0, "wall_s": 20.0,
-           **mechanism_numbers([{"truncated_frac": 0.3, "response_length": 14.0,
-                                 "response_length_max": 20, "entropy": 2.5}])}  # fmt: skip
+    small = Plan(
+        plan.name, plan.base, ["naive_grpo"], [0], steps=10, eval_every=5, eval_n=4, target=0.5
+    )
+    row = {
+        "rung": "naive_grpo",
+        "curve": [(0, 0.0), (10, 0.6)],
+        "generated_per_trained": 1.0,
+        "entropy_end": 0.5,
+        "train_s": 10.0,
+        "wall_s": 20.0,
+        **mechanism_numbers(
+            [
+                {
+                    "truncated_frac": 0.3,
+                    "response_length": 14.0,
+                    "response_length_max": 20,
+                    "entropy": 2.5,
+                }
+            ]
+        ),
+    }
     info = plan_info(small)
     text = table_md(info, [summarise_rung(info, [row])], {"loadavg": "1", "total_s": 60})
     assert "| 0.30 → 0.30 | 14.0 → 14.0 (20.0) | — → — |" in text
@@ -301,19 +340,31 @@ def test_table_shows_the_mechanism_columns(plan: Plan) -> None:
 
 def test_leave_one_out_table_reuses_the_ladder_rung_with_the_same_config(plan: Plan) -> None:
     rungs = ["token_level_loss", "dynamic_sampling", "no_clip_higher"]
-    small = Plan(plan.name, plan.base, rungs, [0, 1], steps=10, eval_every=5, eval_n=4,
-                 target=0.5)  # fmt: skip
+    small = Plan(plan.name, plan.base, rungs, [0, 1], steps=10, eval_every=5, eval_n=4, target=0.5)
     info = plan_info(small)
-    rows = [{"rung": r, "seed": k, "curve": [(0, 0.1), (5, 0.6 + k / 10), (10, 0.9)],
-             "generated_per_trained": 2.0, "entropy_end": 0.5, "train_s": 10.0,
-             "wall_s": 20.0, **mechanism_numbers([{"informative_frac": 1.0}])}
-            for r in rungs for k in (0, 1)]  # fmt: skip
+    rows = [
+        {
+            "rung": r,
+            "seed": k,
+            "curve": [(0, 0.1), (5, 0.6 + k / 10), (10, 0.9)],
+            "generated_per_trained": 2.0,
+            "entropy_end": 0.5,
+            "train_s": 10.0,
+            "wall_s": 20.0,
+            **mechanism_numbers([{"informative_frac": 1.0}]),
+        }
+        for r in rungs
+        for k in (0, 1)
+    ]
     summary = [summarise_rung(info, [r for r in rows if r["rung"] == name]) for name in rungs]
     ladder, loo = table_md(info, summary, {"loadavg": "1", "total_s": 60}).split("Leave-one-out")
     assert "DAPO without" not in ladder and "| + token-level loss |" in ladder
     labels = [line.split(" | ")[0] for line in loo.splitlines() if line.startswith("| ")][1:]
-    assert labels == ["| + dynamic sampling (= DAPO)", "| DAPO without clip-higher",
-                      "| DAPO without dynamic sampling (= + token-level loss)"]  # fmt: skip
+    assert labels == [
+        "| + dynamic sampling (= DAPO)",
+        "| DAPO without clip-higher",
+        "| DAPO without dynamic sampling (= + token-level loss)",
+    ]
     assert "| 5 (2/2) / 10 (2/2) | 2.00 | 1.00 |" in loo
 
 
@@ -324,9 +375,23 @@ def test_leave_one_out_table_reuses_the_ladder_rung_with_the_same_config(plan: P
 def test_dapo_ablate_two_rungs_one_seed(tmp_path: Path) -> None:
     from services.tools.cli import main
 
-    code = main(["ablate", "--seeds", "1", "--rungs", "naive_grpo,dynamic_sampling",
-                 "--steps", "3", "--eval-every", "2", "--name", "t", "--out-root",
-                 str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "ablate",
+            "--seeds",
+            "1",
+            "--rungs",
+            "naive_grpo,dynamic_sampling",
+            "--steps",
+            "3",
+            "--eval-every",
+            "2",
+            "--name",
+            "t",
+            "--out-root",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     out = tmp_path / "ablate-t"
     table = json.loads((out / "table.json").read_text())

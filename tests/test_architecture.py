@@ -98,8 +98,11 @@ def test_the_unit_layer_lists_existing_modules_that_start_no_server() -> None:
 def test_every_role_prints_its_usage(role: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", ROLE_MODULES[role], "--help"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: dapo {role}")
     for flag in ("--config", "--preset", "--set", "--redis-url", "--grpc-port", "--http-port"):
@@ -109,8 +112,11 @@ def test_every_role_prints_its_usage(role: str) -> None:
 def test_a_bad_config_is_one_line_and_exit_2() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "services.buffer", "--set", "buffer.read_count=-1"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("dapo buffer: error: invalid config: buffer.read_count")
     assert "Traceback" not in done.stderr
@@ -121,12 +127,29 @@ def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServ
     """Started for real (`-X importtime` logs every import to stderr) until it announces
     it is ready, then stopped with SIGTERM."""
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", ROLE_MODULES[role], "--preset", "tiny",
-         "--redis-url", redis_server.url, "--http-port", "0", "--grpc-port", "0",
-         "--set", "reward.num_workers=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            ROLE_MODULES[role],
+            "--preset",
+            "tiny",
+            "--redis-url",
+            redis_server.url,
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--set",
+            "reward.num_workers=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
         start_new_session=True,  # the watchdog kills the role and its verifier workers
-    )  # fmt: skip
+    )
     # The import log goes to stderr as it happens: read it while we wait for "ready", or a
     # log larger than the pipe's buffer blocks the process before it can say it.
     log: list[str] = []

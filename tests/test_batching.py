@@ -118,8 +118,9 @@ class TinyCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
         total = self.emb(input_ids).cumsum(dim=1)
-        first = torch.cummax(torch.where(position_ids == 0, torch.arange(
-            input_ids.shape[1]), 0), dim=1).values  # fmt: skip
+        first = torch.cummax(
+            torch.where(position_ids == 0, torch.arange(input_ids.shape[1]), 0), dim=1
+        ).values
         before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], dim=1)
         h = total - before.gather(1, first.unsqueeze(-1).expand_as(total))
         h = h / (position_ids + 1).to(h.dtype).unsqueeze(-1)

@@ -25,8 +25,13 @@ def bench() -> Any:
 
 
 def run(steps: int, phase: float, learner: float, responses: int, cpu: float | None) -> dict:
-    return {"steps": steps, "train_phase_seconds": phase, "learner_seconds_per_step": learner,
-            "responses_generated": responses, "cpu_seconds_per_step": cpu}  # fmt: skip
+    return {
+        "steps": steps,
+        "train_phase_seconds": phase,
+        "learner_seconds_per_step": learner,
+        "responses_generated": responses,
+        "cpu_seconds_per_step": cpu,
+    }
 
 
 def test_pooled_runs_weigh_by_steps_and_time(bench: Any) -> None:

@@ -14,16 +14,27 @@ from services.common.net import free_port
 from services.common.redis_server import RedisServer
 
 SUBCOMMANDS = [
-    "up", "controller", "rollout", "reward", "buffer", "learner",
-    "eval", "ledger", "bench", "config", "init-model",
-]  # fmt: skip
+    "up",
+    "controller",
+    "rollout",
+    "reward",
+    "buffer",
+    "learner",
+    "eval",
+    "ledger",
+    "bench",
+    "config",
+    "init-model",
+]
 
 
 def dapo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.tools.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:

@@ -77,9 +77,14 @@ def test_pacing_counts_stepped_groups_before_they_are_acked(redis_client: redis.
 @pytest.fixture(scope="module")
 def reward_server() -> Iterator[RewardServer]:
     config = DapoConfig.model_validate(
-        {"reward": {"num_workers": 1, "max_response_chars": 64,
-                    "server": {"grpc_port": 0, "http_port": 0}}}
-    )  # fmt: skip
+        {
+            "reward": {
+                "num_workers": 1,
+                "max_response_chars": 64,
+                "server": {"grpc_port": 0, "http_port": 0},
+            }
+        }
+    )
     server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60), "verifier workers did not start"
     yield server
@@ -105,11 +110,16 @@ class GatedCalls:
 def group_request(g: int, n: int = 4, response: str | None = None) -> reward_pb2.ScoreRequest:
     """n items of group g; the first is correct, and every pred names the group."""
     return reward_pb2.ScoreRequest(
-        items=[reward_pb2.ScoreItem(id=f"g{g}/{i}", response=response or str(g),
-                                    ground_truth=str(g if i == 0 else g + 1),
-                                    verifier=reward_pb2.VERIFIER_FIRST_INTEGER)
-               for i in range(n)]
-    )  # fmt: skip
+        items=[
+            reward_pb2.ScoreItem(
+                id=f"g{g}/{i}",
+                response=response or str(g),
+                ground_truth=str(g if i == 0 else g + 1),
+                verifier=reward_pb2.VERIFIER_FIRST_INTEGER,
+            )
+            for i in range(n)
+        ]
+    )
 
 
 def score_concurrently(batcher: ScoreBatcher, calls: GatedCalls, requests: list) -> list:
@@ -150,8 +160,12 @@ def test_a_refused_group_fails_alone(reward_server: RewardServer) -> None:
     calls = GatedCalls(reward_server.grpc_port)
     batcher = ScoreBatcher(calls, max_items=64, max_bytes=1 << 20)
     too_long = "9" * 100  # beyond reward.max_response_chars: INVALID_ARGUMENT
-    requests = [group_request(0), group_request(1), group_request(2, response=too_long),
-                group_request(3)]  # fmt: skip
+    requests = [
+        group_request(0),
+        group_request(1),
+        group_request(2, response=too_long),
+        group_request(3),
+    ]
     try:
         results = score_concurrently(batcher, calls, requests)
     finally:
@@ -180,8 +194,9 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     group_id = c.admit(Cursor(0, 1), record, version)
     meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
     assert meta["v"] == 7  # a restarted controller asks for the same min_version
-    request = adapter.generate_request(group_id, record.prompt, 16, c.config.shared.sampling,
-                                       4, False, min_version=meta["v"])  # fmt: skip
+    request = adapter.generate_request(
+        group_id, record.prompt, 16, c.config.shared.sampling, 4, False, min_version=meta["v"]
+    )
     assert request.min_version == 7
 
 

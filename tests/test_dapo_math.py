@@ -28,8 +28,10 @@ def test_rows_load_through_the_aime_loader(tmp_path: Path) -> None:
     assert len(records) == 15
     first = records[0]
     assert (first.data_source, first.ability, first.reward_style) == (
-        "math_dapo", "MATH", "rule-lighteval/MATH_v2",
-    )  # fmt: skip
+        "math_dapo",
+        "MATH",
+        "rule-lighteval/MATH_v2",
+    )
     assert first.messages == [{"role": "user", "content": first.prompt}]
     assert first.prompt_id == f"math_dapo-{first.index}" and len(str(first.index)) == 36
     assert first.raw_problem == "" and first.split is None  # not in the 17k release
@@ -51,11 +53,31 @@ def test_dapo_eval_reports_avg_and_pass_at_k_on_it(tmp_path: Path, tiny_model: P
     data = write_dapo_math(tmp_path / "dapo-math-17k.parquet", problems=12, copies=3)
     out = tmp_path / "eval.json"
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
-         "--data", str(data), "--n", "4", "--max-tokens", "4", "--engine", "torch",
-         "--verifier", "first_integer", "--no-chat-template", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "eval",
+            "--model",
+            str(tiny_model),
+            "--data",
+            str(data),
+            "--n",
+            "4",
+            "--max-tokens",
+            "4",
+            "--engine",
+            "torch",
+            "--verifier",
+            "first_integer",
+            "--no-chat-template",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     data_out = json.loads(out.read_text())
     assert (data_out["prompts"], data_out["samples"], data_out["engine"]) == (12, 48, "torch")

@@ -129,13 +129,19 @@ def test_stalled_weight_readers_never_block_the_learner(
 ) -> None:
     run, steps = "stalled", 3
     overrides = {
-        "shared.run_name": run, "shared.model_path": str(tiny_model),
-        "shared.max_staleness": 100, "shared.max_response_length": 16,
+        "shared.run_name": run,
+        "shared.model_path": str(tiny_model),
+        "shared.max_staleness": 100,
+        "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch", "learner.dtype": "float32", "learner.lr": 1e-2,
-        "shared.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64, "learner.total_steps": steps,
-    }  # fmt: skip
+        "learner.engine": "torch",
+        "learner.dtype": "float32",
+        "learner.lr": 1e-2,
+        "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64,
+        "learner.total_steps": steps,
+    }
     config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
     for group in make_groups(n_groups=BATCH * steps, seed=5):
         redis_client.xadd(RunKeys(run).train, {"group": encode_group(group)})
@@ -167,8 +173,10 @@ def test_stalled_weight_readers_never_block_the_learner(
 
         # A stalled reader that reads on gets the version it started, whole and unmixed.
         assert_bitwise(stalled.pop().finish(), before)
-        print(f"\n{STALLED} stalled readers: steps {[round(s, 2) for s in step_s]} s, "
-              f"fresh fetch of version {version} in {fetch_s:.2f} s")  # fmt: skip
+        print(
+            f"\n{STALLED} stalled readers: steps {[round(s, 2) for s in step_s]} s, "
+            f"fresh fetch of version {version} in {fetch_s:.2f} s"
+        )
 
         stalled = assert_threads_come_back_and_are_bounded(address, stalled, steps)
     finally:
@@ -232,8 +240,11 @@ def failed_on(log: str, address: str) -> set[str]:
     when it died (the calls it was serving end with "Socket closed" or a reset)."""
     records = re.split(r"\n(?=\d\d:\d\d:\d\d )", log)
     cut_off = ("Socket closed", "Connection reset by peer")
-    return {m.group(1) for r in records if (m := FAILED.search(r))
-            and (address in r or any(c in r for c in cut_off))}  # fmt: skip
+    return {
+        m.group(1)
+        for r in records
+        if (m := FAILED.search(r)) and (address in r or any(c in r for c in cut_off))
+    }
 
 
 def appended(client: redis.Redis, stream: str, field: bytes) -> list[tuple[str, float]]:
@@ -281,12 +292,18 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
 ) -> None:
     run_dir = tmp_path / "run"
     monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])  # the children's, one is killed
-    config = load_config(preset="tiny", overrides=[
-        f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
-        f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
-        "learner.linger_s=0", "buffer.stream_retain=1000000",  # the audit reads all `scored`
-        "learner.generation_budget=null",  # full batches: the counts below
-    ])  # fmt: skip
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            f"shared.model_path={tiny_model}",
+            f"shared.run_name={RUN}",
+            f"shared.redis_url={redis_server.url}",
+            "controller.eval.enabled=false",
+            "learner.linger_s=0",
+            "buffer.stream_retain=1000000",  # the audit reads all `scored`
+            "learner.generation_budget=null",  # full batches: the counts below
+        ],
+    )
     hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
     started = time.monotonic()
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
@@ -318,12 +335,14 @@ def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
     # ready server at start-up has grown its backoff to the 5 s cap); they are in flight.
     assert failed and failed <= rerouted.keys() | in_flight, failed - scored.keys() - in_flight
     first = min(rerouted.values(), default=float("nan"))
-    print(f"\nkilled {hook.victim} at version {hook.version_at_kill}: {len(after)} steps "
-          f"committed after it, the first {after[0]:.1f} s after, longest gap "
-          f"{max(gaps):.1f} s, last {after[-1]:.1f} s; {len(failed)} groups failed on the "
-          f"dead server, {len(rerouted)} re-routed and scored (the first {first:.1f} s "
-          f"after); registry dropped it {f'{gone[0]:.1f} s after' if gone else 'after the run'}; "
-          f"run {wall:.0f} s")  # fmt: skip
+    print(
+        f"\nkilled {hook.victim} at version {hook.version_at_kill}: {len(after)} steps "
+        f"committed after it, the first {after[0]:.1f} s after, longest gap "
+        f"{max(gaps):.1f} s, last {after[-1]:.1f} s; {len(failed)} groups failed on the "
+        f"dead server, {len(rerouted)} re-routed and scored (the first {first:.1f} s "
+        f"after); registry dropped it {f'{gone[0]:.1f} s after' if gone else 'after the run'}; "
+        f"run {wall:.0f} s"
+    )
 
     assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)
@@ -354,13 +373,21 @@ def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
 ) -> None:
     run_dir = tmp_path / "run"
     monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
-    config = load_config(preset="tiny", overrides=[
-        f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
-        f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
-        "learner.linger_s=0", "buffer.stream_retain=1000000", "shared.max_response_length=64",
-        "rollout.partial_rollouts=true", "rollout.weight_poll_s=0.05",
-        "learner.generation_budget=null",  # full batches: the counts below
-    ])  # fmt: skip
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            f"shared.model_path={tiny_model}",
+            f"shared.run_name={RUN}",
+            f"shared.redis_url={redis_server.url}",
+            "controller.eval.enabled=false",
+            "learner.linger_s=0",
+            "buffer.stream_retain=1000000",
+            "shared.max_response_length=64",
+            "rollout.partial_rollouts=true",
+            "rollout.weight_poll_s=0.05",
+            "learner.generation_budget=null",  # full batches: the counts below
+        ],
+    )
     hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.exit_code == -signal.SIGKILL
@@ -373,7 +400,9 @@ def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
     failed = failed_on(log, hook.dead["address"])
     in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
     assert failed and failed <= {g.group_id for g in scored} | in_flight
-    print(f"\n{len(spanning)} responses spanned versions; {len(failed)} groups cut off on the "
-          f"dead server, all generated again or in flight")  # fmt: skip
+    print(
+        f"\n{len(spanning)} responses spanned versions; {len(failed)} groups cut off on the "
+        f"dead server, all generated again or in flight"
+    )
     assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)

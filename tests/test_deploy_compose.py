@@ -30,8 +30,18 @@ def compose_config(env_file: Path, compose_file: Path = ROOT / "docker-compose.y
     binary = require_tool("docker-compose", "docker-compose")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAPO_", "COMPOSE_"))}
     env.pop("REDIS_PASSWORD", None)
-    return run_tool(binary, "-f", str(compose_file), "--project-directory", str(ROOT),
-                    "--env-file", str(env_file), "config", cwd=ROOT, env=env)  # fmt: skip
+    return run_tool(
+        binary,
+        "-f",
+        str(compose_file),
+        "--project-directory",
+        str(ROOT),
+        "--env-file",
+        str(env_file),
+        "config",
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module", params=list(PROFILES))
@@ -43,8 +53,11 @@ def resolved(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
 
 def active(config: dict[str, Any], profile: str) -> dict[str, dict[str, Any]]:
     """The services `docker compose up` starts with COMPOSE_PROFILES=profile."""
-    return {name: s for name, s in config["services"].items()
-            if not s.get("profiles") or profile in s["profiles"]}  # fmt: skip
+    return {
+        name: s
+        for name, s in config["services"].items()
+        if not s.get("profiles") or profile in s["profiles"]
+    }
 
 
 def mounts(service: dict[str, Any]) -> dict[str, str]:
@@ -141,8 +154,9 @@ def test_dapo_services_have_healthchecks_ports_and_ordering(resolved) -> None:
     }
     assert conditions[("controller", "reward")] == "service_healthy"
     assert conditions[(names["rollout"], names["learner"])] == "service_healthy"
-    assert all(c in ("service_healthy", "service_completed_successfully")
-               for c in conditions.values())  # fmt: skip
+    assert all(
+        c in ("service_healthy", "service_completed_successfully") for c in conditions.values()
+    )
     for name, service in services.items():
         if name != "gpu-slots-reset" and name != "init-model":
             assert "healthcheck" in service, name
@@ -197,8 +211,11 @@ def test_the_run_config_of_each_profile_loads(resolved) -> None:
 def test_env_example_names_every_variable_the_compose_file_uses() -> None:
     text = (ROOT / "docker-compose.yml").read_text()
     used = set(re.findall(r"\$\{([A-Z_]+)", text))
-    example = {line.split("=")[0] for line in (ROOT / ".env.example").read_text().splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    example = {
+        line.split("=")[0]
+        for line in (ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     assert used - {"DAPO_MODEL_PATH"} <= example, used - example
 
 
@@ -234,14 +251,16 @@ def image_extras(path: Path) -> list[list[str]]:
 def requirements(*extras: str) -> list[str]:
     """What deploy/docker/requirements.py prints for EXTRAS (what an image installs)."""
     script = DEPLOY / "docker" / "requirements.py"
-    done = subprocess.run([sys.executable, str(script), *extras], cwd=ROOT, capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), *extras], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     return done.stdout.splitlines()
 
 
 def dockerignored(relative: str) -> bool:
-    patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p and not p.startswith("#")]  # fmt: skip
+    patterns = [
+        p for p in (ROOT / ".dockerignore").read_text().splitlines() if p and not p.startswith("#")
+    ]
     return any(fnmatch.fnmatch(relative, p) or relative.startswith(p + "/") for p in patterns)
 
 
@@ -289,12 +308,20 @@ def _entrypoint(tmp_path: Path, hostname: str, slots: str) -> subprocess.Complet
     (bin_dir / "hostname").write_text(f"#!/bin/sh\necho {hostname}\n")
     for tool in ("dapo", "hostname"):
         (bin_dir / tool).chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "DAPO_GPU_SLOTS": slots,
-           "DAPO_GPU_LOCK_DIR": str(tmp_path / "locks")}  # fmt: skip
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "DAPO_GPU_SLOTS": slots,
+        "DAPO_GPU_LOCK_DIR": str(tmp_path / "locks"),
+    }
     (tmp_path / "locks").mkdir(exist_ok=True)
     script = DEPLOY / "docker" / "entrypoint.sh"
-    return subprocess.run(["sh", str(script), "rollout", "--config", "x"], env=env,
-                          capture_output=True, text=True, timeout=10)  # fmt: skip
+    return subprocess.run(
+        ["sh", str(script), "rollout", "--config", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
 
 
 def test_entrypoint_gives_each_replica_its_own_gpu(tmp_path: Path) -> None:

@@ -82,8 +82,11 @@ def test_torch_is_pinned_to_the_same_version_everywhere() -> None:
     make = (ROOT / "Makefile").read_text()
     assert set(re.findall(r"torch==([\d.]+)", make)) == {TORCH_PIN}
     assert f"torch=={TORCH_PIN}" in (ROOT / "constraints-cpu.txt").read_text().split()
-    cpu = dict(a.split("=", 1) for w, a in instructions(DEPLOY / "docker" / "Dockerfile.cpu")
-               if w == "ARG" and "=" in a)  # fmt: skip
+    cpu = dict(
+        a.split("=", 1)
+        for w, a in instructions(DEPLOY / "docker" / "Dockerfile.cpu")
+        if w == "ARG" and "=" in a
+    )
     assert cpu["TORCH_VERSION"] == TORCH_PIN
 
 

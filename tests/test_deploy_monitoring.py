@@ -19,8 +19,14 @@ from test_deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "dapo.json"
 PACKAGES = ("services", "rollout", "reward", "learner")
-METRIC_CLASSES = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram",
-                  "Summary": "summary", "Info": "info", "Enum": "stateset"}  # fmt: skip
+METRIC_CLASSES = {
+    "Counter": "counter",
+    "Gauge": "gauge",
+    "Histogram": "histogram",
+    "Summary": "summary",
+    "Info": "info",
+    "Enum": "stateset",
+}
 SUFFIXES = {
     "counter": ("_total", "_created"),
     "gauge": ("",),
@@ -42,15 +48,25 @@ ISSUE_ALERTS = {  # issue 7: the situations the rules must cover
     "engine mismatch": "DapoEngineMismatchHigh",
 }
 ISSUE_PANELS = [  # issue 7: the panels a DAPO user watches
-    "Reward and accuracy", "Kept vs filtered groups by reason", "Response length",
-    "Truncation rate", "Entropy", "Clip fractions", "Tokens/s per rollout server",
-    "Learner step time", "Learner tokens/s", "Weight-sync seconds",
-    "Staleness of trained batches", "Queue depths", "Reward latency",
-    "Reward timeouts and errors", "Engine mismatch (same-version tokens)",
+    "Reward and accuracy",
+    "Kept vs filtered groups by reason",
+    "Response length",
+    "Truncation rate",
+    "Entropy",
+    "Clip fractions",
+    "Tokens/s per rollout server",
+    "Learner step time",
+    "Learner tokens/s",
+    "Weight-sync seconds",
+    "Staleness of trained batches",
+    "Queue depths",
+    "Reward latency",
+    "Reward timeouts and errors",
+    "Engine mismatch (same-version tokens)",
     "Policy lag (versions behind)",
     "Held-out accuracy (eval curve)",  # issue 21: the eval curve
     "KV-cache use per rollout server",  # issue 27: vLLM's KV-cache pool
-]  # fmt: skip
+]
 
 
 # ---------------------------------------------------------------- what the code exports
@@ -256,8 +272,11 @@ def test_dashboard_is_well_formed() -> None:
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24
-        cells = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
-                 for y in range(pos["y"], pos["y"] + pos["h"])}  # fmt: skip
+        cells = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not cells & taken, f"panel {panel['title']!r} overlaps another"
         taken |= cells
         if panel["type"] == "row":

@@ -62,9 +62,24 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30)
 def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
     """A `dapo up --preset tiny` that trains for longer than the test; role → HTTP port."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--steps", "10000",
-           "--run-dir", str(run_dir), "--set", f"shared.model_path={tiny_model}",
-           "--set", "shared.run_name=scrape", "--set", "controller.eval.enabled=false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.tools.cli",
+        "up",
+        "--preset",
+        "tiny",
+        "--steps",
+        "10000",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        f"shared.model_path={tiny_model}",
+        "--set",
+        "shared.run_name=scrape",
+        "--set",
+        "controller.eval.enabled=false",
+    ]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     found: dict[str, int] = {}
@@ -118,10 +133,16 @@ def prometheus(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     config.write_text(yaml.safe_dump(scrape_config(targets)))
     point_at(targets, {"prometheus": port})
     proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
 
     def ready() -> bool:
@@ -153,8 +174,9 @@ def test_prometheus_scrapes_every_service_of_a_tiny_run(
     assert set(health) == {f"dapo-{role}" for role in ROLES} | {"prometheus"}
 
     for query, meaning in KEY_SERIES:
-        result = wait_for(meaning, lambda q=query: api(prometheus, "query", query=q)["result"],
-                          timeout_s=40)  # fmt: skip
+        result = wait_for(
+            meaning, lambda q=query: api(prometheus, "query", query=q)["result"], timeout_s=40
+        )
         assert float(result[0]["value"][1]) >= 0, (query, result)
 
     queries = dashboard_queries("15s")  # 1 s scrapes: 15 s holds enough samples for rate()

@@ -24,8 +24,15 @@ DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.32.0"  # the Kubernetes API the manifests are validated against
 
 # Kinds that live outside namespaces (kustomize leaves their namespace alone).
-CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume",
-                  "StorageClass", "CustomResourceDefinition", "PriorityClass"}  # fmt: skip
+CLUSTER_SCOPED = {
+    "Namespace",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "PersistentVolume",
+    "StorageClass",
+    "CustomResourceDefinition",
+    "PriorityClass",
+}
 
 
 def _apt_install(package: str) -> subprocess.CompletedProcess[str]:
@@ -94,9 +101,12 @@ def by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
 # ---------------------------------------------------------------- the tools themselves
 @pytest.mark.parametrize(
     ("binary", "package", "words"),
-    [("promtool", "prometheus", "promtool"), ("prometheus", "prometheus", "prometheus"),
-     ("docker-compose", "docker-compose", "docker-compose")],
-)  # fmt: skip
+    [
+        ("promtool", "prometheus", "promtool"),
+        ("prometheus", "prometheus", "prometheus"),
+        ("docker-compose", "docker-compose", "docker-compose"),
+    ],
+)
 def test_tool_is_installed_and_runs(binary: str, package: str, words: str) -> None:
     done = run_tool(require_tool(binary, package), "--version")
     assert done.returncode == 0, done.stderr

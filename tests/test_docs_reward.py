@@ -24,9 +24,11 @@ def test_reward_doc_example_numbers_match_the_shaping_function() -> None:
     shared = load_config(env={}).shared  # the doc's numbers are the paper's defaults
     for item, result in zip(request["items"], response["results"], strict=True):
         penalty = overlong_penalty(
-            item["response_length"], shared.max_response_length,
-            shared.overlong_buffer_length, shared.overlong_penalty_factor,
-        )  # fmt: skip
+            item["response_length"],
+            shared.max_response_length,
+            shared.overlong_buffer_length,
+            shared.overlong_penalty_factor,
+        )
         assert result["overlong_penalty"] == pytest.approx(penalty, abs=5e-5)
         base = 1.0 if result["correct"] else -1.0
         assert result["reward"] == pytest.approx(base + penalty, abs=5e-5)

@@ -46,8 +46,9 @@ def test_pass_at_k_hand_values_and_bad_arguments() -> None:
 
 
 def test_curve_point_adds_length_and_truncation() -> None:
-    point = curve_point([[True, False], [True, True]], [[3, 4], [1, 4]],
-                        [[False, True], [False, True]], 2)  # fmt: skip
+    point = curve_point(
+        [[True, False], [True, True]], [[3, 4], [1, 4]], [[False, True], [False, True]], 2
+    )
     assert point["avg@2"] == 0.75 and point["pass@2"] == 1.0
     assert point["response_length"] == 3.0 and point["truncation_rate"] == 0.5
 
@@ -60,11 +61,31 @@ def test_summary_averages_over_samples_and_prompts() -> None:
 def test_eval_runs_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "eval.json"
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
-         "--data", "synthetic:max3", "--n", "4", "--max-tokens", "4", "--limit", "20",
-         "--verifier", "first_integer", "--no-chat-template", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "eval",
+            "--model",
+            str(tiny_model),
+            "--data",
+            "synthetic:max3",
+            "--n",
+            "4",
+            "--max-tokens",
+            "4",
+            "--limit",
+            "20",
+            "--verifier",
+            "first_integer",
+            "--no-chat-template",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["prompts"] == 20 and data["samples"] == 80
@@ -74,10 +95,20 @@ def test_eval_runs_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
 
 def test_eval_on_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tmp_path / "nope"),
-         "--data", "synthetic:max3"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "eval",
+            "--model",
+            str(tmp_path / "nope"),
+            "--data",
+            "synthetic:max3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "model directory not found" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -112,10 +143,24 @@ def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
 def test_eval_on_vllm_without_vllm_is_one_clear_line(tiny_model: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(tiny_model),
-         "--data", "synthetic:max3", "--engine", "vllm", "--max-tokens", "8"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "eval",
+            "--model",
+            str(tiny_model),
+            "--data",
+            "synthetic:max3",
+            "--engine",
+            "vllm",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "vllm is not installed" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -127,10 +172,16 @@ def test_eval_after_reads_the_final_export_when_the_learner_is_gone(
     """With learner.linger_s=0 no learner is left to serve the final weights: the
     after-run evaluation loads the learner's final export and reports its version."""
     run_dir = tmp_path / "run"
-    config = load_config(preset="tiny", overrides=[
-        f"shared.model_path={tiny_model}", "learner.linger_s=0",
-        "controller.eval.every_steps=0", "controller.eval.limit=8", "controller.eval.n=2",
-    ])  # fmt: skip
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            f"shared.model_path={tiny_model}",
+            "learner.linger_s=0",
+            "controller.eval.every_steps=0",
+            "controller.eval.limit=8",
+            "controller.eval.n=2",
+        ],
+    )
     handler = signal.getsignal(signal.SIGTERM)
     assert launch(config, run_dir=str(run_dir), steps=3) == 0
     assert signal.getsignal(signal.SIGTERM) is handler  # launch puts the caller's back

@@ -30,21 +30,35 @@ def test_due_evaluates_first_then_at_each_new_multiple() -> None:
 
 
 def point(version: int, acc: float) -> dict:
-    return {"version": version, "step": version, "n": 4, "avg@4": acc, "pass@4": min(1, 2 * acc),
-            "prompts": 10, "samples": 40, "response_length": 2.0, "truncation_rate": 0.0,
-            "sample_versions": [version, version], "seconds": 1.5, "at": 0.0}  # fmt: skip
+    return {
+        "version": version,
+        "step": version,
+        "n": 4,
+        "avg@4": acc,
+        "pass@4": min(1, 2 * acc),
+        "prompts": 10,
+        "samples": 40,
+        "response_length": 2.0,
+        "truncation_rate": 0.0,
+        "sample_versions": [version, version],
+        "seconds": 1.5,
+        "at": 0.0,
+    }
 
 
 def test_report_plots_and_prints_the_curve(tmp_path: Path) -> None:
     curve = [point(0, 0.1), point(5, 0.4), point(10, 0.8)]
-    steps = [{"step": s, "reward_mean": 0, "accuracy": 0, "response_length": 1, "entropy": 1}
-             for s in (1, 2)]  # fmt: skip
+    steps = [
+        {"step": s, "reward_mean": 0, "accuracy": 0, "response_length": 1, "entropy": 1}
+        for s in (1, 2)
+    ]
     written = write_plots(steps, {1: 0.5}, tmp_path, curve)
     assert tmp_path / "eval_curve.png" in written
     assert (tmp_path / "eval_curve.png").stat().st_size > 1000
     ledger = {"ok": True, "admitted": 0, "trained": 0, "filtered": {}, "dropped": {}}
-    lines = summary_lines({"run": "r", "steps": steps, "wall_seconds": 1, "ledger": ledger,
-                           "eval_curve": curve})  # fmt: skip
+    lines = summary_lines(
+        {"run": "r", "steps": steps, "wall_seconds": 1, "ledger": ledger, "eval_curve": curve}
+    )
     assert "eval curve: 3 points, held-out avg@4 0.100 (v0) → 0.800 (v10), 4.5s" in "\n".join(lines)
 
 
@@ -68,12 +82,30 @@ def test_a_run_records_an_eval_curve_and_its_ledger_stays_exact(
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-         str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "16",
-         "--eval-every", "2", "--set", "controller.eval.limit=40",
-         "--set", "learner.generation_budget=null"],  # full batches: 16 x 16 trained
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={tiny_model}",
+            "--steps",
+            "16",
+            "--eval-every",
+            "2",
+            "--set",
+            "controller.eval.limit=40",
+            "--set",
+            "learner.generation_budget=null",
+        ],  # full batches: 16 x 16 trained
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     gauges: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 240

@@ -57,15 +57,42 @@ def test_dapo_eval_on_vllm_reads_the_dapo_math_17k_layout(
     processes inherit the module's TMPDIR (`own_tmpdir`)."""
     data = write_dapo_math(tmp_path / "dapo-math-17k.parquet", problems=5, copies=3)
     out = tmp_path / "eval.json"
-    options = [f"--engine-option={k}={v}" for k, v in (
-        ("dtype", "float32"), ("enforce_eager", "true"), ("max_model_len", "256"),
-        ("kv_cache_memory_bytes", str(64 << 20)))]  # fmt: skip
+    options = [
+        f"--engine-option={k}={v}"
+        for k, v in (
+            ("dtype", "float32"),
+            ("enforce_eager", "true"),
+            ("max_model_len", "256"),
+            ("kv_cache_memory_bytes", str(64 << 20)),
+        )
+    ]
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "eval", "--model", str(small_model),
-         "--data", str(data), "--n", "3", "--max-tokens", "8", "--engine", "vllm", *options,
-         "--verifier", "first_integer", "--no-chat-template", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "eval",
+            "--model",
+            str(small_model),
+            "--data",
+            str(data),
+            "--n",
+            "3",
+            "--max-tokens",
+            "8",
+            "--engine",
+            "vllm",
+            *options,
+            "--verifier",
+            "first_integer",
+            "--no-chat-template",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     data_out = json.loads(out.read_text())
     assert (data_out["engine"], data_out["prompts"], data_out["samples"]) == ("vllm", 5, 15)

@@ -77,9 +77,13 @@ class SuccessorWatch(threading.Thread):
 
     def run(self) -> None:
         while self.ready_version is None and not self.halt.wait(0.1):
-            new = reads(lambda: [
-                i for i in discover(self.client, KEYS, "rollout") if i["instance"] not in self.old
-            ])  # fmt: skip
+            new = reads(
+                lambda: [
+                    i
+                    for i in discover(self.client, KEYS, "rollout")
+                    if i["instance"] not in self.old
+                ]
+            )
             if new and new[0]["accepting"]:
                 self.ready_version = new[0]["version"]
 
@@ -105,18 +109,44 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
     with RedisServer(appendonly=True) as server:
         client = redis.Redis.from_url(server.url)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-             str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", str(STEPS),
-             "--rollouts", "2", "--redis-url", server.url, "--set", f"shared.run_name={RUN}",
-             "--set", "controller.eval.enabled=false", "--set", "learner.linger_s=0",
-             "--set", "learner.checkpoint_every=2",
-             # Full batches (the counts below): no generation budget.
-             "--set", "learner.generation_budget=null",
-             # Keep every acked entry: the audit below reads the whole `scored` stream,
-             # and a run that admits more than the default 1000 groups would be trimmed.
-             "--set", "buffer.stream_retain=1000000"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "services.tools.cli",
+                "up",
+                "--preset",
+                "tiny",
+                "--run-dir",
+                str(run_dir),
+                "--set",
+                f"shared.model_path={tiny_model}",
+                "--steps",
+                str(STEPS),
+                "--rollouts",
+                "2",
+                "--redis-url",
+                server.url,
+                "--set",
+                f"shared.run_name={RUN}",
+                "--set",
+                "controller.eval.enabled=false",
+                "--set",
+                "learner.linger_s=0",
+                "--set",
+                "learner.checkpoint_every=2",
+                # Full batches (the counts below): no generation budget.
+                "--set",
+                "learner.generation_budget=null",
+                # Keep every acked entry: the audit below reads the whole `scored` stream,
+                # and a run that admits more than the default 1000 groups would be trimmed.
+                "--set",
+                "buffer.stream_retain=1000000",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=killed_tree_env,
+        )
         try:
             recovery, (version_at_kill, successor) = run_kills(run_dir, client, server)
             out, _ = proc.communicate(timeout=180)

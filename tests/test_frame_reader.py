@@ -151,8 +151,9 @@ def test_data_before_a_slices_metadata_parses_but_is_refused_in_place() -> None:
     reads any order; the in-place reader needs the metadata first and says so."""
     data = torch.arange(6, dtype=torch.int32)
     piece = tensor_pb2.TensorSlice(data=data.numpy().tobytes()).SerializeToString()
-    piece += tensor_pb2.TensorSlice(name="x", dtype=tensor_pb2.DTYPE_INT32, shape=[2, 3],
-                                    total_bytes=24).SerializeToString()  # fmt: skip
+    piece += tensor_pb2.TensorSlice(
+        name="x", dtype=tensor_pb2.DTYPE_INT32, shape=[2, 3], total_bytes=24
+    ).SerializeToString()
     message = tensor_pb2.WeightBucket(total_tensors=1, last=True, version=3).SerializeToString()
     message += b"\x22" + bytes([len(piece)]) + piece
     bucket = parse_bucket(message)

@@ -40,17 +40,50 @@ KEY_PATHS = st.one_of(
 )
 SCALAR_TEXTS = st.one_of(
     st.sampled_from(
-        ["0", "1", "-1", "2", "8", "0.5", "1e-5", "1e400", "nan", ".nan", ".inf", "-.inf",
-         "true", "null", "~", "[]", "[1, 2]", "{a: 1}", "2024-01-01", "'x'", "vllm", "torch",
-         "!!python/object:os.system", "&a [*a]", "{", "]", "0x10", "1_000", "--", ""]
+        [
+            "0",
+            "1",
+            "-1",
+            "2",
+            "8",
+            "0.5",
+            "1e-5",
+            "1e400",
+            "nan",
+            ".nan",
+            ".inf",
+            "-.inf",
+            "true",
+            "null",
+            "~",
+            "[]",
+            "[1, 2]",
+            "{a: 1}",
+            "2024-01-01",
+            "'x'",
+            "vllm",
+            "torch",
+            "!!python/object:os.system",
+            "&a [*a]",
+            "{",
+            "]",
+            "0x10",
+            "1_000",
+            "--",
+            "",
+        ]
     ),
     st.text(max_size=10),
-)  # fmt: skip
+)
 VALUES = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
     st.lists(st.integers(), max_size=2),
     st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-)  # fmt: skip
+)
 
 
 def nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:

@@ -63,9 +63,15 @@ def test_json_python_cannot_parse_for_its_structure_is_422_not_500() -> None:
     from reward.server import create_server
     from services.tools.config import DapoConfig
 
-    config = DapoConfig.model_validate({"reward": {
-        "num_workers": 1, "default_verifier": "dapo", "server": {"grpc_port": 0, "http_port": 0},
-    }})  # fmt: skip
+    config = DapoConfig.model_validate(
+        {
+            "reward": {
+                "num_workers": 1,
+                "default_verifier": "dapo",
+                "server": {"grpc_port": 0, "http_port": 0},
+            }
+        }
+    )
     server = create_server(config).start()
     item = b'{"response": "Answer: 1", "ground_truth": "1"}'
     bodies = {

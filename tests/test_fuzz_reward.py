@@ -180,16 +180,25 @@ def _nested(depth: int, kind: str, closed: bool) -> str:
 
 
 WRONG_VALUES = st.one_of(
-    st.builds(_nested, st.one_of(st.integers(1, 1200), st.sampled_from([5000, 100_000])),
-              st.sampled_from(["list", "object"]), st.booleans()),
-    st.builds(lambda elem, n: "[" + ",".join([elem] * n) + "]",
-              st.sampled_from(SCALARS), st.sampled_from([0, 5, 1000, 20_000])),
-    st.builds(lambda n: "{" + ",".join(f'"k{i}": 1' for i in range(n)) + "}",
-              st.sampled_from([1, 5, 1000, 20_000])),
+    st.builds(
+        _nested,
+        st.one_of(st.integers(1, 1200), st.sampled_from([5000, 100_000])),
+        st.sampled_from(["list", "object"]),
+        st.booleans(),
+    ),
+    st.builds(
+        lambda elem, n: "[" + ",".join([elem] * n) + "]",
+        st.sampled_from(SCALARS),
+        st.sampled_from([0, 5, 1000, 20_000]),
+    ),
+    st.builds(
+        lambda n: "{" + ",".join(f'"k{i}": 1' for i in range(n)) + "}",
+        st.sampled_from([1, 5, 1000, 20_000]),
+    ),
     st.builds(lambda n: "9" * n, st.sampled_from([10, 4300, 4301, 6000])),
     st.lists(JSON_VALUES, max_size=4).map(json.dumps),
     st.sampled_from(SCALARS),
-)  # fmt: skip
+)
 PLACES = [  # where the value goes: V
     "V",  # the whole body
     '{"items": V}',

@@ -207,9 +207,12 @@ def generate_requests(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
     wild = draw(st.sampled_from([None, None, *WILD]))
     value = {k: draw(WILD[k] if k == wild else PLAUSIBLE[k]) for k in PLAUSIBLE}
     sampling = rollout_pb2.SamplingParams(
-        top_p=value["top_p"], top_k=value["top_k"], max_tokens=value["max_tokens"],
-        stop_token_ids=value["stop_token_ids"], seed=draw(st.integers(0, 2**64 - 1)),
-    )  # fmt: skip
+        top_p=value["top_p"],
+        top_k=value["top_k"],
+        max_tokens=value["max_tokens"],
+        stop_token_ids=value["stop_token_ids"],
+        seed=draw(st.integers(0, 2**64 - 1)),
+    )
     if draw(st.booleans()):
         sampling.temperature = value["temperature"]
     request = rollout_pb2.GenerateRequest(

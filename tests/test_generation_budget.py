@@ -23,8 +23,15 @@ from services.tools.config import load_config
 
 
 def test_decided_counts_kept_and_every_filter_reason() -> None:
-    ledger = {"admitted": 90, "scored": 80, "kept": 5, "filtered:acc": 70, "filtered:stale": 2,
-              "dropped:stale": 1, "trained": 4}  # fmt: skip
+    ledger = {
+        "admitted": 90,
+        "scored": 80,
+        "kept": 5,
+        "filtered:acc": 70,
+        "filtered:stale": 2,
+        "dropped:stale": 1,
+        "trained": 4,
+    }
     assert decided_groups(ledger) == 77
 
 
@@ -53,14 +60,20 @@ def test_a_step_never_trains_nothing() -> None:
 
 def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> Any:
     sets = {
-        "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
-        "shared.max_response_length": 16, "shared.overlong_buffer_length": 0,
+        "shared.run_name": run,
+        "shared.model_path": str(model),
+        "shared.max_staleness": 100,
+        "shared.max_response_length": 16,
+        "shared.overlong_buffer_length": 0,
         "shared.train_batch_groups": batch,
-        "learner.engine": "torch", "learner.lr": 1e-2, "learner.warmup_steps": 0,
-        "learner.mini_batch_responses": 8, "learner.micro_batch_tokens": 64,
+        "learner.engine": "torch",
+        "learner.lr": 1e-2,
+        "learner.warmup_steps": 0,
+        "learner.mini_batch_responses": 8,
+        "learner.micro_batch_tokens": 64,
         "learner.generation_budget": "null" if budget is None else budget,
         "learner.total_steps": 1,
-    }  # fmt: skip
+    }
     return load_config(None, env={}, overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
@@ -126,14 +139,32 @@ def test_dapo_up_trains_short_batches_past_the_budget_and_says_so(
     has taken its first batch (which the pipeline may have filled while it started) each
     step trains fewer than 64 groups."""
     run_dir = tmp_path / "run"
-    sets = [f"shared.model_path={tiny_model}", "shared.train_batch_groups=64",
-            "shared.max_staleness=0", "learner.generation_budget=1",
-            "controller.eval.enabled=false", "learner.linger_s=0"]  # fmt: skip
+    sets = [
+        f"shared.model_path={tiny_model}",
+        "shared.train_batch_groups=64",
+        "shared.max_staleness=0",
+        "learner.generation_budget=1",
+        "controller.eval.enabled=false",
+        "learner.linger_s=0",
+    ]
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--steps", "4",
-         "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--steps",
+            "4",
+            "--run-dir",
+            str(run_dir),
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]

@@ -155,8 +155,9 @@ def test_kl_adds_exactly_coef_times_the_token_mean_k3_gradient(tiny_model: Path)
     by_hand = _grads(policy)
     assert any(g.abs().max() > 1e-6 for g in by_hand.values())  # the KL gradient is not zero
     for name, g in by_hand.items():
-        torch.testing.assert_close(grads[coef][name] - grads[0.0][name], coef * g,
-                                   rtol=1e-4, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            grads[coef][name] - grads[0.0][name], coef * g, rtol=1e-4, atol=1e-6
+        )
 
 
 def test_kl_step_reports_kl_and_needs_a_reference(tiny_model: Path) -> None:
@@ -179,8 +180,9 @@ def test_kl_step_reports_kl_and_needs_a_reference(tiny_model: Path) -> None:
                 k3 += (delta.exp() - delta - 1).tolist()
     assert metrics.kl == pytest.approx(sum(k3) / len(k3), rel=1e-4)
     assert math.isfinite(metrics.loss)
-    plain = train_step(TorchPolicy(load_model(tiny_model), _cfg()), make_groups(), _cfg(), 0, 1.0,
-                       MAX_LEN)  # fmt: skip
+    plain = train_step(
+        TorchPolicy(load_model(tiny_model), _cfg()), make_groups(), _cfg(), 0, 1.0, MAX_LEN
+    )
     assert plain.kl == 0.0
 
 
@@ -196,8 +198,9 @@ def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine
     """No loss token left: no update at all (AdamW momentum and decay would still move θ)."""
     from learner.backends import build_policy
 
-    cfg = LearnerConfig(engine=engine, lr=1e-2, micro_batch_tokens=64, mini_batch_responses=8,
-                        dtype="float32")  # fmt: skip
+    cfg = LearnerConfig(
+        engine=engine, lr=1e-2, micro_batch_tokens=64, mini_batch_responses=8, dtype="float32"
+    )
     policy = build_policy(tiny_model, cfg)
     first = train_step(policy, make_groups(), cfg, 0, 1.0, MAX_LEN)  # momentum is now non-zero
     assert first.updates == 2 and first.skipped_updates == 0

@@ -33,8 +33,16 @@ BF16_TOLERANCE = {0: (0.01, 0.3), 1: (1e-3, 0.1), 2: (1e-3, 0.1), 3: (1e-3, 0.1)
 
 
 def _cfg(**kw) -> LearnerConfig:
-    base = dict(engine="deepspeed", zero_stage=0, dtype="float32", lr=1e-2, warmup_steps=0,
-                weight_decay=0.0, mini_batch_responses=8, micro_batch_tokens=64)  # fmt: skip
+    base = dict(
+        engine="deepspeed",
+        zero_stage=0,
+        dtype="float32",
+        lr=1e-2,
+        warmup_steps=0,
+        weight_decay=0.0,
+        mini_batch_responses=8,
+        micro_batch_tokens=64,
+    )
     return LearnerConfig(**{**base, **kw})
 
 
@@ -97,9 +105,16 @@ def _run_ranks(model: Path, out: Path, stages: str, last: str, cmd_name: str = "
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu",
-                   PYTHONPATH=str(FIXTURES.parent.parent))  # fmt: skip
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            DS_ACCELERATOR="cpu",
+            PYTHONPATH=str(FIXTURES.parent.parent),
+        )
         cmd = [sys.executable, str(FIXTURES), cmd_name, str(model), str(out), stages, last]
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -26,9 +26,16 @@ VOCAB, TEMPERATURE = 257, 0.7
 
 
 def tiny_qwen(tied: bool, seed: int = 0) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=tied, max_position_embeddings=64)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
@@ -36,8 +43,14 @@ def tiny_qwen(tied: bool, seed: int = 0) -> Qwen2ForCausalLM:
 
 
 def _cfg(chunk: int, **kw) -> LearnerConfig:
-    base = dict(engine="torch", dtype="float32", gradient_checkpointing=False,
-                micro_batch_tokens=40, logprob_chunk_tokens=chunk, lr=1e-3)  # fmt: skip
+    base = dict(
+        engine="torch",
+        dtype="float32",
+        gradient_checkpointing=False,
+        micro_batch_tokens=40,
+        logprob_chunk_tokens=chunk,
+        lr=1e-3,
+    )
     return LearnerConfig(**{**base, **kw})
 
 

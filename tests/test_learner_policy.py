@@ -29,9 +29,13 @@ def test_back_ends_do_not_import_the_policy_module() -> None:
         "print(sorted(m for m in sys.modules if m.startswith('learner.')))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
         env={"PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}", "PATH": "/usr/bin:/bin"},
-    ).stdout  # fmt: skip
+    ).stdout
     assert "learner.torch_policy" in out and "'learner.policy'" not in out, out
 
 
@@ -50,8 +54,13 @@ def test_a_follower_without_torch_distributed_gets_a_clear_error() -> None:
 
 
 def _grads(model_dir: Path, checkpointing: bool) -> dict[str, torch.Tensor]:
-    cfg = LearnerConfig(engine="torch", dtype="float32", gradient_checkpointing=checkpointing,
-                        micro_batch_tokens=40, logprob_chunk_tokens=3)  # fmt: skip
+    cfg = LearnerConfig(
+        engine="torch",
+        dtype="float32",
+        gradient_checkpointing=checkpointing,
+        micro_batch_tokens=40,
+        logprob_chunk_tokens=3,
+    )
     torch.manual_seed(0)
     policy = TorchPolicy(load_model(model_dir), cfg)
     assert policy.model.is_activation_checkpointing == checkpointing

@@ -37,15 +37,25 @@ BATCH = 2
 
 def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) -> Path:
     sets = {
-        "shared.run_name": run, "shared.model_path": str(model), "shared.redis_url": url,
-        "shared.max_staleness": 100, "shared.max_response_length": 16,
+        "shared.run_name": run,
+        "shared.model_path": str(model),
+        "shared.redis_url": url,
+        "shared.max_staleness": 100,
+        "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch", "learner.dtype": "float32", "learner.lr": 1e-2,
-        "shared.train_batch_groups": BATCH, "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64, "learner.total_steps": steps,
-        "learner.checkpoint_dir": str(tmp_path / "ckpt"), "learner.checkpoint_every": 100,
-        "learner.linger_s": 0, "learner.server.grpc_port": 0, "learner.server.http_port": 0,
-    }  # fmt: skip
+        "learner.engine": "torch",
+        "learner.dtype": "float32",
+        "learner.lr": 1e-2,
+        "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64,
+        "learner.total_steps": steps,
+        "learner.checkpoint_dir": str(tmp_path / "ckpt"),
+        "learner.checkpoint_every": 100,
+        "learner.linger_s": 0,
+        "learner.server.grpc_port": 0,
+        "learner.server.http_port": 0,
+    }
     path = tmp_path / "run.yaml"
     path.write_text(dump_config(load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])))
     return path
@@ -61,8 +71,9 @@ def _learner(config: Path, log: Path, *sets: str) -> subprocess.Popen:
     extra = [a for s in sets for a in ("--set", s)]
     return subprocess.Popen(
         [sys.executable, "-m", "services.tools.cli", "learner", "--config", str(config), *extra],
-        stdout=log.open("ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _until(check, timeout: float, what: str):

@@ -34,15 +34,23 @@ BATCH = 2  # groups per step
 
 def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
     sets = {
-        "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
+        "shared.run_name": run,
+        "shared.model_path": str(model),
+        "shared.max_staleness": 100,
         "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0, "learner.engine": "deepspeed",
-        "learner.zero_stage": 0, "learner.dtype": "float32", "learner.lr": 1e-2,
-        "learner.warmup_steps": 2, "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
-        "learner.checkpoint_every": 2, "learner.total_steps": 4,
+        "shared.overlong_buffer_length": 0,
+        "learner.engine": "deepspeed",
+        "learner.zero_stage": 0,
+        "learner.dtype": "float32",
+        "learner.lr": 1e-2,
+        "learner.warmup_steps": 2,
+        "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64,
+        "learner.checkpoint_every": 2,
+        "learner.total_steps": 4,
         **{f"learner.{k}": v for k, v in learner.items()},
-    }  # fmt: skip
+    }
     if ckpt is not None:
         sets["learner.checkpoint_dir"] = str(ckpt)
     return load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
@@ -239,9 +247,14 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
 def start_rank(cmd: list[str], rank: int, world: int, port: str) -> subprocess.Popen:
     """One rank of a torchrun-like launch on CPU (gloo), output captured."""
     env = dict(
-        os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DS_ACCELERATOR="cpu",
-    )  # fmt: skip
+        os.environ,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        DS_ACCELERATOR="cpu",
+    )
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
 
 
@@ -257,15 +270,34 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
 
     run, keys, port = "dp2", RunKeys("dp2"), str(free_port())
     _fill(redis_client, run, 3)
-    sets = {"shared.run_name": run, "shared.model_path": str(tiny_model),
-            "shared.max_staleness": 100, "shared.max_response_length": 16,
+    sets = {
+        "shared.run_name": run,
+        "shared.model_path": str(tiny_model),
+        "shared.max_staleness": 100,
+        "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
-            "learner.engine": "deepspeed", "learner.zero_stage": 3, "learner.dtype": "float32",
-            "learner.lr": 1e-2, "shared.train_batch_groups": BATCH,
-            "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
-            "learner.total_steps": 3, "learner.linger_s": 120}  # fmt: skip
-    cmd = [sys.executable, "-m", "services.tools.cli", "learner", "--redis-url", redis_server.url,
-           "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
+        "learner.engine": "deepspeed",
+        "learner.zero_stage": 3,
+        "learner.dtype": "float32",
+        "learner.lr": 1e-2,
+        "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64,
+        "learner.total_steps": 3,
+        "learner.linger_s": 120,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.tools.cli",
+        "learner",
+        "--redis-url",
+        redis_server.url,
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+    ]
     cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
     procs = [start_rank(cmd, rank, world=2, port=port) for rank in range(2)]
     try:

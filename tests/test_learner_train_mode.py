@@ -24,10 +24,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 def _cfg(engine: str, checkpointing: bool) -> LearnerConfig:
     return LearnerConfig(
-        engine=engine, zero_stage=0, dtype="float32", lr=1e-3, warmup_steps=0,
-        mini_batch_responses=64, micro_batch_tokens=4096, logprob_chunk_tokens=0,
+        engine=engine,
+        zero_stage=0,
+        dtype="float32",
+        lr=1e-3,
+        warmup_steps=0,
+        mini_batch_responses=64,
+        micro_batch_tokens=4096,
+        logprob_chunk_tokens=0,
         gradient_checkpointing=checkpointing,
-    )  # fmt: skip
+    )
 
 
 def _watched_step(model_dir: Path, engine: str, checkpointing: bool) -> tuple[list[bool], int]:

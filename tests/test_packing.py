@@ -49,11 +49,17 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
 
 @pytest.mark.parametrize(
     ("kw", "packed"),
-    [({}, True), ({"packing": False}, False), ({"loss_agg_mode": "seq_mean_token_mean"}, False),
-     ({"correction": TokenTIS()}, True), ({"correction": SequenceTIS()}, False),
-     ({"correction": MaskedIS(level="token")}, True), ({"correction": MaskedIS()}, True),
-     ({"correction": MaskedIS(level="sequence")}, False)],
-)  # fmt: skip
+    [
+        ({}, True),
+        ({"packing": False}, False),
+        ({"loss_agg_mode": "seq_mean_token_mean"}, False),
+        ({"correction": TokenTIS()}, True),
+        ({"correction": SequenceTIS()}, False),
+        ({"correction": MaskedIS(level="token")}, True),
+        ({"correction": MaskedIS()}, True),
+        ({"correction": MaskedIS(level="sequence")}, False),
+    ],
+)
 def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
     assert use_packing(LearnerConfig(**kw)) is packed
 

@@ -152,9 +152,12 @@ def test_mismatched_versions_are_refused() -> None:
     bad.token_ids_i32 = bad.token_ids_i32[:-1]
     bad.token_versions_i64 = b""
     assert sample_from_completion(bad).token_ids.tolist() == [1, 2]
-    bad = rollout_pb2.Completion(token_ids_i32=bytes(8), logprobs_f32=bytes(8),
-                                 token_versions_i64=bytes(8),
-                                 finish_reason=rollout_pb2.FINISH_REASON_STOP)  # fmt: skip
+    bad = rollout_pb2.Completion(
+        token_ids_i32=bytes(8),
+        logprobs_f32=bytes(8),
+        token_versions_i64=bytes(8),
+        finish_reason=rollout_pb2.FINISH_REASON_STOP,
+    )
     with pytest.raises(ValueError, match="1 token versions for 2 tokens"):
         sample_from_completion(bad)
 

@@ -23,10 +23,23 @@ RETAIN = 4  # acked entries kept at the tail of each stream
 
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
     return subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny",
-         "--run-dir", str(run_dir), "--set", f"shared.model_path={model}", *extra],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={model}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def children_of(run_dir: Path) -> list[psutil.Process]:
@@ -46,12 +59,24 @@ def test_data_flows_through_every_service(
     run_dir = tmp_path / "run"
     client = redis.Redis.from_url(redis_server.url)
     client.flushdb()
-    result = dapo_up(run_dir, tiny_model, "--steps", "3", "--redis-url", redis_server.url,
-                     "--set", "shared.run_name=pipeline",
-                     "--set", f"shared.max_staleness={max_staleness}",
-                     "--set", "controller.eval.enabled=false",
-                     "--set", f"buffer.stream_retain={RETAIN}",
-                     "--set", "learner.generation_budget=null")  # full batches  # fmt: skip
+    result = dapo_up(
+        run_dir,
+        tiny_model,
+        "--steps",
+        "3",
+        "--redis-url",
+        redis_server.url,
+        "--set",
+        "shared.run_name=pipeline",
+        "--set",
+        f"shared.max_staleness={max_staleness}",
+        "--set",
+        "controller.eval.enabled=false",
+        "--set",
+        f"buffer.stream_retain={RETAIN}",
+        "--set",
+        "learner.generation_budget=null",
+    )  # full batches
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     ledger = report["ledger"]
@@ -79,8 +104,16 @@ def test_data_flows_through_every_service(
 
 def test_launcher_stops_its_own_redis_and_every_child(tmp_path: Path, tiny_model: Path) -> None:
     run_dir = tmp_path / "run"
-    result = dapo_up(run_dir, tiny_model, "--steps", "2", "--set", "controller.eval.n=1",
-                     "--set", "controller.eval.limit=10")  # fmt: skip
+    result = dapo_up(
+        run_dir,
+        tiny_model,
+        "--steps",
+        "2",
+        "--set",
+        "controller.eval.n=1",
+        "--set",
+        "controller.eval.limit=10",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["eval_before"]["version"] == 0 and report["eval_after"]["version"] == 2
@@ -115,16 +148,36 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-         str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "6",
-         "--rollouts", "2", "--set", "controller.eval.enabled=false",
-         "--set", "learner.linger_s=0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={tiny_model}",
+            "--steps",
+            "6",
+            "--rollouts",
+            "2",
+            "--set",
+            "controller.eval.enabled=false",
+            "--set",
+            "learner.linger_s=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=killed_tree_env,
+    )
     try:
         learner_log = run_dir / "logs" / "learner.log"
-        wait_for(lambda: learner_log.exists() and "step=2 " in learner_log.read_text(), 180,
-                 "step 2")  # fmt: skip
+        wait_for(
+            lambda: learner_log.exists() and "step=2 " in learner_log.read_text(), 180, "step 2"
+        )
         role_process(run_dir, "rollout").kill()
         role_process(run_dir, "reward").kill()
         out, _ = proc.communicate(timeout=240)
@@ -142,14 +195,32 @@ def test_killing_the_launcher_leaves_no_orphans(
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--run-dir",
-         str(run_dir), "--set", f"shared.model_path={tiny_model}", "--steps", "50",
-         "--set", "controller.eval.enabled=false"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=killed_tree_env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={tiny_model}",
+            "--steps",
+            "50",
+            "--set",
+            "controller.eval.enabled=false",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=killed_tree_env,
+    )
     learner_log = run_dir / "logs" / "learner.log"
-    wait_for(lambda: learner_log.exists() and "ready" in learner_log.read_text(), 120,
-             "the learner to start")  # fmt: skip
+    wait_for(
+        lambda: learner_log.exists() and "ready" in learner_log.read_text(),
+        120,
+        "the learner to start",
+    )
     url = yaml.safe_load((run_dir / "config.yaml").read_text())["shared"]["redis_url"]
     proc.kill()  # SIGKILL: the launcher runs no clean-up at all
     proc.wait()

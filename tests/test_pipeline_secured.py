@@ -69,21 +69,43 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     ca, node = make_node_cert(tmp_path / "pki")
     config = {
         "security": {
-            "tls": {"enabled": True, "mtls": True, "ca": str(ca),
-                    "cert": str(node.cert), "key": str(node.key)},
+            "tls": {
+                "enabled": True,
+                "mtls": True,
+                "ca": str(ca),
+                "cert": str(node.cert),
+                "key": str(node.key),
+            },
             "auth": {"token": TOKEN, "scope": "all", "protect_metrics": True},
             "redis": {"password": REDIS_PASSWORD},
         },
-    }  # fmt: skip
+    }
     config_path = tmp_path / "secured.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny", "--config",
-         str(config_path), "--run-dir", str(run_dir), "--steps", "3",
-         "--set", f"shared.model_path={tiny_model}", "--set", "controller.eval.enabled=false"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny",
+            "--config",
+            str(config_path),
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "3",
+            "--set",
+            f"shared.model_path={tiny_model}",
+            "--set",
+            "controller.eval.enabled=false",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         probe_rollout(run_dir, ca, node)
         stdout, stderr = proc.communicate(timeout=300)

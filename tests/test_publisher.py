@@ -50,13 +50,19 @@ class SlowServicer(WeightServicer):
 
 def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
     sets = {
-        "shared.run_name": run, "shared.model_path": str(model), "shared.max_staleness": 100,
+        "shared.run_name": run,
+        "shared.model_path": str(model),
+        "shared.max_staleness": 100,
         "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0, "learner.engine": "torch", "learner.lr": 1e-2,
-        "learner.dtype": "float32", "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4, "learner.micro_batch_tokens": 64,
+        "shared.overlong_buffer_length": 0,
+        "learner.engine": "torch",
+        "learner.lr": 1e-2,
+        "learner.dtype": "float32",
+        "shared.train_batch_groups": BATCH,
+        "learner.mini_batch_responses": 4,
+        "learner.micro_batch_tokens": 64,
         "learner.total_steps": STEPS,
-    }  # fmt: skip
+    }
     config = load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
     for group in make_groups(n_groups=BATCH * STEPS, seed=11):
         client.xadd(RunKeys(run).train, {"group": encode_group(group)})

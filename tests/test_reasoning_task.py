@@ -137,12 +137,30 @@ def test_a_short_dapo_run_on_runmax(tmp_path: Path, tiny_model: Path) -> None:
     `dapo` rule, dynamic sampling, and an L_max that cuts off part of the batch."""
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny_runmax",
-         "--run-dir", str(run_dir), "--steps", "2",
-         "--set", f"shared.model_path={tiny_model}", "--set", "shared.train_batch_groups=4",
-         "--set", "shared.group_size=8", "--set", "controller.eval.limit=20"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny_runmax",
+            "--run-dir",
+            str(run_dir),
+            "--steps",
+            "2",
+            "--set",
+            f"shared.model_path={tiny_model}",
+            "--set",
+            "shared.train_batch_groups=4",
+            "--set",
+            "shared.group_size=8",
+            "--set",
+            "controller.eval.limit=20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["ledger"]["ok"] and report["ledger"]["trained"] == 2 * 4

@@ -16,9 +16,21 @@ from services.tools.config import DapoConfig
 
 PASSWORD = 'pa ss"word'  # a space and a quote: the requirepass directive must quote it
 ACL_USERS = (
-    "--user", "writer", "on", ">writer-pw", "~*", "&*", "+@all",
-    "--user", "reader", "on", ">reader-pw", "~*", "+@read", "+@connection",
-)  # fmt: skip
+    "--user",
+    "writer",
+    "on",
+    ">writer-pw",
+    "~*",
+    "&*",
+    "+@all",
+    "--user",
+    "reader",
+    "on",
+    ">reader-pw",
+    "~*",
+    "+@read",
+    "+@connection",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +79,12 @@ def test_tls_files_only_go_to_rediss_urls() -> None:
     auth = RedisAuthConfig(username="u", password="p", ca="/ca.pem", cert="/c.pem", key="/k.pem")
     tls = client_kwargs("rediss://h:6380/0", auth)
     assert tls == {
-        "username": "u", "password": "p",
-        "ssl_ca_certs": "/ca.pem", "ssl_certfile": "/c.pem", "ssl_keyfile": "/k.pem",
-    }  # fmt: skip
+        "username": "u",
+        "password": "p",
+        "ssl_ca_certs": "/ca.pem",
+        "ssl_certfile": "/c.pem",
+        "ssl_keyfile": "/k.pem",
+    }
     assert client_kwargs("redis://h:6379/0", auth) == {"username": "u", "password": "p"}
     # redis-py builds an SSL connection pool from these (no TLS-enabled redis-server here).
     pool = redis.Redis.from_url("rediss://h:6380/0", **tls).connection_pool

@@ -172,8 +172,10 @@ def test_buffer_service_and_ledger_over_mtls(
         client.xadd(keys.scored, {"group": encode_group(group)})
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.tools.cli", "buffer", "--config", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while read_ledger(client, "tls-buffer").pending_scored and proc.poll() is None:

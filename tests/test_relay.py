@@ -62,8 +62,9 @@ def learner(client: redis.Redis, keys: RunKeys) -> Iterator[CountingServicer]:
         servicer.close()
 
 
-def publish(client: redis.Redis, keys: RunKeys, servicer: WeightServicer, version: int,
-            engine: object) -> dict[str, torch.Tensor]:  # fmt: skip
+def publish(
+    client: redis.Redis, keys: RunKeys, servicer: WeightServicer, version: int, engine: object
+) -> dict[str, torch.Tensor]:
     """A new policy published as the learner does (weights, then the version in Redis)."""
     tensors = perturbed(engine, seed=version)  # type: ignore[arg-type]
     servicer.publish(version, tensors)

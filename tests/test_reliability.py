@@ -48,9 +48,12 @@ def test_retries_retryable_errors_then_returns() -> None:
     waits: list[float] = []
     retried: list[str] = []
     got = call_with_retry(
-        fn, Backoff(0.1, 1.0), sleep=waits.append, rng=lambda: 1.0,
+        fn,
+        Backoff(0.1, 1.0),
+        sleep=waits.append,
+        rng=lambda: 1.0,
         on_retry=lambda exc, delay: retried.append(type(exc).__name__),
-    )  # fmt: skip
+    )
     assert got == "ok" and len(calls) == 3
     assert waits == pytest.approx([0.1, 0.2])
     assert retried == ["Rpc", "ConnectionError"]
@@ -159,11 +162,25 @@ def test_sigterm_stops_the_controller_and_hands_back_its_groups(
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "controller", "--preset", "tiny",
-         "--redis-url", redis_server.url, "--set", "shared.run_name=graceful",
-         "--set", "controller.max_groups_in_flight=4", "--set", "controller.server.http_port=0"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.tools.cli",
+            "controller",
+            "--preset",
+            "tiny",
+            "--redis-url",
+            redis_server.url,
+            "--set",
+            "shared.run_name=graceful",
+            "--set",
+            "controller.max_groups_in_flight=4",
+            "--set",
+            "controller.server.http_port=0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
         while read_ledger(redis_client, "graceful").admitted < 4 and time.monotonic() < deadline:
@@ -185,8 +202,9 @@ def _serve_then_sigterm(role: str, args: list[str]) -> tuple[int, str]:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.tools.cli", role, "--http-port", "0", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         lines = []
         while not (lines and lines[-1].startswith(f"dapo {role} ready")):
@@ -214,8 +232,14 @@ def test_sigterm_stops_the_buffer_after_its_moves(redis_server, redis_client: re
         redis_client.hincrby(keys.ledger, "admitted", 1)
         redis_client.hincrby(keys.ledger, "scored", 1)
         add(redis_client, keys.scored, {"group": encode_group(group)})
-    run = ["--redis-url", redis_server.url, "--set", "shared.run_name=graceful-buffer",
-           "--set", "shared.group_size=4"]  # fmt: skip
+    run = [
+        "--redis-url",
+        redis_server.url,
+        "--set",
+        "shared.run_name=graceful-buffer",
+        "--set",
+        "shared.group_size=4",
+    ]
     code, output = _serve_then_sigterm("buffer", run)
     assert code == 0, output
     ledger = read_ledger(redis_client, "graceful-buffer")
@@ -226,8 +250,15 @@ def test_sigterm_stops_the_buffer_after_its_moves(redis_server, redis_client: re
 @pytest.mark.slow
 def test_sigterm_stops_a_rollout_server(tiny_model, redis_server) -> None:
     """A rollout server with no learner yet (so never ready) still stops cleanly."""
-    run = ["--grpc-port", "0", "--redis-url", redis_server.url,
-           "--set", f"shared.model_path={tiny_model}",
-           "--set", "shared.run_name=graceful-rollout"]  # fmt: skip
+    run = [
+        "--grpc-port",
+        "0",
+        "--redis-url",
+        redis_server.url,
+        "--set",
+        f"shared.model_path={tiny_model}",
+        "--set",
+        "shared.run_name=graceful-rollout",
+    ]
     code, output = _serve_then_sigterm("rollout", run)
     assert code == 0, output

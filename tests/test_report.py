@@ -11,25 +11,46 @@ from services.tools.report import sampling_line, sampling_summary, summary_lines
 
 def test_time_accounting_splits_a_groups_time() -> None:
     groups = [  # admitted → scored: 10 s, of which 7 generating and 1 scoring
-        {"group_id": "a", "admitted_at": 100.0, "scored_at": 110.0,
-         "generate_s": 7.0, "score_s": 1.0},
-        {"group_id": "b", "admitted_at": 104.0, "scored_at": 112.0,
-         "generate_s": 6.0, "score_s": 0.5},
+        {
+            "group_id": "a",
+            "admitted_at": 100.0,
+            "scored_at": 110.0,
+            "generate_s": 7.0,
+            "score_s": 1.0,
+        },
+        {
+            "group_id": "b",
+            "admitted_at": 104.0,
+            "scored_at": 112.0,
+            "generate_s": 6.0,
+            "score_s": 0.5,
+        },
         {"group_id": "c", "admitted_at": 0.0, "scored_at": 1.0},  # no timing: not counted
-    ]  # fmt: skip
+    ]
     traces = [{"step": 0, "groups": ["a", "b"]}, {"step": 9, "groups": ["a"]}]  # 9: no metrics
     steps = [{"step": 0, "seconds": 4.0, "committed_at": 120.0}]  # started at 116
     acc = time_accounting(groups, traces, steps)
     assert acc["groups"] == 2
-    assert acc["mean_s"] == pytest.approx({
-        "generate": 6.5, "score": 0.75, "controller": (2.0 + 1.5) / 2,
-        "wait": (6.0 + 4.0) / 2, "train": 2.0, "overhead": (3.0 + 2.0) / 2,
-    })  # fmt: skip
+    assert acc["mean_s"] == pytest.approx(
+        {
+            "generate": 6.5,
+            "score": 0.75,
+            "controller": (2.0 + 1.5) / 2,
+            "wait": (6.0 + 4.0) / 2,
+            "train": 2.0,
+            "overhead": (3.0 + 2.0) / 2,
+        }
+    )
     assert acc["overhead_max_s"] == 3.0
     assert time_accounting([], traces, steps) == {"groups": 0}
     ledger = {"ok": True, "admitted": 2, "trained": 2, "filtered": {}, "dropped": {}}
-    report = {"run": "r", "steps": steps, "wall_seconds": 30, "time_accounting": acc,
-              "ledger": ledger}  # fmt: skip
+    report = {
+        "run": "r",
+        "steps": steps,
+        "wall_seconds": 30,
+        "time_accounting": acc,
+        "ledger": ledger,
+    }
     line = summary_lines(report)[-1]
     assert "generate 6.500, train 2.000, overhead 2.500" in line and "batch 5.000" in line
 
@@ -47,8 +68,11 @@ def test_summary_counts_training_steps_not_metric_entries() -> None:
 
 
 def test_dynamic_sampling_counts_short_steps_and_generated_per_trained() -> None:
-    steps = [{"step": 1, "groups": 16, "generated": 20}, {"step": 2, "groups": 4, "generated": 64},
-             {"step": 3, "groups": 16, "generated": 40}]  # fmt: skip
+    steps = [
+        {"step": 1, "groups": 16, "generated": 20},
+        {"step": 2, "groups": 4, "generated": 64},
+        {"step": 3, "groups": 16, "generated": 40},
+    ]
     ledger = {"kept": 40, "filtered": {"acc": 80, "stale": 4}}
     summary = sampling_summary(steps, ledger, 16, 4.0)
     assert summary["short_steps"] == 1 and summary["generated_per_trained"] == round(124 / 36, 2)

@@ -106,8 +106,15 @@ def test_http_scores(http: httpx.Client) -> None:
     assert [r["reward"] for r in results] == pytest.approx([1.0, -1.0, 0.0])
     assert results[0]["id"] == "a" and results[1]["verifier"] == "dapo"
     assert set(results[0]) == {
-        "id", "reward", "correct", "pred", "verifier", "error", "overlong_penalty", "truncated",
-    }  # fmt: skip
+        "id",
+        "reward",
+        "correct",
+        "pred",
+        "verifier",
+        "error",
+        "overlong_penalty",
+        "truncated",
+    }
 
 
 def test_http_integer_ground_truth_is_its_string(http: httpx.Client) -> None:
@@ -271,10 +278,14 @@ def test_metrics_and_status(server: RewardServer, channel: grpc.Channel, http: h
     assert sample_value("dapo_reward_items_total", labels) == before + 5
     text = http.get("/metrics").text
     for name in (
-        "dapo_reward_items_total", "dapo_reward_correct_rate", "dapo_reward_timeouts_total",
-        "dapo_reward_errors_total", "dapo_reward_verify_seconds_bucket",
-        "dapo_reward_request_seconds_bucket", "dapo_reward_pool_restarts_total",
-    ):  # fmt: skip
+        "dapo_reward_items_total",
+        "dapo_reward_correct_rate",
+        "dapo_reward_timeouts_total",
+        "dapo_reward_errors_total",
+        "dapo_reward_verify_seconds_bucket",
+        "dapo_reward_request_seconds_bucket",
+        "dapo_reward_pool_restarts_total",
+    ):
         assert name in text, name
     status = http.get("/status").json()
     assert status["service"] == "reward" and status["workers"] == 2
@@ -295,9 +306,17 @@ def test_concurrent_requests_share_the_pool(channel: grpc.Channel) -> None:
 
 def test_dapo_reward_command_serves_and_stops_on_sigterm() -> None:
     command = [
-        sys.executable, "-c", "from services.tools.cli import main; raise SystemExit(main())",
-        "reward", "--grpc-port", "0", "--http-port", "0", "--set", "reward.num_workers=1",
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        "from services.tools.cli import main; raise SystemExit(main())",
+        "reward",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--set",
+        "reward.num_workers=1",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:

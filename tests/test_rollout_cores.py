@@ -68,8 +68,9 @@ def test_a_restarted_rollout_server_keeps_its_cores(tmp_path: Path) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     extra = ("--set", "rollout.engine.cpu_cores=1")
-    child = Child("rollout", dead, (tmp_path / "logs" / "rollout-1.log").open("ab"),
-                  "rollout-1", extra=extra)  # fmt: skip
+    child = Child(
+        "rollout", dead, (tmp_path / "logs" / "rollout-1.log").open("ab"), "rollout-1", extra=extra
+    )
     launch.restart(child)
     try:
         assert tuple(child.proc.args[-2:]) == extra and child.restarts == 1

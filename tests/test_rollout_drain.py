@@ -61,8 +61,11 @@ class Drain:
         """The victims' registry entries (matched by the ports their processes listen on)."""
         victims = [c for c in launch.children if c.name in VICTIMS]
         ports = set().union(*(listening_ports(c.proc.pid) for c in victims))
-        return [e for e in discover(self.client, KEYS, "rollout")
-                if int(e["address"].rsplit(":", 1)[1]) in ports]  # fmt: skip
+        return [
+            e
+            for e in discover(self.client, KEYS, "rollout")
+            if int(e["address"].rsplit(":", 1)[1]) in ports
+        ]
 
     def busy(self, launch: Launch) -> bool:
         """A victim holds calls now: SIGTERM then has something to drain."""
@@ -110,13 +113,21 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
     tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     run_dir = tmp_path / "run"
-    config = load_config(preset="tiny", overrides=[
-        f"shared.model_path={tiny_model}", f"shared.run_name={RUN}",
-        f"shared.redis_url={redis_server.url}", "controller.eval.enabled=false",
-        "learner.linger_s=0", "buffer.stream_retain=1000000", "rollout.engine.num_threads=1",
-        f"rollout.drain_timeout_s={DRAIN_S}", "shared.max_response_length=96",
-        "learner.generation_budget=null",  # full batches: the counts below
-    ])  # fmt: skip
+    config = load_config(
+        preset="tiny",
+        overrides=[
+            f"shared.model_path={tiny_model}",
+            f"shared.run_name={RUN}",
+            f"shared.redis_url={redis_server.url}",
+            "controller.eval.enabled=false",
+            "learner.linger_s=0",
+            "buffer.stream_retain=1000000",
+            "rollout.engine.num_threads=1",
+            f"rollout.drain_timeout_s={DRAIN_S}",
+            "shared.max_response_length=96",
+            "learner.generation_budget=null",  # full batches: the counts below
+        ],
+    )
     hook = Drain(redis_client)
     started = time.monotonic()
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=4, on_step=hook)
@@ -137,12 +148,14 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
     assert "DEADLINE_EXCEEDED" not in controller_log  # no call waited past its deadline
     admitted, in_flight = assert_exact(redis_client, config.shared.train_batch_groups)
     refused = controller_log.count("rollout server is shutting down")
-    print(f"\nSIGTERM to {len(VICTIMS)}/4 rollout servers after step {TERM_AFTER}: exits "
-          f"{ {n: round(s, 2) for n, (_, s) in hook.exits.items()} } s after; drains "
-          f"{[float(m.group(1)) for m in drains if m]} s, {held} calls held, {cut} cut off; "
-          f"{refused} calls refused while draining and re-routed; {admitted} groups admitted, "
-          f"{in_flight} in flight at the end; `generating` backlog up to {max(hook.backlog)}; "
-          f"run {wall:.0f} s")  # fmt: skip
+    print(
+        f"\nSIGTERM to {len(VICTIMS)}/4 rollout servers after step {TERM_AFTER}: exits "
+        f"{ {n: round(s, 2) for n, (_, s) in hook.exits.items()} } s after; drains "
+        f"{[float(m.group(1)) for m in drains if m]} s, {held} calls held, {cut} cut off; "
+        f"{refused} calls refused while draining and re-routed; {admitted} groups admitted, "
+        f"{in_flight} in flight at the end; `generating` backlog up to {max(hook.backlog)}; "
+        f"run {wall:.0f} s"
+    )
     # calls held at SIGTERM finish well within the deadline; whether any were still held
     # when the signal landed is a race here (the deterministic case: test_rollout_service.py)
     assert cut == 0

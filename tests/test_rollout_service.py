@@ -89,9 +89,11 @@ def limited(tiny_model: Path) -> Iterator[Served]:
 
 def _request(n: int = 1, prompt: str = "", ids: tuple[int, ...] = (3, 4), **sampling: Any):
     return rollout_pb2.GenerateRequest(
-        prompt=prompt, prompt_token_ids=[] if prompt else list(ids), n=n,
+        prompt=prompt,
+        prompt_token_ids=[] if prompt else list(ids),
+        n=n,
         sampling=rollout_pb2.SamplingParams(**{"max_tokens": 2, **sampling}),
-    )  # fmt: skip
+    )
 
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -99,21 +101,23 @@ LIMIT_CASES = {
     "n_zero": (_request(n=0), INVALID, "rollout.max_n=4"),
     "n_too_many": (_request(n=MAX_N + 1), INVALID, "rollout.max_n=4"),
     "prompt_ids_too_long": (
-        _request(ids=(3,) * (MAX_PROMPT + 1)), INVALID, "shared.max_prompt_length=12"
+        _request(ids=(3,) * (MAX_PROMPT + 1)),
+        INVALID,
+        "shared.max_prompt_length=12",
     ),
     "prompt_text_too_long": (_request(prompt="12+34=" * 8), INVALID, "shared.max_prompt_length"),
-    "max_tokens": (
-        _request(max_tokens=MAX_RESPONSE + 1), INVALID, "shared.max_response_length=8"
-    ),
+    "max_tokens": (_request(max_tokens=MAX_RESPONSE + 1), INVALID, "shared.max_response_length=8"),
     "request_bytes": (_request(prompt="7" * 3000), INVALID, "rollout.max_request_bytes=2048"),
     "token_outside_vocab": (_request(ids=(3, 999)), INVALID, "vocabulary"),
     "empty_prompt": (_request(ids=()), INVALID, "empty"),
     "top_p": (_request(top_p=1.5), INVALID, "top_p"),
     "temperature": (_request(temperature=-1.0), INVALID, "temperature"),
     "past_max_message_bytes": (
-        _request(prompt="7" * 70_000), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"
+        _request(prompt="7" * 70_000),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "larger than max",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", LIMIT_CASES)

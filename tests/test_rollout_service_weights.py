@@ -179,8 +179,10 @@ def test_late_joiner_catches_up_and_readyz_flips(
         assert s.engine.version == 1 and rollout_entry(redis_client, keys)["version"] == 1
         loaded = dict(s.engine.model.named_parameters())
         for raw in v1:  # the pulled weights are exactly the learner's
-            assert torch.equal(loaded[raw.name].detach(), torch.frombuffer(bytearray(raw.data),
-                               dtype=torch.float32).reshape(raw.shape))  # fmt: skip
+            assert torch.equal(
+                loaded[raw.name].detach(),
+                torch.frombuffer(bytearray(raw.data), dtype=torch.float32).reshape(raw.shape),
+            )
         at_v1 = s.fingerprint()
 
         # The learner commits version 2 before its snapshot can be fetched: 503 meanwhile,

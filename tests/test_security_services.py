@@ -46,15 +46,17 @@ def secured_reward(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[A
     config = DapoConfig.model_validate(
         {
             "reward": {
-                "num_workers": 1, "max_request_bytes": 8 * 1024,
+                "num_workers": 1,
+                "max_request_bytes": 8 * 1024,
                 "server": {"grpc_port": 0, "http_port": 0},
             },
             "shared": {"rpc": {"max_message_bytes": 64 * 1024}},
             "security": {
-                "tls": server_tls(pki).model_dump(), "auth": {"token": TOKEN, "scope": "all"},
+                "tls": server_tls(pki).model_dump(),
+                "auth": {"token": TOKEN, "scope": "all"},
             },
         }
-    )  # fmt: skip
+    )
     server = create_server(config).start()
     assert server.scorer.pool.wait_ready(60)
     yield server, pki
@@ -125,9 +127,11 @@ def test_rollout_get_status_needs_the_token(tiny_model: Path) -> None:
     server.start()
     address = f"127.0.0.1:{server.grpc_port}"
     generate = rollout_pb2.GenerateRequest(
-        request_id="r", prompt_token_ids=[3, 5], n=1,
+        request_id="r",
+        prompt_token_ids=[3, 5],
+        n=1,
         sampling=rollout_pb2.SamplingParams(temperature=1.0, max_tokens=2, seed=1),
-    )  # fmt: skip
+    )
     try:
         with insecure_channel(address) as anonymous:
             stub = rollout_pb2_grpc.RolloutServiceStub(anonymous)

@@ -43,9 +43,10 @@ class Learner:
         self.socket = WeightSocketServer("127.0.0.1", 0, TlsConfig(), ticket_ttl_s).start()
         self.servicer = WeightServicer(BUCKET, self.socket)
         self.server, port = start_grpc_server(
-            ServerConfig(), lambda s: add_weight_service(self.servicer, s),
+            ServerConfig(),
+            lambda s: add_weight_service(self.servicer, s),
             ["dapo.v1.WeightService"],
-        )  # fmt: skip
+        )
         self.address = f"127.0.0.1:{port}"
         self.channel = insecure_channel(self.address, 64 << 20)
 

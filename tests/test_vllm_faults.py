@@ -88,13 +88,22 @@ def vllm_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_run(model: Path, run: str, redis_url: str, *overrides: str):
     """`tiny_vllm` with every role's interpreter named, against the test's Redis."""
     interpreters()
-    return load_config(preset="tiny_vllm", overrides=[
-        f"shared.model_path={model}", f"shared.run_name={run}", f"shared.redis_url={redis_url}",
-        "controller.eval.enabled=false", "learner.linger_s=0", "buffer.stream_retain=1000000",
-        "learner.generation_budget=null",  # full batches: the ledger checks count them
-        f"rollout.server.python={VLLM_PYTHON}", "rollout.engine.max_model_len=160",
-        *(f"{role}.server.python={PYTHON}" for role in OTHER_ROLES), *overrides,
-    ])  # fmt: skip
+    return load_config(
+        preset="tiny_vllm",
+        overrides=[
+            f"shared.model_path={model}",
+            f"shared.run_name={run}",
+            f"shared.redis_url={redis_url}",
+            "controller.eval.enabled=false",
+            "learner.linger_s=0",
+            "buffer.stream_retain=1000000",
+            "learner.generation_budget=null",  # full batches: the ledger checks count them
+            f"rollout.server.python={VLLM_PYTHON}",
+            "rollout.engine.max_model_len=160",
+            *(f"{role}.server.python={PYTHON}" for role in OTHER_ROLES),
+            *overrides,
+        ],
+    )
 
 
 @pytest.mark.vllm
@@ -111,9 +120,14 @@ def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
 ) -> None:
     run_dir = tmp_path / "run"
     monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
-    config = vllm_run(vllm_tiny_model, RUN, redis_server.url,
-                      "shared.max_response_length=64", "rollout.partial_rollouts=true",
-                      "rollout.weight_poll_s=0.05")  # fmt: skip
+    config = vllm_run(
+        vllm_tiny_model,
+        RUN,
+        redis_server.url,
+        "shared.max_response_length=64",
+        "rollout.partial_rollouts=true",
+        "rollout.weight_poll_s=0.05",
+    )
     hook = KillVllmServer(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.exit_code == -signal.SIGKILL
@@ -128,8 +142,10 @@ def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
     failed = failed_on(log, hook.dead["address"])
     in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
     assert failed and failed <= {g.group_id for g in scored} | in_flight
-    print(f"\n{len(spanning)} responses spanned versions on vLLM; {len(failed)} groups cut "
-          f"off on the dead server, all generated again or in flight")  # fmt: skip
+    print(
+        f"\n{len(spanning)} responses spanned versions on vLLM; {len(failed)} groups cut "
+        f"off on the dead server, all generated again or in flight"
+    )
     assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
     assert not children_of(run_dir)
     assert hook.engine_procs, "the victim had no vLLM processes"
@@ -156,9 +172,14 @@ def test_a_vllm_rollout_server_drains_on_sigterm_and_the_run_finishes(
     run_dir = tmp_path / "run"
     # 8 calls per server, 60 s to finish them: the drain, not the machine, is under test
     # (CI, with both servers bound to core 0 and 32 calls each: 30 of 32 cut off in 20 s)
-    config = vllm_run(vllm_tiny_model, drain.RUN, redis_server.url,
-                      f"rollout.drain_timeout_s={VLLM_DRAIN_S}", "shared.max_response_length=96",
-                      "controller.max_groups_in_flight=16")  # fmt: skip
+    config = vllm_run(
+        vllm_tiny_model,
+        drain.RUN,
+        redis_server.url,
+        f"rollout.drain_timeout_s={VLLM_DRAIN_S}",
+        "shared.max_response_length=96",
+        "controller.max_groups_in_flight=16",
+    )
     hook = drain.Drain(redis_client)
     code = launch(config, run_dir=str(run_dir), steps=drain.STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.termed_at is not None
@@ -178,8 +199,10 @@ def test_a_vllm_rollout_server_drains_on_sigterm_and_the_run_finishes(
     controller_log = (run_dir / "logs" / "controller.log").read_text()
     assert "DEADLINE_EXCEEDED" not in controller_log
     admitted, in_flight = drain.assert_exact(redis_client, config.shared.train_batch_groups)
-    print(f"\nSIGTERM to 1/2 vLLM rollout servers: exit {hook.exits}, drain "
-          f"{float(found.group(1))} s, {held} calls held, {cut} cut off; {admitted} groups "
-          f"admitted, {in_flight} in flight at the end")  # fmt: skip
+    print(
+        f"\nSIGTERM to 1/2 vLLM rollout servers: exit {hook.exits}, drain "
+        f"{float(found.group(1))} s, {held} calls held, {cut} cut off; {admitted} groups "
+        f"admitted, {in_flight} in flight at the end"
+    )
     assert held > 0 and cut == 0
     assert not children_of(run_dir)

@@ -41,11 +41,26 @@ def test_the_tiny_demo_learns_with_its_rollout_server_on_vllm(tmp_path: Path) ->
     run_dir = tmp_path / "run"
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # vLLM's sockets, not the suite's temp dir
     done = subprocess.run(
-        [str(PYTHON), "-m", "services.tools.cli", "up", "--preset", "tiny_vllm",
-         "--run-dir", str(run_dir), "--set", f"shared.model_path={tmp_path / 'model'}",
-         "--set", f"rollout.server.python={VLLM_PYTHON}"],
-        capture_output=True, text=True, timeout=1700, env=env, cwd=ROOT,
-    )  # fmt: skip
+        [
+            str(PYTHON),
+            "-m",
+            "services.tools.cli",
+            "up",
+            "--preset",
+            "tiny_vllm",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            f"shared.model_path={tmp_path / 'model'}",
+            "--set",
+            f"rollout.server.python={VLLM_PYTHON}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        env=env,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     config = (run_dir / "config.yaml").read_text()

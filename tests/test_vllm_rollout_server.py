@@ -106,8 +106,10 @@ def test_one_call_at_a_time_makes_the_short_group_wait(vllm_engine: Any) -> None
     with served(vllm_engine, calls=1) as s:
         done = long_then_short(s)
     assert done["short"][0] > done["long"][0], done
-    print(f"\none call at a time: short back at {done['short'][0]:.1f} s, "
-          f"long at {done['long'][0]:.1f} s")  # fmt: skip
+    print(
+        f"\none call at a time: short back at {done['short'][0]:.1f} s, "
+        f"long at {done['long'][0]:.1f} s"
+    )
 
 
 @pytest.mark.vllm

@@ -21,10 +21,18 @@ RUN = "idle-test"
 
 def start_buffer(redis_url: str, *overrides: str) -> tuple[subprocess.Popen[bytes], str]:
     command = [
-        sys.executable, "-c", "from services.tools.cli import main; raise SystemExit(main())",
-        "buffer", "--redis-url", redis_url, "--http-port", "0",
-        "--set", f"shared.run_name={RUN}", *overrides,
-    ]  # fmt: skip
+        sys.executable,
+        "-c",
+        "from services.tools.cli import main; raise SystemExit(main())",
+        "buffer",
+        "--redis-url",
+        redis_url,
+        "--http-port",
+        "0",
+        "--set",
+        f"shared.run_name={RUN}",
+        *overrides,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     line = proc.stdout.readline().decode()  # type: ignore[union-attr]

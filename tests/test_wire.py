@@ -32,8 +32,9 @@ PROTO_DIR = ROOT / "proto" / "dapo" / "v1"
 def test_generated_package_matches_the_protos(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--out", str(tmp_path)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+    )
     fresh = tmp_path / "dapo" / "v1"
     generated = sorted(p.name for p in PROTO_DIR.iterdir() if "_pb2" in p.name)
     assert generated == sorted(p.name for p in fresh.iterdir() if "_pb2" in p.name)
@@ -180,14 +181,22 @@ def test_lying_shapes_and_sizes_are_refused() -> None:
 
 def test_group_round_trips_through_protobuf() -> None:
     group = Group(
-        group_id="e0-3", prompt_id="p", prompt="3,7,1=", prompt_token_ids=[1, 2, 3],
-        ground_truth="7", run_id="r", epoch=2, admitted_version=4, admitted_at=1.5,
-        scored_at=2.5, data_source="synthetic_max3",
+        group_id="e0-3",
+        prompt_id="p",
+        prompt="3,7,1=",
+        prompt_token_ids=[1, 2, 3],
+        ground_truth="7",
+        run_id="r",
+        epoch=2,
+        admitted_version=4,
+        admitted_at=1.5,
+        scored_at=2.5,
+        data_source="synthetic_max3",
         samples=[
             Sample([4, 5], [-0.5, -0.25], "7", "stop", 4, 1.0, True, "7", False, 0.0, ""),
             Sample([6], [-1.0], "9", "length", 3, -1.5, False, "9", True, -0.5, "timeout"),
         ],
-    )  # fmt: skip
+    )
     assert decode_group(encode_group(group)) == group
     assert group.accuracy == 0.5 and group.min_policy_version == 3
 
@@ -254,8 +263,9 @@ for _ in range(3):
     thread.join()
 print(*faults)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     first, *later = map(int, out.stdout.split())
     # fresh: 200 MB of pages (about 100 faults with numpy's huge pages, 49k without);
     # without one arena every thread's buffer is a fresh mmap and each costs as many
@@ -284,8 +294,9 @@ for _ in range(5):
     counts.append(faults)
 print(*counts)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     first, second, *later = map(int, out.stdout.split())
     assert first > 20 and second > 20  # two versions live at once: both fresh
     assert all(n * 10 < first for n in later), out.stdout

@@ -116,8 +116,11 @@ class Buffer:
             log.warning(
                 "informative rate collapsed: %.1f%% of the last %d groups kept (%s); "
                 "generation per trained group is %.0fx — the task may be solved or too hard",
-                100 * ratio, len(self.recent), dict(self.counts), 1 / max(ratio, 1e-9),
-            )  # fmt: skip
+                100 * ratio,
+                len(self.recent),
+                dict(self.counts),
+                1 / max(ratio, 1e-9),
+            )
 
     def record_pass_rates(self, rates: list[tuple[str, float]]) -> None:
         """Keep the last history_size pass rates per prompt for the controller."""

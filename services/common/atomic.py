@@ -160,18 +160,28 @@ def reject_inflight(
 
 
 def admit_inflight(
-    client: redis.Redis, inflight: str, cursor_key: str, ledger_key: str,
-    group_id: str, meta: str, cursor: str,
-) -> bool:  # fmt: skip
+    client: redis.Redis,
+    inflight: str,
+    cursor_key: str,
+    ledger_key: str,
+    group_id: str,
+    meta: str,
+    cursor: str,
+) -> bool:
     """Record a group in flight (+1 `admitted` if new) and move the cursor."""
     script = client.register_script(_ADMIT)
     return bool(script(keys=[inflight, cursor_key, ledger_key], args=[group_id, meta, cursor]))
 
 
 def commit_step(
-    client: redis.Redis, keys: RunKeys, version: int, stepped: int, metrics_json: str,
-    trace_json: str, ack: tuple[str, Sequence[str]] | None = None,
-) -> bool:  # fmt: skip
+    client: redis.Redis,
+    keys: RunKeys,
+    version: int,
+    stepped: int,
+    metrics_json: str,
+    trace_json: str,
+    ack: tuple[str, Sequence[str]] | None = None,
+) -> bool:
     """Publish a step: version, pacing counter, metrics, trace (+ acks); once per version."""
     args: list[str | int] = [version, stepped, metrics_json, trace_json]
     if ack is not None and ack[1]:

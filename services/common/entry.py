@@ -30,9 +30,13 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--preset", help="start from a named preset (paper, tiny, tiny_runmax, long)"
     )
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
         help="override one config value (repeatable)",
-    )  # fmt: skip
+    )
 
 
 def add_redis_arg(parser: argparse.ArgumentParser) -> None:

@@ -31,9 +31,12 @@ T = TypeVar("T")
 # an outage, retried. Any other ssl.SSLError is a refusal (untrusted server certificate,
 # client certificate rejected, TLS to a plain port) that no retry changes.
 TLS_TRANSPORT_ERRORS = (
-    ssl.SSLEOFError, ssl.SSLSyscallError, ssl.SSLZeroReturnError,
-    ssl.SSLWantReadError, ssl.SSLWantWriteError,
-)  # fmt: skip
+    ssl.SSLEOFError,
+    ssl.SSLSyscallError,
+    ssl.SSLZeroReturnError,
+    ssl.SSLWantReadError,
+    ssl.SSLWantWriteError,
+)
 TLS_HINT = (
     "check security.redis.ca (the CA that signed the server's certificate) and "
     "security.redis.cert/key (the client certificate, if the server requires one)"
@@ -88,25 +91,35 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.args = [
             find_redis_server(),
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "yes" if appendonly else "no",
-            "--dir", str(self.data_dir),
-            "--daemonize", "no",
-            "--loglevel", "warning",
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if appendonly else "no",
+            "--dir",
+            str(self.data_dir),
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
             *extra_args,
-        ]  # fmt: skip
+        ]
         if password is not None:  # a config directive via stdin, not argv (ps shows argv)
             self.args += ["-"]
         self.proc = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
         proc = subprocess.Popen(
-            self.args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            self.args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
             preexec_fn=die_with_parent,
             stdin=subprocess.PIPE if self.password is not None else None,
-        )  # fmt: skip
+        )
         if self.password is not None and proc.stdin is not None:
             proc.stdin.write(f"requirepass {quote(self.password)}\n".encode())
             proc.stdin.close()

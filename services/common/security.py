@@ -75,18 +75,20 @@ class TlsConfig(StrictModel):
 
     enabled: bool = Field(False, description="Serve and dial gRPC over TLS.")
     cert: str | None = Field(
-        None, description="PEM certificate (chain) of this process: server cert, and the "
+        None,
+        description="PEM certificate (chain) of this process: server cert, and the "
         "client cert under mTLS.",
-    )  # fmt: skip
+    )
     key: str | None = Field(None, description="PEM private key matching `cert`.")
     ca: str | None = Field(
         None, description="PEM CA bundle that signed the peers; None = system roots (clients)."
     )
     mtls: bool = Field(False, description="Servers require client certificates signed by `ca`.")
     server_name: str | None = Field(
-        None, description="Name to verify in server certificates instead of the dialled host "
+        None,
+        description="Name to verify in server certificates instead of the dialled host "
         "(one shared name for pods whose addresses are IPs).",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _mtls_needs_ca(self) -> TlsConfig:
@@ -103,10 +105,11 @@ class AuthConfig(_Secret):
     )
     token_file: str | None = Field(None, description="File holding the token (a mounted secret).")
     scope: Literal["admin", "all"] = Field(
-        "admin", description="admin: the rollout's GetStatus, the learner's weight RPCs "
+        "admin",
+        description="admin: the rollout's GetStatus, the learner's weight RPCs "
         "(FetchWeights, OpenWeightSocket) and HTTP /status; all: every RPC but health, and "
         "POST /v1/score too.",
-    )  # fmt: skip
+    )
     protect_metrics: bool = Field(False, description="Also require the token on /metrics.")
 
     def secret(self) -> str | None:
@@ -127,9 +130,10 @@ class RedisAuthConfig(_Secret):
 
     username: str | None = Field(None, description="ACL user; None = `default`.")
     password: SecretStr | None = Field(
-        None, description="Password (or DAPO_SECURITY__REDIS__PASSWORD); `dapo up` starts its "
+        None,
+        description="Password (or DAPO_SECURITY__REDIS__PASSWORD); `dapo up` starts its "
         "own redis-server with --requirepass it.",
-    )  # fmt: skip
+    )
     password_file: str | None = Field(None, description="File holding the password.")
     ca: str | None = Field(None, description="PEM CA for rediss:// (None = system roots).")
     cert: str | None = Field(None, description="PEM client certificate for rediss:// (mTLS).")

@@ -240,7 +240,7 @@ def wire_bucket_parts(bucket: WireBucket, views: list[memoryview]) -> list[bytes
     pieces = [
         tensor_pb2.TensorSlice(
             name=s.name, dtype=s.dtype, shape=s.shape, offset=s.offset, total_bytes=s.total_bytes
-        )  # fmt: skip
+        )
         for s in bucket.slices
     ]
     return _bucket_parts(bucket, pieces, views)
@@ -271,8 +271,9 @@ def _plan(
         enum, view, offset = DTYPES[raw.dtype][0], memoryview(raw.data).cast("B"), 0
         while True:
             take = min(room, len(view) - offset)
-            bucket.slices.add(name=raw.name, dtype=enum, shape=raw.shape, offset=offset,
-                              total_bytes=len(view))  # fmt: skip
+            bucket.slices.add(
+                name=raw.name, dtype=enum, shape=raw.shape, offset=offset, total_bytes=len(view)
+            )
             views.append(view[offset : offset + take])
             offset, room = offset + take, room - take
             if room == 0:

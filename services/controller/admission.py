@@ -49,14 +49,15 @@ def pipeline_counts(raw: dict[bytes, bytes]) -> PipelineCounts:
     """The counts admission needs, from the raw ledger hash."""
     ledger = {k.decode(): int(v) for k, v in raw.items()}
     return PipelineCounts(
-        admitted=ledger.get("admitted", 0), kept=ledger.get("kept", 0),
+        admitted=ledger.get("admitted", 0),
+        kept=ledger.get("kept", 0),
         filtered=sum(prefixed(ledger, "filtered:").values()),
         # With checkpoints the learner acks (and counts `trained`) only at a checkpoint;
         # `stepped` counts groups as soon as their step commits, so pacing never stalls.
         trained=max(ledger.get("trained", 0), ledger.get("stepped", 0)),
         dropped=sum(prefixed(ledger, "dropped:").values()),
         rejected=sum(prefixed(ledger, "rejected:").values()),
-    )  # fmt: skip
+    )
 
 
 class RateEstimator:

@@ -64,11 +64,18 @@ class Controller(Protocol):
 
     def version(self) -> int: ...
 
-    def generate(self, group_id: str, record: PromptRecord, version: int,
-                 stop: threading.Event, request: Any = None) -> Any: ...  # fmt: skip
+    def generate(
+        self,
+        group_id: str,
+        record: PromptRecord,
+        version: int,
+        stop: threading.Event,
+        request: Any = None,
+    ) -> Any: ...
 
-    def score(self, group_id: str, record: PromptRecord, samples: list,
-              stop: threading.Event) -> Any: ...  # fmt: skip
+    def score(
+        self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event
+    ) -> Any: ...
 
 
 class Evaluator:
@@ -118,13 +125,19 @@ class Evaluator:
         rows: list[list[Sample]] = [g for g in groups if g is not None]
         versions = [s.policy_version for row in rows for s in row]
         return {
-            "version": version, "step": step, "n": self.cfg.n,
-            **curve_point([[s.correct for s in row] for row in rows],
-                          [[len(s.token_ids) for s in row] for row in rows],
-                          [[s.truncated for s in row] for row in rows], self.cfg.n),
+            "version": version,
+            "step": step,
+            "n": self.cfg.n,
+            **curve_point(
+                [[s.correct for s in row] for row in rows],
+                [[len(s.token_ids) for s in row] for row in rows],
+                [[s.truncated for s in row] for row in rows],
+                self.cfg.n,
+            ),
             "sample_versions": [min(versions), max(versions)],
-            "seconds": round(time.monotonic() - started, 3), "at": time.time(),
-        }  # fmt: skip
+            "seconds": round(time.monotonic() - started, 3),
+            "at": time.time(),
+        }
 
     def sample(
         self, record: PromptRecord, version: int, stop: threading.Event
@@ -134,9 +147,14 @@ class Evaluator:
         eval_id = f"eval-v{version}-{record.prompt_id}"
         sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
         request = adapter.generate_request(
-            eval_id, record.prompt, cfg.n, sampling, shared.max_response_length,
-            self.controller.config.controller.apply_chat_template, min_version=version,
-        )  # fmt: skip
+            eval_id,
+            record.prompt,
+            cfg.n,
+            sampling,
+            shared.max_response_length,
+            self.controller.config.controller.apply_chat_template,
+            min_version=version,
+        )
         generated = self.controller.generate(eval_id, record, version, stop, request)
         if generated is None:
             return None
@@ -154,9 +172,16 @@ class Evaluator:
         SECONDS.set(point["seconds"])
         log.info(
             "eval v%d (step %d): avg@%d %.3f pass@%d %.3f length %.1f truncated %.3f %.1fs",
-            point["version"], point["step"], n, point[f"avg@{n}"], n, point[f"pass@{n}"],
-            point["response_length"], point["truncation_rate"], point["seconds"],
-        )  # fmt: skip
+            point["version"],
+            point["step"],
+            n,
+            point[f"avg@{n}"],
+            n,
+            point[f"pass@{n}"],
+            point["response_length"],
+            point["truncation_rate"],
+            point["seconds"],
+        )
 
 
 def start_evaluation(controller: Controller, stop: threading.Event) -> threading.Thread | None:

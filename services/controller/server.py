@@ -187,8 +187,14 @@ class Controller:
             self._stubs[key] = factory(chan)
         return self._stubs[key]
 
-    def generate(self, group_id: str, record: PromptRecord, version: int,
-                 stop: threading.Event, request: Any = None) -> Any:  # fmt: skip
+    def generate(
+        self,
+        group_id: str,
+        record: PromptRecord,
+        version: int,
+        stop: threading.Event,
+        request: Any = None,
+    ) -> Any:
         """G samples (or `request`'s n: an evaluation's) from some ready rollout server; a
         failed call is re-routed after a backoff.
 
@@ -198,9 +204,14 @@ class Controller:
         shared, cfg = self.config.shared, self.config.controller
         if request is None:
             request = adapter.generate_request(
-                group_id, record.prompt, shared.group_size, self.config.shared.sampling,
-                shared.max_response_length, cfg.apply_chat_template, min_version=version,
-            )  # fmt: skip
+                group_id,
+                record.prompt,
+                shared.group_size,
+                self.config.shared.sampling,
+                shared.max_response_length,
+                cfg.apply_chat_template,
+                min_version=version,
+            )
 
         def attempt() -> Any:
             with self.router.rollout() as address:
@@ -247,10 +258,12 @@ class Controller:
 
         try:
             return call_with_retry(
-                attempt, Backoff(rpc.backoff_base_s, rpc.backoff_cap_s),
+                attempt,
+                Backoff(rpc.backoff_base_s, rpc.backoff_cap_s),
                 retryable=lambda e: classify(e, target) is None,
-                stop=stop, on_retry=on_retry,
-            )  # fmt: skip
+                stop=stop,
+                on_retry=on_retry,
+            )
         except RetriesExhausted:
             return None
         except Exception as exc:
@@ -289,8 +302,9 @@ class Controller:
         with self._tracked(call):
             return call.result()
 
-    def process(self, group_id: str, record: PromptRecord, epoch: int, version: int,
-                stop: threading.Event) -> None:  # fmt: skip
+    def process(
+        self, group_id: str, record: PromptRecord, epoch: int, version: int, stop: threading.Event
+    ) -> None:
         started = time.monotonic()
         try:
             with self._generating(group_id):
@@ -301,15 +315,24 @@ class Controller:
             generated_s = time.monotonic() - started
             if self.score(group_id, record, samples, stop) is None:
                 return
-            timing = {"generate_s": generated_s,
-                      "score_s": time.monotonic() - started - generated_s}  # fmt: skip
+            timing = {
+                "generate_s": generated_s,
+                "score_s": time.monotonic() - started - generated_s,
+            }
             group = Group(
-                group_id=group_id, prompt_id=record.prompt_id, prompt=record.prompt,
-                prompt_token_ids=prompt_ids, ground_truth=record.ground_truth,
-                samples=samples, run_id=self.config.shared.run_name, epoch=epoch,
-                admitted_version=version, admitted_at=time.time() - (time.monotonic() - started),
-                scored_at=time.time(), data_source=record.data_source,
-            )  # fmt: skip
+                group_id=group_id,
+                prompt_id=record.prompt_id,
+                prompt=record.prompt,
+                prompt_token_ids=prompt_ids,
+                ground_truth=record.ground_truth,
+                samples=samples,
+                run_id=self.config.shared.run_name,
+                epoch=epoch,
+                admitted_version=version,
+                admitted_at=time.time() - (time.monotonic() - started),
+                scored_at=time.time(),
+                data_source=record.data_source,
+            )
             self.publish(group, timing)
             self.streak.success()
             GROUP_SECONDS.observe(time.monotonic() - started)

@@ -115,13 +115,20 @@ def run_one(plan: Plan, held_out: HeldOut, rung: str, seed: int) -> dict[str, An
     curve = Curve([(0, held_out.accuracy(engine))])  # the initial model: step 0
     run_dir = plan.out_dir / rung / f"seed{seed}"
     started = time.monotonic()
-    code = launch(config, run_dir=str(run_dir), on_step=eval_hook(
-        held_out, engine, curve, plan.eval_every))  # fmt: skip
+    code = launch(
+        config, run_dir=str(run_dir), on_step=eval_hook(held_out, engine, curve, plan.eval_every)
+    )
     wall = time.monotonic() - started
     report = json.loads((run_dir / "report.json").read_text())
-    return {"rung": rung, "seed": seed, "exit_code": code, "wall_s": round(wall, 1),
-            "eval_s": round(curve.seconds, 1), "curve": curve.points,
-            **run_numbers(report)}  # fmt: skip
+    return {
+        "rung": rung,
+        "seed": seed,
+        "exit_code": code,
+        "wall_s": round(wall, 1),
+        "eval_s": round(curve.seconds, 1),
+        "curve": curve.points,
+        **run_numbers(report),
+    }
 
 
 def run_numbers(report: dict[str, Any]) -> dict[str, Any]:
@@ -197,8 +204,11 @@ def run_ablation(plan: Plan) -> int:
     rows: list[dict[str, Any]] = []
     written: list[Path] = []
     start = time.monotonic()
-    print(f"dapo ablate {plan.name}: {len(plan.rungs)} rungs x {len(plan.seeds)} seeds, "
-          f"{plan.steps} steps each -> {plan.out_dir}", flush=True)  # fmt: skip
+    print(
+        f"dapo ablate {plan.name}: {len(plan.rungs)} rungs x {len(plan.seeds)} seeds, "
+        f"{plan.steps} steps each -> {plan.out_dir}",
+        flush=True,
+    )
     try:
         for i, (rung, seed) in enumerate(jobs, start=1):
             print(f"[{i}/{len(jobs)}] {RUNG_LABELS[rung]} seed {seed} ...", flush=True)

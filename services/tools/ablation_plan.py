@@ -26,24 +26,39 @@ class Technique:
 
 # In the paper's order (Table 1); "on" is the base config's own value.
 TECHNIQUES: tuple[Technique, ...] = (
-    Technique("overlong_filtering", "+ overlong filtering", "learner.overlong_filtering",
-              lambda c: False),
-    Technique("clip_higher", "+ clip-higher", "learner.clip_ratio_high",
-              lambda c: c.learner.clip_ratio_low),
-    Technique("soft_overlong", "+ soft overlong punishment", "reward.overlong_punishment",
-              lambda c: False),
-    Technique("token_level_loss", "+ token-level loss", "learner.loss_agg_mode",
-              lambda c: "seq_mean_token_mean"),
-    Technique("dynamic_sampling", "+ dynamic sampling (= DAPO)", "buffer.dynamic_sampling",
-              lambda c: False),
-)  # fmt: skip
+    Technique(
+        "overlong_filtering", "+ overlong filtering", "learner.overlong_filtering", lambda c: False
+    ),
+    Technique(
+        "clip_higher",
+        "+ clip-higher",
+        "learner.clip_ratio_high",
+        lambda c: c.learner.clip_ratio_low,
+    ),
+    Technique(
+        "soft_overlong", "+ soft overlong punishment", "reward.overlong_punishment", lambda c: False
+    ),
+    Technique(
+        "token_level_loss",
+        "+ token-level loss",
+        "learner.loss_agg_mode",
+        lambda c: "seq_mean_token_mean",
+    ),
+    Technique(
+        "dynamic_sampling",
+        "+ dynamic sampling (= DAPO)",
+        "buffer.dynamic_sampling",
+        lambda c: False,
+    ),
+)
 RUNG_NAMES = ("naive_grpo", *(t.name for t in TECHNIQUES))
 RUNG_LABELS = dict(zip(RUNG_NAMES, ("naive GRPO", *(t.label for t in TECHNIQUES)), strict=True))
 HIGH_TARGET = 0.8  # the second "steps to" held-out accuracy (the first is the preset's)
 # Leave-one-out: full DAPO with one technique off (`--leave-one-out`, after the ladder).
 LOO_NAMES = tuple(f"no_{t.name}" for t in TECHNIQUES)
-RUNG_LABELS |= {f"no_{t.name}": "DAPO without " + t.label[2:].removesuffix(" (= DAPO)")
-                for t in TECHNIQUES}  # fmt: skip
+RUNG_LABELS |= {
+    f"no_{t.name}": "DAPO without " + t.label[2:].removesuffix(" (= DAPO)") for t in TECHNIQUES
+}
 
 # `--preset tiny_runmax`: the `tiny_runmax` preset on `runmax` (services/common/reasoning.py): a
 # scratchpad of 2-6 steps and the paper's `Answer:` line, scored by the `dapo` rule. The
@@ -77,10 +92,15 @@ _LADDER: dict[str, Any] = {
     "learner.generation_budget": None,
 }
 ABLATE_PRESETS: dict[str, dict[str, Any]] = {
-    name: {"base": base, "overrides": {**task, **_LADDER}, "eval_every": 5, "eval_n": 4,
-           "target": 0.5}
+    name: {
+        "base": base,
+        "overrides": {**task, **_LADDER},
+        "eval_every": 5,
+        "eval_n": 4,
+        "target": 0.5,
+    }
     for name, base, task in (("tiny_runmax", "tiny_runmax", RUNMAX), ("tiny_mixed", "tiny", MIXED))
-}  # fmt: skip
+}
 
 
 @dataclass
@@ -108,14 +128,15 @@ def rung_overrides(base: DapoConfig, rung: str) -> dict[str, Any]:
     """The switches of a rung: on the ladder every technique before it (in paper order) on
     and the rest off; leave-one-out (`no_<technique>`) every technique on but that one."""
     if rung in LOO_NAMES:
-        return {t.path: t.off(base) if rung == f"no_{t.name}" else _get(base, t.path)
-                for t in TECHNIQUES}  # fmt: skip
+        return {
+            t.path: t.off(base) if rung == f"no_{t.name}" else _get(base, t.path)
+            for t in TECHNIQUES
+        }
     if rung not in RUNG_NAMES:
         names = ", ".join((*RUNG_NAMES, *LOO_NAMES))
         raise DapoError(f"unknown rung {rung!r}; choose from: {names}")
     on = RUNG_NAMES.index(rung)  # naive_grpo = 0 techniques on
-    return {t.path: _get(base, t.path) if i < on else t.off(base)
-            for i, t in enumerate(TECHNIQUES)}  # fmt: skip
+    return {t.path: _get(base, t.path) if i < on else t.off(base) for i, t in enumerate(TECHNIQUES)}
 
 
 def _get(config: Any, path: str) -> Any:
@@ -174,7 +195,14 @@ def make_plan(
     if seeds < 1:
         raise DapoError("--seeds must be >= 1")
     return Plan(
-        name=name or preset, base=base, rungs=chosen, seeds=list(range(seeds)),
-        steps=steps or base.learner.total_steps, eval_every=eval_every or spec["eval_every"],
-        eval_n=spec["eval_n"], target=spec["target"], root=root, overrides=list(overrides),
-    )  # fmt: skip
+        name=name or preset,
+        base=base,
+        rungs=chosen,
+        seeds=list(range(seeds)),
+        steps=steps or base.learner.total_steps,
+        eval_every=eval_every or spec["eval_every"],
+        eval_n=spec["eval_n"],
+        target=spec["target"],
+        root=root,
+        overrides=list(overrides),
+    )

@@ -62,9 +62,17 @@ def plan_info(plan: Plan) -> dict[str, Any]:
     return {k: v for k, v in asdict(plan).items() if k != "base"}
 
 
-MECHANISM = ("truncated_start", "truncated_end", "length_start", "length_end", "length_max_end",
-             "entropy_start", "long_share_start", "long_share_end",
-             "full_informative")  # fmt: skip
+MECHANISM = (
+    "truncated_start",
+    "truncated_end",
+    "length_start",
+    "length_end",
+    "length_max_end",
+    "entropy_start",
+    "long_share_start",
+    "long_share_end",
+    "full_informative",
+)
 
 
 def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -77,15 +85,19 @@ def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[
     reached = [steps_to(r["curve"], info["target"]) for r in rows]
     high = info.get("target_high", HIGH_TARGET)
     reached_high = [steps_to(r["curve"], high) for r in rows]
-    out: dict[str, Any] = {"rung": rows[0]["rung"], "label": RUNG_LABELS[rows[0]["rung"]],
-                           "seeds": len(rows), "grid": grid,
-                           "acc_mean": [statistics.fmean(c) for c in zip(*curves, strict=True)],
-                           "acc_min": [min(c) for c in zip(*curves, strict=True)],
-                           "acc_max": [max(c) for c in zip(*curves, strict=True)],
-                           "steps_to_target": reached,
-                           "reached": sum(r is not None for r in reached),
-                           "steps_to_high": reached_high,
-                           "reached_high": sum(r is not None for r in reached_high)}  # fmt: skip
+    out: dict[str, Any] = {
+        "rung": rows[0]["rung"],
+        "label": RUNG_LABELS[rows[0]["rung"]],
+        "seeds": len(rows),
+        "grid": grid,
+        "acc_mean": [statistics.fmean(c) for c in zip(*curves, strict=True)],
+        "acc_min": [min(c) for c in zip(*curves, strict=True)],
+        "acc_max": [max(c) for c in zip(*curves, strict=True)],
+        "steps_to_target": reached,
+        "reached": sum(r is not None for r in reached),
+        "steps_to_high": reached_high,
+        "reached_high": sum(r is not None for r in reached_high),
+    }
     out["final_acc"] = mean_sd([c[-1] for c in curves])
     out["final_acc_ci95"] = bootstrap_ci([c[-1] for c in curves])
     for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s", *MECHANISM):
@@ -123,8 +135,10 @@ def _reach(mean: float | None, reached: int, seeds: int) -> str:
 
 def _row(s: dict[str, Any]) -> str:
     n = s["seeds"]
-    to = (f"{_reach(s['steps_to_target_mean'], s['reached'], n)} / "
-          f"{_reach(s['steps_to_high_mean'], s['reached_high'], n)}")  # fmt: skip
+    to = (
+        f"{_reach(s['steps_to_target_mean'], s['reached'], n)} / "
+        f"{_reach(s['steps_to_high_mean'], s['reached_high'], n)}"
+    )
     return (
         f"| {s['label']} | {_acc(s)} | {to} | {_fmt(s['generated_per_trained'])} | "
         f"{_fmt(s['full_informative'])} | "

@@ -64,8 +64,11 @@ def score_correct(
     """Correctness per response, verified in the reward service's worker pool."""
     from reward.scoring import ScoreInput
 
-    items = [ScoreInput(t, r.ground_truth, verifier=verifier)
-             for r, row in zip(records, texts, strict=True) for t in row]  # fmt: skip
+    items = [
+        ScoreInput(t, r.ground_truth, verifier=verifier)
+        for r, row in zip(records, texts, strict=True)
+        for t in row
+    ]
     verdicts = iter(scorer.score(items))
     return [[next(verdicts).correct for _ in row] for row in texts]
 

@@ -99,10 +99,20 @@ class Launch:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
         proc = subprocess.Popen(
-            [role_python(self.config, role), "-m", "services.tools.cli", role, "--config",
-             str(self.config_path), *extra],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+            [
+                role_python(self.config, role),
+                "-m",
+                "services.tools.cli",
+                role,
+                "--config",
+                str(self.config_path),
+                *extra,
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         return proc, log_file
 
     def start_child(self, role: str, name: str | None = None, extra: tuple[str, ...] = ()) -> None:
@@ -368,11 +378,15 @@ def update_bar(
     held_out = eval_postfix(json.loads(last_eval[0][1][b"json"])) if last_eval else {}
     rejected = {"rejected": str(ledger.rejected_total)} if ledger.rejected_total else {}
     bar.set_postfix(
-        reward=f"{m['reward_mean']:.2f}", acc=f"{m['accuracy']:.2f}", kept=f"{kept:.2f}",
-        tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}", v=m["step"], **held_out,
+        reward=f"{m['reward_mean']:.2f}",
+        acc=f"{m['accuracy']:.2f}",
+        kept=f"{kept:.2f}",
+        tok_s=f"{m['tokens'] / max(m['seconds'], 1e-9):.0f}",
+        v=m["step"],
+        **held_out,
         **sampling_postfix(recent_metrics(client, keys), need),
         **rejected,
-    )  # fmt: skip
+    )
 
 
 def sampling_postfix(recent: list[dict[str, Any]], need: int) -> dict[str, str]:
@@ -412,8 +426,14 @@ def scored_timings(client: Any, keys: RunKeys) -> list[dict[str, Any]]:
         if b"timing" not in fields:
             continue
         group = decode_group(fields[b"group"])
-        out.append({"group_id": group.group_id, "admitted_at": group.admitted_at,
-                    "scored_at": group.scored_at, **json.loads(fields[b"timing"])})  # fmt: skip
+        out.append(
+            {
+                "group_id": group.group_id,
+                "admitted_at": group.admitted_at,
+                "scored_at": group.scored_at,
+                **json.loads(fields[b"timing"]),
+            }
+        )
     return out
 
 
@@ -422,8 +442,10 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
     client = connect_run(config)
     keys = RunKeys(config.shared.run_name)
     # A stream id starts with its Redis server time in ms: when the step was committed.
-    steps = [dict(json.loads(f[b"json"]), committed_at=int(eid.split(b"-")[0]) / 1000)
-             for eid, f in client.xrange(keys.metrics)]  # fmt: skip
+    steps = [
+        dict(json.loads(f[b"json"]), committed_at=int(eid.split(b"-")[0]) / 1000)
+        for eid, f in client.xrange(keys.metrics)
+    ]
     ledger = read_ledger(client, config.shared.run_name)
     traces = [json.loads(f[b"json"]) for _, f in client.xrange(keys.steps)]
     report = {

@@ -42,8 +42,10 @@ def write_plots(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [plot_eval_curve(evals, out_dir / "eval_curve.png")] if evals else []
-    series = {key: ([s["step"] for s in steps], [s[key] for s in steps]) for key, _ in
-              [v for k, v in CURVES.items() if k != "kept_ratio"]}  # fmt: skip
+    series = {
+        key: ([s["step"] for s in steps], [s[key] for s in steps])
+        for key, _ in [v for k, v in CURVES.items() if k != "kept_ratio"]
+    }
     series["kept_ratio"] = (list(ratios), list(ratios.values()))
     for name, (key, title) in CURVES.items():
         xs, ys = series[key]
@@ -120,16 +122,24 @@ def time_accounting(
                 continue
             latency = g["scored_at"] - g["admitted_at"]
             controller = latency - g["generate_s"] - g["score_s"]
-            rows.append({
-                "generate": g["generate_s"], "score": g["score_s"], "controller": controller,
-                "wait": start - g["scored_at"], "train": step["seconds"] / len(trace["groups"]),
-                "overhead": g["score_s"] + controller,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "generate": g["generate_s"],
+                    "score": g["score_s"],
+                    "controller": controller,
+                    "wait": start - g["scored_at"],
+                    "train": step["seconds"] / len(trace["groups"]),
+                    "overhead": g["score_s"] + controller,
+                }
+            )
     if not rows:
         return {"groups": 0}
     mean = {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in rows[0]}
-    return {"groups": len(rows), "mean_s": mean,
-            "overhead_max_s": round(max(r["overhead"] for r in rows), 4)}  # fmt: skip
+    return {
+        "groups": len(rows),
+        "mean_s": mean,
+        "overhead_max_s": round(max(r["overhead"] for r in rows), 4),
+    }
 
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
@@ -159,8 +169,10 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     before, after = report.get("eval_before"), report.get("eval_after")
     if before and after:
         key = next(k for k in before if k.startswith("avg@"))
-        lines.append(f"held-out {key}: {before[key]:.3f} before → {after[key]:.3f} after "
-                     f"(policy version {after.get('version')})")  # fmt: skip
+        lines.append(
+            f"held-out {key}: {before[key]:.3f} before → {after[key]:.3f} after "
+            f"(policy version {after.get('version')})"
+        )
     return lines
 
 

@@ -77,9 +77,16 @@ def sample_rows(model: str, task: str, n: int, max_tokens: int) -> list[dict[str
         gold_tokens = len(tok(gold)["input_ids"]) + 1
         for out in row:
             text = str(tok.decode(out.token_ids, skip_special_tokens=True))
-            rows.append({"text": text, "tokens": len(out.token_ids), "gold": gold,
-                         "truncated": out.finish_reason != "stop", "answer": record.ground_truth,
-                         "gold_tokens": gold_tokens})  # fmt: skip
+            rows.append(
+                {
+                    "text": text,
+                    "tokens": len(out.token_ids),
+                    "gold": gold,
+                    "truncated": out.finish_reason != "stop",
+                    "answer": record.ground_truth,
+                    "gold_tokens": gold_tokens,
+                }
+            )
     return rows
 
 
