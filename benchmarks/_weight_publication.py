@@ -89,7 +89,7 @@ def serve_publication(bucket_bytes: int) -> None:
     from services.common.grpc_server import start_grpc_server
     from services.common.security import TlsConfig
     from services.common.server_config import ServerConfig
-    from services.common.weight_socket import WeightSocketServer
+    from services.weight_transport.weight_socket import WeightSocketServer
 
     tensors, nbytes = big_model_tensors()
     weight_socket = WeightSocketServer("127.0.0.1", 0, TlsConfig()).start()
@@ -112,9 +112,9 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
     or the FetchWeights stream: received in place (parsed in place, assembled), to torch."""
     from dapo.v1 import learner_pb2
     from rollout.weights import WeightStub, socket_buckets
-    from services.common.assembly import assemble_update
-    from services.common.torch_codec import to_torch
     from services.tools.config import DapoConfig
+    from services.weight_transport.assembly import assemble_update
+    from services.weight_transport.torch_codec import to_torch
 
     started = time.perf_counter()
     stub = WeightStub(channel)

@@ -225,7 +225,7 @@ def new_weights(engine: Any, seed: int) -> list[Any]:
     """Every parameter replaced by noise, as the learner's snapshot would hold them."""
     import torch
 
-    from services.common.torch_codec import from_torch
+    from services.weight_transport.torch_codec import from_torch
 
     gen = torch.Generator().manual_seed(seed)
     return [

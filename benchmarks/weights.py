@@ -12,7 +12,8 @@ in the background, as `dapo learner` does by default with the torch engine or Ze
 the step goes on at once while a thread copies the weights into a pooled snapshot and
 the servicer offers the version from its first bucket, frames viewing the snapshot) and
 R rollout servers, each a torch engine behind the rollout server's own
-`WeightUpdater` and relay (rollout/relay.py), pulling with `rollout.weights.pull`: server
+`WeightUpdater` and relay (services/weight_transport/relay.py), pulling with
+`rollout.weights.pull`: server
 0 from the learner's weight socket, server i from server i - 1's relay (the chain the
 registry's order gives a real run), every server falling back to the learner. Per
 version: a raw loopback TCP copy of the same bytes (the floor of moving them between two
@@ -89,7 +90,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
     from services.common.process import configure_process
     from services.common.security import TlsConfig
     from services.common.server_config import ServerConfig
-    from services.common.weight_socket import WeightSocketServer
+    from services.weight_transport.weight_socket import WeightSocketServer
 
     setup = configure_process("learner", None)  # as `dapo learner` does
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -136,10 +137,9 @@ def serve_rollout(
     """One rollout server: a torch engine and its relay; `fetch` on stdin pulls the latest
     (from the previous server's relay when `parent_relay`, else the learner) and loads it."""
     from rollout.metrics import RolloutMetrics
-    from rollout.relay import RelaySource
     from rollout.server import start_relay
     from rollout.torch_engine import TorchEngine
-    from rollout.weights import WeightStub, WeightUpdater, learner_sources, pull
+    from rollout.weights import RelaySource, WeightStub, WeightUpdater, learner_sources, pull
     from services.common.grpc_server import insecure_channel
     from services.common.process import configure_process
     from services.tools.config import DapoConfig

@@ -34,8 +34,8 @@ from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states, output_head
 from learner.model_io import enable_activation_checkpointing, save_hf, unique_weights
 from learner.optim import adamw, warmup_factor
-from services.common.buckets import runs_by_size
 from services.common.net import free_port
+from services.weight_transport.buckets import runs_by_size
 
 
 def init_distributed(cfg: LearnerConfig) -> None:

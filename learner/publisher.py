@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from learner.weights import WeightServicer
-from services.common.tensor_codec import RawTensor
+from services.weight_transport.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 

@@ -57,9 +57,9 @@ from services.common.registry import Registration
 from services.common.service import register
 from services.common.staleness import judge, staleness
 from services.common.streams import Entry, StreamConsumer
-from services.common.tensor_codec import RawTensor
 from services.common.types import Group
-from services.common.weight_socket import WeightSocketServer
+from services.weight_transport.tensor_codec import RawTensor
+from services.weight_transport.weight_socket import WeightSocketServer
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy
 
-from services.common.tensor_codec import RawTensor
+from services.weight_transport.tensor_codec import RawTensor
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ snapshot already taken (the background publisher's) without any copy. The versio
 offered as soon as publication starts (a `FrameLog`): fetches stream the frames already
 built while the rest are copied. With a `WeightSocketServer`, `OpenWeightSocket` hands
 out tickets for the frames over the data-plane socket, which sends them scatter/gather
-(services/common/weight_socket.py). `add_weight_service` registers FetchWeights with a
+(services/weight_transport/weight_socket.py). `add_weight_service` registers FetchWeights with a
 pass-through serializer: each frame joined, exactly the generated `WeightBucket` bytes.
 """
 
@@ -25,11 +25,11 @@ import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.snapshots import Snapshot, SnapshotPool
-from services.common.assembly import WeightAssembler
-from services.common.frame_log import FrameLog
-from services.common.tensor_codec import RawTensor, encode_bucket_parts, parse_bucket
-from services.common.torch_codec import torch_view
-from services.common.weight_socket import Frame, TooManyTickets, WeightSocketServer
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.frame_log import FrameLog
+from services.weight_transport.tensor_codec import RawTensor, encode_bucket_parts, parse_bucket
+from services.weight_transport.torch_codec import torch_view
+from services.weight_transport.weight_socket import Frame, TooManyTickets, WeightSocketServer
 
 
 def live_views(named: Iterable[tuple[str, torch.Tensor]]) -> list[RawTensor]:

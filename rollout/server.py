@@ -33,7 +33,6 @@ from rollout.config import RolloutSettings, TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import GenerateLimitExceeded, Limits
 from rollout.metrics import RolloutMetrics
-from rollout.relay import RelayHub, RelayServer
 from rollout.weights import WeightSync, WeightUpdater
 from services.common.error_log import ErrorLog
 from services.common.errors import REFUSAL_KEY
@@ -43,6 +42,7 @@ from services.common.lifecycle import advertised_address
 from services.common.redis_server import connect_run
 from services.common.registry import Registration
 from services.common.service import register, run_is_done
+from services.weight_transport.relay import RelayHub, RelayServer
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from services.common.buckets import runs_by_size
+from services.weight_transport.buckets import runs_by_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -29,16 +29,28 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc
 from rollout.config import RolloutSettings
 from rollout.engine import RolloutEngine
 from rollout.metrics import RolloutMetrics
-from rollout.relay import RelayHub, RelaySource, chain_index, relay_parent
-from services.common import weight_socket
-from services.common.assembly import AssembledBuckets, Assembling, assemble_update, assembling
-from services.common.frame_reader import PlacedBuckets
 from services.common.grpc_server import channel
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import RawTensor, TensorWireError, parse_bucket
-from services.common.torch_codec import to_torch
-from services.common.weight_socket import WeightSocketError
+from services.weight_transport import weight_socket
+from services.weight_transport.assembly import (
+    AssembledBuckets,
+    Assembling,
+    assemble_update,
+    assembling,
+)
+from services.weight_transport.frame_reader import PlacedBuckets
+from services.weight_transport.relay import (
+    RelayedBuckets,
+    RelayHub,
+    chain_index,
+    connect,
+    first_frame_timeout,
+    relay_parent,
+)
+from services.weight_transport.tensor_codec import RawTensor, TensorWireError, parse_bucket
+from services.weight_transport.torch_codec import to_torch
+from services.weight_transport.weight_socket import WeightSocketError
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +208,38 @@ class FetchWeightsSource:
         if self.hub is not None:
             return self.hub.receive_frames(self.stub.fetch_raw(request, timeout=timeout))
         return Assembling(self.stub.FetchWeights(request, timeout=timeout))
+
+
+@dataclass
+class RelaySource:
+    """The previous rollout server's relay: a weight source that may break off (then the
+    learner's sources are tried next, see `rollout.weights.pull`)."""
+
+    parent: dict[str, Any]  # its registry entry (address, relay port)
+    index: int  # ours in the chain
+    min_version: int
+    hub: RelayHub
+    config: RolloutSettings
+    name: str = "relay"
+    fallible: bool = True  # a parent may die or stall: then the learner's sources follow
+
+    def fetch(self) -> RelayedBuckets | None:
+        host = self.parent["address"].rsplit(":", 1)[0].strip("[]")
+        security = self.config.security
+        try:
+            sock = connect(
+                host,
+                int(self.parent["relay"]),
+                self.min_version,
+                security.tls,
+                security.auth.secret(),
+                self.config.rollout.relay_timeout_s,
+            )
+        except OSError as exc:
+            log.warning("relay %s unreachable (%s); pulling from the learner", host, exc)
+            return None
+        timeout = self.config.rollout.relay_timeout_s
+        return self.hub.receive(sock, first_frame_timeout(self.index, timeout))
 
 
 def learner_sources(

@@ -22,9 +22,9 @@ from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor, encode_bucket_bytes, parse_bucket
-from services.common.torch_codec import from_torch
 from services.tools.config import DapoConfig
+from services.weight_transport.tensor_codec import RawTensor, encode_bucket_bytes, parse_bucket
+from services.weight_transport.torch_codec import from_torch
 
 MAX_N, MAX_PROMPT, MAX_RESPONSE, MAX_REQUEST_BYTES = 4, 12, 8, 2048
 PROMPT = [3, 5, 7, 9]

@@ -38,15 +38,15 @@ from dapo.v1 import learner_pb2
 from learner.server import LearnerServer
 from rollout.weights import WeightStub
 from services.common.adapters import decode_group, encode_group
-from services.common.assembly import WeightAssembler
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
-from services.common.torch_codec import to_torch
 from services.tools.config import load_config
 from services.tools.launcher import Launch, launch
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.torch_codec import to_torch
 
 BATCH = 2  # groups per learner step in the stalled-reader test
 # The learner's gRPC threads (LearnerServer keeps start_grpc_server's default).

@@ -1,4 +1,4 @@
-"""Frames received in place (services/common/frame_reader.py): the same tensors as the
+"""Frames received in place (services/weight_transport/frame_reader.py): the same tensors as the
 copying path, bitwise, the data landing in their tensors while the frame still arrives,
 and every malformed frame refused (never read differently from `parse_bucket`)."""
 
@@ -14,11 +14,15 @@ import pytest
 import torch
 
 from dapo.v1 import tensor_pb2
-from services.common.assembly import Assembling, SliceMeta, WeightAssembler
-from services.common.frame_reader import PlacedBuckets
-from services.common.tensor_codec import TensorWireError, encode_bucket_bytes, parse_bucket
-from services.common.torch_codec import from_torch, to_torch
-from services.common.weight_socket import FRAME, WeightSocketError
+from services.weight_transport.assembly import Assembling, SliceMeta, WeightAssembler
+from services.weight_transport.frame_reader import PlacedBuckets
+from services.weight_transport.tensor_codec import (
+    TensorWireError,
+    encode_bucket_bytes,
+    parse_bucket,
+)
+from services.weight_transport.torch_codec import from_torch, to_torch
+from services.weight_transport.weight_socket import FRAME, WeightSocketError
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -35,13 +35,13 @@ from hypothesis import strategies as st
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
 from learner.weights import WeightServicer, add_weight_service
-from services.common import weight_socket
-from services.common.assembly import assemble_update
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor, parse_bucket
-from services.common.weight_socket import (
+from services.weight_transport import weight_socket
+from services.weight_transport.assembly import assemble_update
+from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.weight_socket import (
     CONNECTION_THREAD,
     FRAME,
     TICKET_BYTES,

@@ -25,10 +25,10 @@ from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.http import create_http_app, serve_http
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import encode_buckets
-from services.common.torch_codec import from_torch, to_torch
-from services.common.weight_socket import FRAME, WeightSocketServer
 from services.tools.config import load_config
+from services.weight_transport.tensor_codec import encode_buckets
+from services.weight_transport.torch_codec import from_torch, to_torch
+from services.weight_transport.weight_socket import FRAME, WeightSocketServer
 
 
 def test_http_connections_have_nagle_off() -> None:
@@ -212,8 +212,8 @@ def test_unusable_temperatures_are_refused(temperature: float) -> None:
 
 
 def test_buckets_announcing_different_tensor_counts_are_refused() -> None:
-    from services.common.assembly import WeightAssembler
-    from services.common.tensor_codec import TensorWireError
+    from services.weight_transport.assembly import WeightAssembler
+    from services.weight_transport.tensor_codec import TensorWireError
 
     tensors = [from_torch(f"w{i}", torch.arange(8, dtype=torch.float32)) for i in range(2)]
     first, second, *_ = encode_buckets(tensors, 3, 32)

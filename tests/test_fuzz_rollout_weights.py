@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from dapo.v1 import rollout_pb2, tensor_pb2
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
-from services.common.tensor_codec import RawTensor, encode_buckets, parse_bucket
-from services.common.torch_codec import from_torch
+from services.weight_transport.tensor_codec import RawTensor, encode_buckets, parse_bucket
+from services.weight_transport.torch_codec import from_torch
 
 BUCKET_BYTES = [8192, 16384, 65536]  # the tiny model's ~500 KB: 62, 31 or 8 buckets
 Buckets = list[tensor_pb2.WeightBucket]

@@ -21,12 +21,12 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
 from learner.weights import add_weight_service
 from services.common.adapters import decode_group, encode_group
-from services.common.assembly import WeightAssembler
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
-from services.common.torch_codec import to_torch
 from services.tools.config import DapoConfig, load_config
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.torch_codec import to_torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 BATCH = 2  # groups per step

@@ -1,5 +1,5 @@
 """Received tensors' memory is reused by size once nothing views it
-(services/common/recycled.py): never while a view lives, always after."""
+(services/weight_transport/recycled.py): never while a view lives, always after."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import gc
 
 import torch
 
-from services.common.assembly import WeightAssembler
-from services.common.recycled import RecycledBuffers
-from services.common.tensor_codec import encode_buckets
-from services.common.torch_codec import from_torch, to_torch
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.recycled import RecycledBuffers
+from services.weight_transport.tensor_codec import encode_buckets
+from services.weight_transport.torch_codec import from_torch, to_torch
 
 MB = 1 << 20
 

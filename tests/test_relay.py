@@ -1,4 +1,5 @@
-"""The relay chain (rollout/relay.py): real rollout servers (torch engine, tiny model),
+"""The relay chain (services/weight_transport/relay.py): real rollout servers (torch
+engine, tiny model),
 real Redis registry, a real learner WeightService with its weight socket. The learner
 serves one stream per version whatever the number of servers, every server ends with the
 learner's exact weights, a stalled or dead server in the chain costs at most the relay
@@ -20,16 +21,20 @@ import torch
 from rollout_fixtures import make_config, perturbed, serve, wait_for
 
 from learner.weights import WeightServicer, add_weight_service
-from rollout.relay import RelayHub, relay_parent
-from services.common.assembly import WeightAssembler
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration, discover
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import encode_bucket_bytes, parse_bucket, wire_bucket_parts
-from services.common.torch_codec import from_torch
-from services.common.weight_socket import WeightSocketServer
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.relay import RelayHub, relay_parent
+from services.weight_transport.tensor_codec import (
+    encode_bucket_bytes,
+    parse_bucket,
+    wire_bucket_parts,
+)
+from services.weight_transport.torch_codec import from_torch
+from services.weight_transport.weight_socket import WeightSocketServer
 
 
 class CountingServicer(WeightServicer):

@@ -35,8 +35,8 @@ from dapo.v1 import rollout_pb2
 from rollout.torch_engine import TorchEngine
 from services.common.keys import RunKeys
 from services.common.registry import discover
-from services.common.tensor_codec import RawTensor, parse_bucket
-from services.common.torch_codec import from_torch
+from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.torch_codec import from_torch
 
 
 def test_update_changes_generation_and_moves_version_forward(tiny_model: Path) -> None:

@@ -30,8 +30,8 @@ from services.common.security import (
     without_secrets,
 )
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor
 from services.tools.config import DapoConfig, dump_config, load_config
+from services.weight_transport.tensor_codec import RawTensor
 
 TOKEN = "s3cret-token"
 FETCH = "/dapo.v1.WeightService/FetchWeights"

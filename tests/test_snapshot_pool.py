@@ -22,14 +22,14 @@ from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.publisher import BackgroundPublisher
 from learner.weights import WeightServicer, add_weight_service
 from rollout.weights import WeightStub, fetch_update
-from services.common import weight_socket
-from services.common.assembly import assemble_update
 from services.common.grpc_server import insecure_channel, start_grpc_server
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor, parse_bucket
-from services.common.weight_socket import WeightSocketServer
 from services.tools.config import DapoConfig
+from services.weight_transport import weight_socket
+from services.weight_transport.assembly import assemble_update
+from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.weight_socket import WeightSocketServer
 
 TENSORS, TENSOR_BYTES = 6, 8 << 20  # 48 MiB: far more than loopback socket buffers hold
 BUCKET = 1 << 20

@@ -18,11 +18,11 @@ from rollout.engine import SamplingParams, StreamedSample
 from rollout.engine_base import EngineBase
 from rollout.metrics import RolloutMetrics
 from rollout.weights import StaleUpdate, WeightSource, WeightUpdater, WholeUpdate, pull
-from services.common.assembly import Assembled, AssembledBuckets, Assembling
-from services.common.frame_reader import PlacedBuckets
-from services.common.tensor_codec import encode_bucket_bytes, encode_buckets
-from services.common.torch_codec import from_torch
-from services.common.weight_socket import FRAME, WeightSocketError
+from services.weight_transport.assembly import Assembled, AssembledBuckets, Assembling
+from services.weight_transport.frame_reader import PlacedBuckets
+from services.weight_transport.tensor_codec import encode_bucket_bytes, encode_buckets
+from services.weight_transport.torch_codec import from_torch
+from services.weight_transport.weight_socket import FRAME, WeightSocketError
 
 TENSORS = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, 4)}
 VERSION = 4

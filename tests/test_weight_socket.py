@@ -21,14 +21,14 @@ from pki import Pki, make_pki
 from dapo.v1 import learner_pb2
 from learner.weights import WeightServicer, add_weight_service
 from rollout.weights import WeightStub, fetch_update
-from services.common import weight_socket
-from services.common.assembly import assemble_update
 from services.common.grpc_server import channel, start_grpc_server
 from services.common.security import AuthConfig, SecurityConfig, TlsConfig
 from services.common.server_config import ServerConfig
-from services.common.tensor_codec import RawTensor, parse_bucket
-from services.common.weight_socket import WeightSocketError, WeightSocketServer
 from services.tools.config import DapoConfig
+from services.weight_transport import weight_socket
+from services.weight_transport.assembly import assemble_update
+from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.weight_socket import WeightSocketError, WeightSocketServer
 
 VERSION = 5
 BUCKET = 4096

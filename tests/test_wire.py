@@ -13,8 +13,9 @@ import torch
 
 from dapo.v1 import records_pb2, tensor_pb2
 from services.common.adapters import decode_group, encode_group
-from services.common.assembly import WeightAssembler
-from services.common.tensor_codec import (
+from services.common.types import Group, Sample
+from services.weight_transport.assembly import WeightAssembler
+from services.weight_transport.tensor_codec import (
     RawTensor,
     TensorWireError,
     encode_bucket_bytes,
@@ -22,8 +23,7 @@ from services.common.tensor_codec import (
     encode_buckets,
     parse_bucket,
 )
-from services.common.torch_codec import from_torch, to_torch, torch_view
-from services.common.types import Group, Sample
+from services.weight_transport.torch_codec import from_torch, to_torch, torch_view
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto" / "dapo" / "v1"

@@ -298,7 +298,7 @@ def fetch_latest_weights(config: DapoConfig, engine: RolloutEngine) -> None:
     """Load the learner's latest weights into `engine` through its WeightService."""
     from rollout.weights import WeightStub, fetch_update
     from services.common.grpc_server import channel as grpc_channel
-    from services.common.torch_codec import to_torch
+    from services.weight_transport.torch_codec import to_torch
 
     learners = registered_learners(config)
     if not learners:

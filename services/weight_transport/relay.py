@@ -9,7 +9,7 @@ rather than storing and forwarding the whole model. What it forwards are views i
 tensors it assembled (no copy of its own), kept until its next version starts.
 
 `Reception` is one version arriving: a thread receives its frames straight into the
-tensors (services/common/frame_reader.py), this server's `WeightUpdater` checks each
+tensors (services/weight_transport/frame_reader.py), this server's `WeightUpdater` checks each
 tensor as it completes, and relay children read the assembled buckets.
 `RelayServer` is the listening side (same frames, same TLS as the learner's weight
 socket; a request names the lowest version the child takes and carries a digest of the
@@ -27,16 +27,19 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from rollout.config import RolloutSettings
-from services.common import weight_socket
-from services.common.assembly import Assembled, AssembledBuckets, Assembling, WeightAssembler
-from services.common.frame_reader import PlacedBuckets
 from services.common.security import TlsConfig
-from services.common.tensor_codec import parse_bucket, wire_bucket_parts
-from services.common.weight_socket import (
+from services.weight_transport import weight_socket
+from services.weight_transport.assembly import (
+    Assembled,
+    AssembledBuckets,
+    Assembling,
+    WeightAssembler,
+)
+from services.weight_transport.frame_reader import PlacedBuckets
+from services.weight_transport.tensor_codec import parse_bucket, wire_bucket_parts
+from services.weight_transport.weight_socket import (
     FRAME,
     Frame,
     WeightSocketError,
@@ -315,35 +318,3 @@ def first_frame_timeout(index: int, timeout_s: float) -> float:
     than its parent waits for its own (a stalled server up the chain costs each server
     below one more timeout before its parent falls back to the learner and streams)."""
     return (index + 1) * timeout_s
-
-
-@dataclass
-class RelaySource:
-    """The previous rollout server's relay: a weight source that may break off (then the
-    learner's sources are tried next, see `rollout.weights.pull`)."""
-
-    parent: dict[str, Any]  # its registry entry (address, relay port)
-    index: int  # ours in the chain
-    min_version: int
-    hub: RelayHub
-    config: RolloutSettings
-    name: str = "relay"
-    fallible: bool = True  # a parent may die or stall: then the learner's sources follow
-
-    def fetch(self) -> RelayedBuckets | None:
-        host = self.parent["address"].rsplit(":", 1)[0].strip("[]")
-        security = self.config.security
-        try:
-            sock = connect(
-                host,
-                int(self.parent["relay"]),
-                self.min_version,
-                security.tls,
-                security.auth.secret(),
-                self.config.rollout.relay_timeout_s,
-            )
-        except OSError as exc:
-            log.warning("relay %s unreachable (%s); pulling from the learner", host, exc)
-            return None
-        timeout = self.config.rollout.relay_timeout_s
-        return self.hub.receive(sock, first_frame_timeout(self.index, timeout))

@@ -3,7 +3,7 @@
 `WeightAssembler` rebuilds tensors from `WeightBucket`s (generated messages or
 `parse_bucket`'s WireBuckets) and refuses anything inconsistent, so a receiver either
 gets a complete, well-formed update or an error, never half an update. A reader that
-knows a slice's metadata before its data (services/common/frame_reader.py) asks
+knows a slice's metadata before its data (services/weight_transport/frame_reader.py) asks
 `reserve` where the data go and receives them straight into the tensor: no copy.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo.v1 import tensor_pb2
-from services.common.recycled import RECEIVED
-from services.common.tensor_codec import (
+from services.weight_transport.recycled import RECEIVED
+from services.weight_transport.tensor_codec import (
     DTYPE_NAMES,
     MAX_TENSOR_BYTES,
     RawTensor,

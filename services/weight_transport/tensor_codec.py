@@ -2,7 +2,7 @@
 
 Weights travel as a sequence of `WeightBucket` messages (proto/dapo/v1/tensor.proto).
 `encode_buckets` splits named tensors into buckets of at most `bucket_bytes` payload;
-`WeightAssembler` (services/common/assembly.py) rebuilds them, checked.
+`WeightAssembler` (services/weight_transport/assembly.py) rebuilds them, checked.
 `encode_bucket_parts` / `encode_bucket_bytes` / `parse_bucket` are the same wire format
 without protobuf copying the tensor bytes (docs/weight_publication.md).
 

@@ -1,11 +1,11 @@
-"""torch tensors and `RawTensor` (services/common/tensor_codec.py), both ways: torch is
+"""torch tensors and `RawTensor` (services/weight_transport/tensor_codec.py), both ways: torch is
 imported only inside these functions, so modules that never touch tensors stay torch-free."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from services.common.tensor_codec import RawTensor
+from services.weight_transport.tensor_codec import RawTensor
 
 
 def from_torch(name: str, tensor: Any) -> RawTensor:

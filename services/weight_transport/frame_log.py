@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from services.common.weight_socket import Frame, WeightSocketError
+from services.weight_transport.weight_socket import Frame, WeightSocketError
 
 
 class PublicationFailed(WeightSocketError):

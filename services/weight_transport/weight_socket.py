@@ -283,7 +283,7 @@ def connect(host: str, port: int, ticket: bytes, tls: TlsConfig, timeout_s: floa
 def read_frames(sock: socket.socket, max_frame_bytes: int) -> Iterator[memoryview]:
     """The frames of one stream, each a view into one reused buffer: a view is valid
     only until the next one is taken (consume it first). Closes `sock` at the end.
-    (Rollout servers receive in place instead: services/common/frame_reader.py.)"""
+    (Rollout servers receive in place instead: services/weight_transport/frame_reader.py.)"""
     buf = bytearray()
     try:
         while size := frame_size(sock, max_frame_bytes):

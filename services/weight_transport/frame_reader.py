@@ -17,8 +17,8 @@ import socket
 from collections.abc import Iterator
 
 from dapo.v1 import tensor_pb2
-from services.common.assembly import Assembled, AssembledBuckets, WeightAssembler
-from services.common.tensor_codec import (
+from services.weight_transport.assembly import Assembled, AssembledBuckets, WeightAssembler
+from services.weight_transport.tensor_codec import (
     DATA_KEY,
     FIXED_WIDTHS,
     SLICES_KEY,
@@ -29,7 +29,7 @@ from services.common.tensor_codec import (
     from_string,
     read_varint,
 )
-from services.common.weight_socket import WeightSocketError, frame_size, recv_exact
+from services.weight_transport.weight_socket import WeightSocketError, frame_size, recv_exact
 
 STAGE_BYTES = 4096  # read ahead for metadata; the data past it land in place
 
