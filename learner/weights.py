@@ -25,6 +25,7 @@ import torch
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.snapshots import Snapshot, SnapshotPool
+from services.common.grpc_server import abort
 from services.weight_transport.assembly import WeightAssembler
 from services.weight_transport.frame_log import FrameLog
 from services.weight_transport.tensor_codec import RawTensor, encode_bucket_parts, parse_bucket
@@ -112,16 +113,18 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         """(version, its frames) as `request` asks, or abort the call."""
         with self._lock:
             if self._encoded is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "no weights published yet")
+                abort(context, grpc.StatusCode.UNAVAILABLE, "no weights published yet")
                 raise AssertionError("abort raises")
             if request.version not in (0, self._version):
-                context.abort(
+                abort(
+                    context,
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"version {request.version} not available (latest is {self._version})",
                 )
             floor = min(MIN_BUCKET_BYTES, self.bucket_bytes)
             if 0 < request.bucket_bytes < floor:
-                context.abort(
+                abort(
+                    context,
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"bucket_bytes={request.bucket_bytes} < {floor} (the smallest served)",
                 )
@@ -134,7 +137,8 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
     def OpenWeightSocket(self, request: learner_pb2.FetchWeightsRequest, context):
         """A one-time ticket for the buckets `request` names, on the weight socket."""
         if self.weight_socket is None:
-            context.abort(
+            abort(
+                context,
                 grpc.StatusCode.UNIMPLEMENTED,
                 "no weight socket (learner.weight_transport=grpc): use FetchWeights",
             )
@@ -143,7 +147,7 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
         try:
             ticket = self.weight_socket.issue(buckets)
         except TooManyTickets as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again shortly")
+            abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; try again shortly")
         return learner_pb2.WeightSocketTicket(
             version=version, port=self.weight_socket.port, ticket=ticket
         )

@@ -24,7 +24,7 @@ from reward.pool import VerifierPool
 from reward.scoring import Limits, RequestError, ScoreLimitExceeded, Scorer
 from reward.shaping import OverlongShaping
 from services.common.errors import REFUSAL_KEY
-from services.common.grpc_server import start_grpc_server
+from services.common.grpc_server import abort, start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http, token_guard
 from services.common.redis_server import connect_run
 from services.common.registry import Registration
@@ -47,7 +47,7 @@ class RewardServicer:
         except RequestError as exc:
             refusal = exc.limit if isinstance(exc, ScoreLimitExceeded) else "invalid"
             context.set_trailing_metadata(((REFUSAL_KEY, refusal),))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return adapter.outputs_to_proto(outputs)
 
     def register(self, server: grpc.Server) -> None:

@@ -51,18 +51,19 @@ class SamplingParams:
         # plain ints: ids read off token arrays are numpy ints, which vLLM refuses
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
         checks = [
-            (self.n >= 1, "n must be >= 1"),
+            (self.n >= 1, "n must be >= 1", self.n),
             (
                 self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf,
                 f"temperature must be 0 (greedy) or finite and >= {MIN_TEMPERATURE}",
+                self.temperature,
             ),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
+            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1", self.top_k),
+            (self.max_tokens >= 1, "max_tokens must be >= 1", self.max_tokens),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(f"{message}, got {self}")
+        for ok, message, value in checks:
+            if not ok:  # the one value, never the whole request (it may be megabytes)
+                raise ValueError(f"{message}, got {value!r}")
 
 
 @dataclass(eq=False)

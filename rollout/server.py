@@ -36,7 +36,7 @@ from rollout.metrics import RolloutMetrics
 from rollout.weights import WeightSync, WeightUpdater
 from services.common.error_log import ErrorLog
 from services.common.errors import REFUSAL_KEY
-from services.common.grpc_server import start_grpc_server
+from services.common.grpc_server import abort, start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.lifecycle import advertised_address
 from services.common.redis_server import connect_run
@@ -152,7 +152,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.metrics.rejected.labels(reason).inc()
         self.errors.record(f"refused {reason}", message)
         context.set_trailing_metadata(((REFUSAL_KEY, reason),))
-        context.abort(code, message)
+        abort(context, code, message)
 
     def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Limits first, then the tokenised prompt and engine params (ValueError if bad)."""
@@ -203,13 +203,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 yield sample.sample_index, adapter.completion(out, text)
         except ValueError as exc:  # the engine refused this prompt or these params
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except BatcherClosed as exc:  # stopping: the controller re-routes the group
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except Exception as exc:
             log.exception("generation failed")
             self.errors.record(f"failed {type(exc).__name__}", str(exc))
-            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
+            abort(context, grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
         finally:
             self._release()
 

@@ -43,6 +43,7 @@ from dapo.v1 import rollout_pb2
 from rollout.engine import MIN_TEMPERATURE
 from rollout.server import RolloutServer
 from services.common.adapters import sample_from_completion
+from services.common.grpc_server import MAX_DETAILS_CHARS, bounded_details
 
 SERVICE = "/dapo.v1.RolloutService"
 INVALID, UNAVAILABLE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE
@@ -333,3 +334,25 @@ def test_fuzz_raw_bytes(served: tuple[RolloutServer, Any], method: str) -> None:
     if method == "GenerateGroup/structure":  # not vacuous: the limits were reached
         assert {"rollout.max_request_bytes", "shared.max_prompt_length"} <= set(verdicts.refused)
         assert verdicts.accepted > 0 and verdicts.refused["cannot decode"] > 0, verdicts.refused
+
+
+def test_a_refusal_of_a_huge_request_keeps_its_words(served: tuple[RolloutServer, Any]) -> None:
+    """Found by test_fuzz_raw_bytes: 20,000 stop ids and a bad top_p. The refusal quoted
+    the whole request (60 kB of details), past gRPC's 16 KiB header limit, so the client
+    got RESOURCE_EXHAUSTED "Stream removed" instead of INVALID_ARGUMENT and the reason."""
+    _, channel = served
+    sampling = rollout_pb2.SamplingParams(top_p=2.0, stop_token_ids=[0] * 20_000)
+    request = rollout_pb2.GenerateRequest(
+        request_id="huge", prompt_token_ids=[1, 2], n=1, sampling=sampling
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        call(channel, request.SerializeToString())
+    assert_clear_refusal(caught.value, grpc.StatusCode.INVALID_ARGUMENT)
+    assert "top_p" in caught.value.details() and len(caught.value.details()) < 200
+
+
+def test_refusal_details_are_bounded() -> None:
+    """Whatever a message quotes, the details stay below gRPC's header limit."""
+    assert bounded_details("short") == "short"
+    long = bounded_details("x" * 60_000)
+    assert len(long) < MAX_DETAILS_CHARS + 50 and long.endswith("(58000 more characters cut)")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,7 +31,24 @@ from services.common.security import (
 from services.common.server_config import ServerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# gRPC carries a status's details in a header, and a client drops a response whose
+# headers pass 16 KiB (RESOURCE_EXHAUSTED, the refusal's words lost): bound ours well below
+MAX_DETAILS_CHARS = 2000
 UNAUTHENTICATED_MESSAGE = "missing or wrong bearer token (metadata `authorization: Bearer …`)"
+
+
+def bounded_details(message: str) -> str:
+    """A refusal's words, cut to `MAX_DETAILS_CHARS` (a message may quote the request)."""
+    if len(message) <= MAX_DETAILS_CHARS:
+        return message
+    cut = len(message) - MAX_DETAILS_CHARS
+    return f"{message[:MAX_DETAILS_CHARS]}… ({cut} more characters cut)"
+
+
+def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """End the call with `code` and bounded details (every servicer aborts through here)."""
+    context.abort(code, bounded_details(message))
+    raise AssertionError("grpc's abort returned")  # it raises; for the type checker
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int | str]]:
@@ -54,7 +71,7 @@ def _decode(decode: Callable[[bytes], Any], data: bytes, context: Any, method: s
     try:
         return decode(data)
     except Exception as exc:  # protobuf raises DecodeError or a runtime-specific error
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode {method} request: {exc}")
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"cannot decode {method} request: {exc}")
 
 
 # grpc's (experimental) attributes of a behavior that answers through a callback.
@@ -131,8 +148,8 @@ def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
 def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same shape that answers UNAUTHENTICATED without parsing the request."""
 
-    def abort(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        abort(context, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
     factories = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -141,7 +158,7 @@ def _denied(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     factory = factories[(handler.request_streaming, handler.response_streaming)]
-    return factory(abort)
+    return factory(deny)
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
