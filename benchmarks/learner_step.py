@@ -105,7 +105,8 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
     import torch
 
     from learner.algorithm import agg_loss, per_token_loss
-    from learner.batching import collate, mini_batches, sequences_from_groups
+    from learner.batch import collate, sequences_from_groups
+    from learner.batch_plan import mini_batches
     from learner.logprobs import logprobs_for_inputs
 
     started = time.perf_counter()
@@ -179,8 +180,8 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ 2. padding
 def bench_padding() -> dict[str, Any]:
-    from learner.micro_batches import fixed_size_micro_batches, padding_fraction
-    from learner.micro_batches import token_budget_micro_batches as budgeted
+    from learner.batch_plan import fixed_size_micro_batches, padding_fraction
+    from learner.batch_plan import token_budget_micro_batches as budgeted
 
     lengths = [p + r for p, r in skewed_lengths(512, seed=1)]
     fixed = padding_fraction(lengths, fixed_size_micro_batches(len(lengths), 16))

@@ -1,4 +1,4 @@
-"""Attention that keeps packed sequences apart (`learner.packing` lays them end to end).
+"""Attention that keeps packed sequences apart (`learner.batch` packs them end to end).
 
 Position ids restart at 0 for each packed sequence, so rotary embeddings see every
 sequence as if alone; attention is kept within a sequence:

@@ -26,7 +26,7 @@ from learner.algorithm import token_logprobs
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from learner.batching import LossInputs
+    from learner.batch import LossInputs
     from learner.policy import CausalLM
 
 

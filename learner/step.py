@@ -2,10 +2,10 @@
 
 One pass, top to bottom:
 
-1. plan (`learner.batching`): split the responses into mini-batches (one optimizer
+1. plan (`learner.batch_plan`): split the responses into mini-batches (one optimizer
    update each, the same seeded split on every rank), deal each mini-batch to the
    data-parallel ranks by token count, cut a rank's share into micro-batches by budget
-   (each packed into one row, `learner.packing`, or padded to its longest row);
+   (each packed into one row, `learner.batch`, or padded to its longest row);
 2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
    response tokens without gradient (`learner.logprobs`); store them on the sequences.
    π_old is the proximal policy of decoupled PPO: with an off-policy correction on
@@ -37,19 +37,18 @@ from learner.algorithm import (
     longest_loss_share,
     per_token_loss,
 )
-from learner.batching import (
+from learner.batch import (
     LossCounts,
     LossInputs,
-    MicroBatch,
     TrainSequence,
     assign_old_logprobs,
     collate,
-    global_counts,
+    collate_packed,
     loss_tokens,
-    plan_micro_batches,
-    plan_step,
     sequences_from_groups,
+    use_packing,
 )
+from learner.batch_plan import MicroBatch, global_counts, plan_micro_batches, plan_step
 from learner.config import LearnerConfig, NoCorrection
 from learner.correction import (
     OffPolicySums,
@@ -59,7 +58,6 @@ from learner.correction import (
 )
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
-from learner.packing import collate_packed, use_packing
 from learner.policy import CausalLM, Policy
 from learner.step_metrics import StepMetrics, StepSums, report_batch, report_sums
 from services.common.types import Group

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from learner.algorithm import ClipStats
-from learner.batching import TrainSequence
+from learner.batch import TrainSequence
 from learner.correction import OffPolicySums
 from services.common.types import Group
 

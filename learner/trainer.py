@@ -1,9 +1,9 @@
 """What every data-parallel rank holds (`Trainer`) and how ranks > 0 follow rank 0.
 
-Rank 0 (`learner.server`) sends each `Command` as bytes: an op, an int64 argument and a
-body (for OP_TRAIN: the int64 policy version of the weights, then the packed groups; for
-OP_STOP the argument is the exit code, so a stopped, unfinished run fails on every rank
-and a supervisor restarts the whole group).
+Rank 0 (`learner.server`, through `Commander`) sends each `Command` as bytes: an op, an
+int64 argument and a body (for OP_TRAIN: the int64 policy version of the weights, then
+the packed groups; for OP_STOP the argument is the exit code, so a stopped, unfinished
+run fails on every rank and a supervisor restarts the whole group).
 
 Stopping: every rank handles SIGTERM by asking to stop, never by dying, since rank 0's
 checkpoint is a collective. After each training step the ranks agree on whether any of
@@ -138,7 +138,7 @@ class Follower:
     ) -> None:
         self.stopping = stopping or threading.Event()  # set by this rank's SIGTERM
         self.trainer = Trainer(config, dp)
-        resume = self.trainer.dp.broadcast_bytes(None) == b"\x01"  # Learner._restore decides
+        resume = self.trainer.dp.broadcast_bytes(None) == b"\x01"  # Commander.resume
         self.trainer.restore(resume)
         self._gather()  # rank 0 snapshots the restored weights for its WeightService
 
@@ -163,6 +163,35 @@ class Follower:
                 self.trainer.checkpoint(command.body.decode(), {})
             elif command.op == OP_EXPORT:
                 self.trainer.export()
+
+
+class Commander:
+    """Rank 0's side of the protocol: sends each command to the followers (nothing to
+    send on one rank); rank 0 then runs it itself."""
+
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+
+    def tell(self, command: Command) -> None:
+        if self.dp.world_size > 1:
+            self.dp.broadcast_bytes(command.encode())
+
+    def resume(self, resume: bool) -> None:
+        """Whether every rank restores its checkpoint (`Follower.__init__` waits for it)."""
+        if self.dp.world_size > 1:
+            self.dp.broadcast_bytes(b"\x01" if resume else b"\x00")
+
+    def train(self, seed: int, version: int, groups: list[Group]) -> None:
+        self.tell(Command.train(seed, version, groups))
+
+    def checkpoint(self, tag: str) -> None:
+        self.tell(Command(OP_CHECKPOINT, 0, tag.encode()))
+
+    def export(self) -> None:
+        self.tell(Command(OP_EXPORT))
+
+    def stop(self, code: int) -> None:
+        self.tell(Command(OP_STOP, code))
 
 
 def any_rank_stopping(dp: DataParallel, stopping: threading.Event) -> bool:

@@ -58,7 +58,8 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from learner.batching import plan_micro_batches, rank_share, sequences_from_groups
+    from learner.batch import sequences_from_groups
+    from learner.batch_plan import plan_micro_batches, rank_share
     from learner.config import LearnerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.dist import data_parallel

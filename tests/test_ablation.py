@@ -18,7 +18,7 @@ import redis
 import torch
 from learner_fixtures import make_groups
 
-from learner.batching import sequences_from_groups
+from learner.batch import sequences_from_groups
 from learner.model_io import load_model
 from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy

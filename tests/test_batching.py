@@ -9,24 +9,24 @@ import torch
 from torch import nn
 
 from learner.algorithm import agg_loss, policy_loss
-from learner.batching import (
+from learner.batch import (
     LossInputs,
     TrainSequence,
     assign_old_logprobs,
     collate,
+    collate_packed,
     loss_counts,
-    mini_batches,
     sequences_from_groups,
 )
-from learner.logprobs import logprobs_for_inputs
-from learner.micro_batches import (
+from learner.batch_plan import (
     balance_across_ranks,
     fixed_size_micro_batches,
+    mini_batches,
     packed_micro_batches,
     padding_fraction,
     token_budget_micro_batches,
 )
-from learner.packing import collate_packed
+from learner.logprobs import logprobs_for_inputs
 from services.common.types import Group, Sample
 
 PAD = 0

@@ -105,7 +105,7 @@ def test_past_the_budget_the_learner_trains_a_short_batch_exactly(
     assert not learner.fill_batch(
         _stop_after(1.0)
     )  # 7 < 8 generated: still waiting for a full batch
-    assert len(learner._batch) == 3
+    assert len(learner.stream.held) == 3
     redis_client.hincrby(ledger, "filtered:acc", 1)  # the 8th decided group
     assert learner.fill_batch(_stop_after(30.0))
     learner.train_once()

@@ -14,11 +14,10 @@ import torch
 from learner_fixtures import hand_logprobs, make_groups
 
 from learner.algorithm import agg_loss, kl_k3
-from learner.batching import collate, loss_counts, sequences_from_groups
+from learner.batch import collate, loss_counts, sequences_from_groups, use_packing
 from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS, TwoSidedMask
 from learner.logprobs import sequence_logprobs
 from learner.model_io import load_model
-from learner.packing import use_packing
 from learner.reference import Reference
 from learner.step import accumulate, recompute_old_logprobs, train_step
 from learner.torch_policy import TorchPolicy
@@ -76,7 +75,7 @@ def test_tis_scales_the_gradient_by_the_capped_ratio(
 )
 def test_an_exact_engine_leaves_the_step_gradient_bit_for_bit(tiny_model: Path, correction) -> None:
     """π_behav == π_old (staleness 0, exact engine): the corrected gradient is DAPO's (in
-    the same row layout: sequence-level corrections keep padded rows, learner.packing)."""
+    the same row layout: sequence-level corrections keep padded rows, learner.batch.use_packing)."""
     plain = _corrected_grads(tiny_model, None, 0.0, use_packing(_cfg(correction=correction)))
     corrected = _corrected_grads(tiny_model, correction, 0.0)
     assert plain.keys() == corrected.keys() and plain

@@ -15,7 +15,7 @@ from learner_fixtures import make_groups
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from learner.batching import collate, sequences_from_groups
+from learner.batch import collate, sequences_from_groups
 from learner.config import LearnerConfig
 from learner.deepspeed_policy import DeepSpeedPolicy
 from learner.logprobs import sequence_logprobs

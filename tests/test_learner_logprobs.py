@@ -15,7 +15,7 @@ from learner_fixtures import make_groups
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner.algorithm import token_logprobs
-from learner.batching import collate, sequences_from_groups
+from learner.batch import collate, sequences_from_groups
 from learner.config import LearnerConfig
 from learner.logprobs import head_logprobs, sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs

@@ -11,7 +11,7 @@ import torch
 from learner_fixtures import make_groups
 
 from learner.backends import build_policy
-from learner.batching import sequences_from_groups
+from learner.batch import sequences_from_groups
 from learner.config import LearnerConfig
 from learner.dist import Single
 from learner.model_io import load_model

@@ -100,7 +100,7 @@ def test_checkpoint_crash_resume_equals_uninterrupted_run(
     ids = _fill(redis_client, "b", 4)
     config = _config(tiny_model, "b", tmp_path / "b")
     first = Learner(config, redis_client)
-    first._ack_trained = lambda ids: None  # the crash window between checkpoint and XACK
+    first.stream.ack_trained = lambda ids: None  # the crash window between checkpoint and XACK
     _steps(first, 3)
     assert (tmp_path / "b" / "latest").read_text() == "step2"
     assert _counts(redis_client, "b") == (0, 3 * BATCH, 3)
@@ -198,11 +198,11 @@ def test_groups_between_the_bounds_train_and_past_the_hard_bound_drop(
     for sample in held.samples:
         sample.policy_version = 4  # lag 2 now (version 6); 3 after the next step
     redis_client.xadd(RunKeys("h").train, {"group": encode_group(held)})
-    (entry,) = learner.consumer.read(1, block_ms=100)
-    learner._batch.append((entry, decode_group(entry.fields["group"])))
+    (entry,) = learner.stream.consumer.read(1, block_ms=100)
+    learner.stream.held.append((entry, decode_group(entry.fields["group"])))
     learner.version += 1
-    learner._recheck_held()
-    assert not learner._batch
+    learner.stream.recheck_held(learner.version)
+    assert not learner.stream.held
     assert int(redis_client.hget(RunKeys("h").ledger, "dropped:stale") or 0) == 2
 
 

@@ -15,11 +15,17 @@ from learner_fixtures import make_groups
 from test_learner_logprobs import TEMPERATURE, _cfg, tiny_qwen
 
 from learner.attention import VARLEN_SDPA, packed_attention, segment_bounds
-from learner.batching import TrainSequence, assign_old_logprobs, collate, sequences_from_groups
+from learner.batch import (
+    TrainSequence,
+    assign_old_logprobs,
+    collate,
+    collate_packed,
+    sequences_from_groups,
+    use_packing,
+)
+from learner.batch_plan import packed_micro_batches, token_budget_micro_batches
 from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS
 from learner.logprobs import sequence_logprobs
-from learner.micro_batches import packed_micro_batches, token_budget_micro_batches
-from learner.packing import collate_packed, use_packing
 from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
 

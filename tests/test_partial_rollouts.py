@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo.v1 import records_pb2, rollout_pb2
 from learner.algorithm import token_logprobs
-from learner.batching import collate, sequences_from_groups
+from learner.batch import collate, sequences_from_groups
 from rollout.adapter import completion
 from rollout.config import RolloutSettings
 from rollout.engine import SampleOutput, SamplingParams

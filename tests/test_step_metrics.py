@@ -17,7 +17,7 @@ import pytest
 import torch
 from learner_fixtures import hand_logprobs
 
-from learner.batching import sequences_from_groups
+from learner.batch import sequences_from_groups
 from learner.config import LearnerConfig, MaskedIS
 from learner.correction import OffPolicySums
 from learner.dist import Single

@@ -1,10 +1,84 @@
-"""How a rank's rows are cut into micro-batches and dealt to data-parallel ranks: pure
-functions of the row lengths (no tensors), so the plan is cheap, testable and the same
-on every rank."""
+"""How a step's sequences are cut: mini-batches, rank shares and micro-batches.
+
+`plan_step` splits the responses into mini-batches (one optimizer step each, the same
+seeded split on every rank) and deals each to the data-parallel ranks with token totals
+balanced; `plan_micro_batches` cuts a rank's share by token budget, into rows to pad
+(sorted by length, which keeps padding low) or bins to pack, with dummy forwards so
+every rank runs the same count; `global_counts` sums what the loss is divided by over
+the ranks. The cutting itself is pure functions of the row lengths (no tensors), so the
+plan is cheap, testable and the same on every rank. What a batch is: `learner.batch`.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
+
+import torch
+
+from learner.batch import LossCounts, TrainSequence, loss_counts
+from learner.dist import DataParallel
+
+
+def mini_batches(n: int, mini_batch_size: int, seed: int | None = None) -> list[list[int]]:
+    """Split `n` responses into consecutive chunks of `mini_batch_size` (the last may be short).
+
+    With `seed`, the order is a seeded permutation first: the same seed gives the same split
+    on every rank and after a resume.
+    """
+    if mini_batch_size < 1:
+        raise ValueError("mini_batch_size must be >= 1")
+    order = list(range(n))
+    if seed is not None:
+        random.Random(seed).shuffle(order)
+    return [order[i : i + mini_batch_size] for i in range(0, n, mini_batch_size)]
+
+
+MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
+
+
+def rank_share(seqs: Sequence[TrainSequence], mini: list[int], dp: DataParallel) -> list[int]:
+    """The rows of mini-batch `mini` this rank trains (token totals balanced over ranks)."""
+    if dp.world_size == 1:
+        return list(mini)
+    shares = balance_across_ranks([seqs[i].length for i in mini], dp.world_size)
+    return [mini[j] for j in shares[dp.rank]]
+
+
+def plan_step(
+    seqs: Sequence[TrainSequence], mini_batch_size: int, seed: int, dp: DataParallel
+) -> list[list[int]]:
+    """This rank's rows of each mini-batch (the same seeded split on every rank)."""
+    return [rank_share(seqs, mb, dp) for mb in mini_batches(len(seqs), mini_batch_size, seed)]
+
+
+def plan_micro_batches(
+    seqs: Sequence[TrainSequence],
+    fallback: TrainSequence,
+    budget: int,
+    dp: DataParallel,
+    packed: bool = False,
+) -> list[MicroBatch]:
+    """This rank's micro-batches (rows to pad, or to pack), dummies up to the ranks' count.
+
+    Ranks run the same number of forwards: ZeRO-3 gathers parameters in each one.
+    """
+    lengths = [s.length for s in seqs]
+    split = packed_micro_batches if packed else token_budget_micro_batches
+    idx = split(lengths, budget) if seqs else []
+    target = dp.all_reduce_max(len(idx))
+    if seqs and len(idx) < target:
+        idx = split(lengths, budget, min_count=target)
+    batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
+    batches += [([fallback], False)] * (target - len(batches))
+    return batches
+
+
+def global_counts(seqs: Sequence[TrainSequence], overlong: bool, dp: DataParallel) -> LossCounts:
+    """Loss tokens and sequences of the whole mini-batch, summed over ranks."""
+    local = loss_counts(seqs, overlong)
+    total = dp.all_reduce_sum(torch.tensor([local.tokens, local.sequences], dtype=torch.int64))
+    return LossCounts(tokens=int(total[0]), sequences=int(total[1]))
 
 
 def token_budget_micro_batches(

@@ -1,24 +1,31 @@
-"""From scored groups to the learner's tensors, and how a step's rows are planned.
+"""The learner's batch: its records and how they become tensors.
 
-Everything here runs before (or after) the model: `sequences_from_groups` flattens
-groups with their advantages; `plan_step` splits the responses into mini-batches and
-deals each to the data-parallel ranks; `plan_micro_batches` cuts a rank's share by
-token budget (the cutting itself: `learner.micro_batches`); `collate` pads one
-micro-batch into `LossInputs` (`learner.packing` packs it instead);
-`assign_old_logprobs` stores the learner's recomputed log-probs back on the sequences.
+`TrainSequence` is one response with its advantage and log-probs
+(`sequences_from_groups` flattens scored groups into them); `LossInputs` is one
+micro-batch as tensors, built by `collate` (padded rows) or `collate_packed` (whole
+sequences end to end in one row); `assign_old_logprobs` stores the learner's recomputed
+log-probs back on the sequences. How a step's sequences are cut into mini- and
+micro-batches is `learner.batch_plan`.
 
-Layout: each padded row is prompt + response, right-padded; a packed row is several of
-those end to end (`learner.packing`). Every per-token tensor is `[B, L]` and aligned
-with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`, so the log-prob of
-that token comes from the hidden state at `t - 1`. Padded micro-batches are sorted by
-length, which keeps padding low; packed ones have none.
+Layout: each padded row is prompt + response, right-padded. Every per-token tensor is
+`[B, L]` and aligned with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`,
+so the log-prob of that token comes from the hidden state at `t - 1`.
+
+Packed rows: `position_ids` restart at 0 for each sequence and the model's attention
+(`learner.attention`) keeps the sequences apart, so every sequence is scored as if it
+were alone in its row. A sequence's first token is a prompt token (prompts are never
+empty), so no scored token looks across a sequence boundary. What reduces per row needs
+one sequence per row, so it keeps padded rows (`use_packing`): `seq_mean_token_mean`
+(GRPO's per-sequence mean) and the sequence-level off-policy corrections (`seq_tis`,
+`mis` at sequence level). DAPO's token mean, Dr.GRPO's constant norm and the token-level
+corrections are sums over tokens and pack.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from itertools import accumulate
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -26,12 +33,7 @@ import torch
 from torch import Tensor
 
 from learner.algorithm import group_advantages, overlong_filter_mask
-from learner.dist import DataParallel
-from learner.micro_batches import (
-    balance_across_ranks,
-    packed_micro_batches,
-    token_budget_micro_batches,
-)
+from learner.config import LearnerConfig, MaskedIS, SequenceTIS
 from services.common.types import (
     FloatArray,
     Group,
@@ -281,63 +283,47 @@ def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) 
     return LossCounts(tokens=sum(tokens), sequences=sum(n > 0 for n in tokens))
 
 
-def mini_batches(n: int, mini_batch_size: int, seed: int | None = None) -> list[list[int]]:
-    """Split `n` responses into consecutive chunks of `mini_batch_size` (the last may be short).
+def use_packing(cfg: LearnerConfig) -> bool:
+    """Whether micro-batches are packed: asked for, and nothing in the loss reduces per row."""
+    c = cfg.correction
+    per_row_weights = isinstance(c, SequenceTIS) or (
+        isinstance(c, MaskedIS) and c.level == "sequence"
+    )
+    return cfg.packing and cfg.loss_agg_mode != "seq_mean_token_mean" and not per_row_weights
 
-    With `seed`, the order is a seeded permutation first: the same seed gives the same split
-    on every rank and after a resume.
+
+def collate_packed(
+    seqs: Sequence[TrainSequence], pad_token_id: int, overlong_filtering: bool = True
+) -> LossInputs:
+    """Pack `seqs` (in the given order) into one row `[1, Σ lengths]`.
+
+    Built as the padded collate of each sequence alone, laid end to end: the same values
+    in the same places, with `position_ids` restarting per sequence.
     """
-    if mini_batch_size < 1:
-        raise ValueError("mini_batch_size must be >= 1")
-    order = list(range(n))
-    if seed is not None:
-        random.Random(seed).shuffle(order)
-    return [order[i : i + mini_batch_size] for i in range(0, n, mini_batch_size)]
+    if not seqs:
+        raise ValueError("collate needs at least one sequence")
+    parts = [collate([s], pad_token_id, overlong_filtering) for s in seqs]
+    starts = [0, *accumulate(s.length for s in seqs)][:-1]
 
+    def row(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]  # probe-ok: a LossInputs field by name
+        return None if any(v is None for v in values) else torch.cat(values, dim=1)
 
-# ------------------------------------------------------------------ a step's plan
-MicroBatch = tuple[list[TrainSequence], bool]  # (rows, real); real=False: a dummy forward
+    def joined(name: str) -> torch.Tensor:
+        return torch.cat([getattr(p, name) for p in parts])  # probe-ok: a field by name
 
-
-def rank_share(seqs: Sequence[TrainSequence], mini: list[int], dp: DataParallel) -> list[int]:
-    """The rows of mini-batch `mini` this rank trains (token totals balanced over ranks)."""
-    if dp.world_size == 1:
-        return list(mini)
-    shares = balance_across_ranks([seqs[i].length for i in mini], dp.world_size)
-    return [mini[j] for j in shares[dp.rank]]
-
-
-def plan_step(
-    seqs: Sequence[TrainSequence], mini_batch_size: int, seed: int, dp: DataParallel
-) -> list[list[int]]:
-    """This rank's rows of each mini-batch (the same seeded split on every rank)."""
-    return [rank_share(seqs, mb, dp) for mb in mini_batches(len(seqs), mini_batch_size, seed)]
-
-
-def plan_micro_batches(
-    seqs: Sequence[TrainSequence],
-    fallback: TrainSequence,
-    budget: int,
-    dp: DataParallel,
-    packed: bool = False,
-) -> list[MicroBatch]:
-    """This rank's micro-batches (rows to pad, or to pack), dummies up to the ranks' count.
-
-    Ranks run the same number of forwards: ZeRO-3 gathers parameters in each one.
-    """
-    lengths = [s.length for s in seqs]
-    split = packed_micro_batches if packed else token_budget_micro_batches
-    idx = split(lengths, budget) if seqs else []
-    target = dp.all_reduce_max(len(idx))
-    if seqs and len(idx) < target:
-        idx = split(lengths, budget, min_count=target)
-    batches: list[MicroBatch] = [([seqs[i] for i in b], True) for b in idx]
-    batches += [([fallback], False)] * (target - len(batches))
-    return batches
-
-
-def global_counts(seqs: Sequence[TrainSequence], overlong: bool, dp: DataParallel) -> LossCounts:
-    """Loss tokens and sequences of the whole mini-batch, summed over ranks."""
-    local = loss_counts(seqs, overlong)
-    total = dp.all_reduce_sum(torch.tensor([local.tokens, local.sequences], dtype=torch.int64))
-    return LossCounts(tokens=int(total[0]), sequences=int(total[1]))
+    return LossInputs(
+        input_ids=torch.cat([p.input_ids for p in parts], dim=1),
+        attention_mask=torch.cat([p.attention_mask for p in parts], dim=1),
+        response_mask=torch.cat([p.response_mask for p in parts], dim=1),
+        loss_mask=torch.cat([p.loss_mask for p in parts], dim=1),
+        advantages=torch.cat([p.advantages for p in parts], dim=1),
+        old_logprobs=row("old_logprobs"),
+        rollout_logprobs=row("rollout_logprobs"),
+        ref_logprobs=row("ref_logprobs"),
+        truncated=joined("truncated"),
+        response_lengths=joined("response_lengths"),
+        index=torch.arange(len(seqs), dtype=torch.int64),
+        starts=torch.tensor(starts, dtype=torch.int64),
+        position_ids=torch.cat([torch.arange(s.length) for s in seqs]).unsqueeze(0),
+    )
