@@ -37,6 +37,9 @@ KEY_SERIES = [
 ]
 
 
+LAUNCHER_GRACE_S = 150  # the launcher's own learner grace, 125 s by default, and margin
+
+
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, poll_s: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -97,7 +100,9 @@ def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
         # Generous: on a loaded 2-core machine torch imports alone can take 20 s.
         yield wait_for("every service to print its ports", ports, timeout_s=150)
     finally:
-        stop(launcher, signal.SIGINT)  # the launcher stops every service and its Redis
+        # the launcher stops every service and its Redis, giving the learner the grace
+        # it may take to checkpoint (learner.launch.shutdown_timeout_s + 5)
+        stop(launcher, signal.SIGINT, grace_s=LAUNCHER_GRACE_S)
     assert launcher.returncode in (0, 130), launcher.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
 
 

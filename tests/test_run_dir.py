@@ -65,7 +65,7 @@ def test_run_directory_is_locked_reported_after_stop_and_readable_after_the_run(
         assert second.returncode == 2 and len(lines) == 1, second.stderr
         assert f"{run_dir} is in use by another `dapo up` (pid {proc.pid})" in lines[0]
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
-        out, _ = proc.communicate(timeout=120)
+        out, _ = proc.communicate(timeout=150)  # > the launcher's learner grace (125 s)
     finally:
         proc.kill()
     assert proc.returncode == 130, out[-3000:]
