@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import check, result_path, write_result
+from services.tools.cli import up_argv
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = result_path("eval_curve")
@@ -34,16 +35,7 @@ def run_once(tmp: Path, model: Path, every: int, steps: int, index: int) -> dict
     started = time.monotonic()
     result = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"shared.model_path={model}",
+            *up_argv(run_dir, model),
             "--steps",
             str(steps),
             "--eval-every",

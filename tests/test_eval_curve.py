@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.controller.evaluation import due
+from services.tools.cli import up_argv
 from services.tools.report import summary_lines, write_plots
 
 READY = re.compile(r"dapo controller ready .*http=(\d+)")
@@ -83,16 +83,7 @@ def test_a_run_records_an_eval_curve_and_its_ledger_stays_exact(
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"shared.model_path={tiny_model}",
+            *up_argv(run_dir, tiny_model),
             "--steps",
             "16",
             "--eval-every",

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -28,6 +27,7 @@ from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer, start_redis
 from services.common.registry import discover
+from services.tools.cli import up_argv
 from services.tools.launcher import Launch
 
 pytestmark = pytest.mark.slow
@@ -110,16 +110,7 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
         client = redis.Redis.from_url(server.url)
         proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "services.tools.cli",
-                "up",
-                "--preset",
-                "tiny",
-                "--run-dir",
-                str(run_dir),
-                "--set",
-                f"shared.model_path={tiny_model}",
+                *up_argv(run_dir, tiny_model),
                 "--steps",
                 str(STEPS),
                 "--rollouts",

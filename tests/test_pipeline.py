@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import psutil
@@ -16,6 +15,7 @@ from services.common.adapters import decode_group
 from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer
 from services.common.settings import SharedConfig
+from services.tools.cli import up_argv
 
 pytestmark = pytest.mark.slow
 RETAIN = 4  # acked entries kept at the tail of each stream
@@ -24,16 +24,7 @@ RETAIN = 4  # acked entries kept at the tail of each stream
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
     return subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"shared.model_path={model}",
+            *up_argv(run_dir, model),
             *extra,
         ],
         capture_output=True,
@@ -149,16 +140,7 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"shared.model_path={tiny_model}",
+            *up_argv(run_dir, tiny_model),
             "--steps",
             "6",
             "--rollouts",
@@ -196,16 +178,7 @@ def test_killing_the_launcher_leaves_no_orphans(
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--set",
-            f"shared.model_path={tiny_model}",
+            *up_argv(run_dir, tiny_model),
             "--steps",
             "50",
             "--set",

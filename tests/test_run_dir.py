@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from test_pipeline import children_of, wait_for
 
+from services.tools.cli import up_argv
+
 pytestmark = pytest.mark.slow
 
 
@@ -35,16 +37,7 @@ def test_run_directory_is_locked_reported_after_stop_and_readable_after_the_run(
 ) -> None:
     run_dir = tmp_path / "run"
     up = [
-        sys.executable,
-        "-m",
-        "services.tools.cli",
-        "up",
-        "--preset",
-        "tiny",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"shared.model_path={tiny_model}",
+        *up_argv(run_dir, tiny_model),
         "--steps",
         "500",
         "--set",

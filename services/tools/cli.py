@@ -26,6 +26,13 @@ ROLES: dict[str, str] = {
 }
 
 
+def up_argv(run_dir: str | Path, model: str | Path, preset: str = "tiny") -> list[str]:
+    """`dapo up` as a user starts it (this interpreter, the CLI module) on `model`: the
+    head of the command line for the tests and benchmarks that run it whole."""
+    cli = [sys.executable, "-m", "services.tools.cli", "up", "--preset", preset]
+    return [*cli, "--run-dir", str(run_dir), "--set", f"shared.model_path={model}"]
+
+
 def resolve_config(args: argparse.Namespace) -> Any:
     """The whole run's DapoConfig from preset, file, env and this invocation's flags."""
     from services.tools.config import load_config
