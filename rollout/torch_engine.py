@@ -4,28 +4,9 @@ Runs anywhere (CPU or GPU) and implements `rollout.engine.RolloutEngine` on
 `rollout.engine_base.EngineBase`, which owns the version, prompt checks, pause and
 weight-swap gating; this module adds the sampler and the in-place weight copy.
 
-Batching. All (prompt, sample) rows of a call are sorted by prompt length and cut into
-buckets of at most `max_batch_size` rows. A bucket prefills each distinct prompt once
-(left-padded, with attention mask and position ids), copies its KV cache to the prompt's
-n rows, then decodes one token per step. Rows that stop are no longer recorded and, once
-they are a quarter of the batch, are dropped from it and from the KV cache. This is
-bucketed, not continuous, batching: a bucket runs until its longest row finishes.
-
-Log-probs. For each sampled token the engine returns `log_softmax(logits / T)` computed
-in fp32 over the full vocabulary, i.e. *before* top-p / top-k truncation. That is exactly
-what the learner recomputes with a plain forward pass over prompt + response, so with
-DAPO's training setting (top_p = 1, top_k = -1) engine and learner agree to fp32
-rounding; with truncation on, the values are the untruncated policy's log-probs at that
-temperature (the learner's view), not those of the truncated sampler. Greedy decoding
-(T = 0) reports `log_softmax(logits)`, i.e. T = 1.
-
-Partial rollouts. Before each decode step a bucket looks for a waiting weight swap; it
-lets the swap in, refills its unfinished rows' KV cache from prompt + tokens so far under
-the new weights and goes on, each token tagged with the version that sampled it.
-
-Randomness. Each prompt's n × max_tokens uniforms come from its own `torch.Generator`
-seeded from (seed, prompt index), and sampling inverts the CDF with them: a sample
-depends on its seed, prompt index, sample index and weights, not on its batch-mates.
+How it batches (bucketed, not continuous), what its log-probs mean, how it continues
+responses across a weight swap, and why a sample does not depend on its batch-mates:
+docs/architecture.md, "The torch rollout engine".
 """
 
 from __future__ import annotations
