@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint format proto bench test-vllm test-containers test-containers-cold clean
+.PHONY: install demo test test-fast test-integration test-system lint format proto bench test-vllm test-containers test-containers-cold clean
 
 install: $(STAMP)
 
@@ -35,11 +35,18 @@ test: install
 	$(MAKE) test-vllm
 	$(MAKE) test-containers
 
-# The unit layer alone: tests marked `unit` (the modules listed in tests/conftest.py's
-# UNIT_MODULES: in-process checks, no subprocess, server or Redis), well under a minute on
-# 2 cores. For the edit-test loop; `make test` runs everything.
+# The suite's layers (tests/layers.py): unit (in-process, no subprocess, server or Redis;
+# well under a minute on 2 cores: the edit-test loop), integration (real components the
+# test starts itself), system (roles started as users start them: dapo, torchrun,
+# containers). `make test` runs all three, then the vLLM and container tests.
 test-fast: install
 	$(PY) -m pytest -m unit -q $(PYTEST_ARGS)
+
+test-integration: install
+	$(PY) -m pytest -m integration $(PYTEST_ARGS)
+
+test-system: install
+	$(PY) -m pytest -m system $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -13,52 +13,36 @@ from pathlib import Path
 
 import pytest
 import redis
+from layers import ignore_collect, layer_breach, mark_layers, watch_test
 
 from services.common.redis_server import RedisServer, start_redis
 
-# The unit layer (`make test-fast`, `pytest -m unit`): modules of in-process checks that start
-# no subprocess, server or Redis and build no model on disk; together well under a minute on
-# 2 cores. A module joins by name here (test_architecture checks that each exists and stays
-# free of servers); the rest of the suite is the integration and system layer.
-UNIT_MODULES = frozenset(
-    {
-        "test_ablation_results.py",
-        "test_algorithm.py",
-        "test_batching.py",
-        "test_bench_results.py",
-        "test_buffer_filters.py",
-        "test_config.py",
-        "test_correction.py",
-        "test_deploy_autoscaling.py",
-        "test_deploy_grafana.py",
-        "test_deploy_stack_checks.py",
-        "test_docs_reward.py",
-        "test_engine_base.py",
-        "test_no_unsafe_deserialization.py",
-        "test_packing.py",
-        "test_recycled.py",
-        "test_report.py",
-        "test_reward_shaping.py",
-        "test_reward_verifiers.py",
-        "test_staleness.py",
-    }
-)
-
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Under exactly `-m unit` import only the unit modules: importing the rest to deselect
-    them would cost ~10 s of a fast run."""
-    is_test_module = collection_path.name.startswith("test_") and collection_path.suffix == ".py"
-    if config.getoption("markexpr") == "unit" and is_test_module:
-        return collection_path.name not in UNIT_MODULES
-    return None
+    return ignore_collect(collection_path, config)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of a UNIT_MODULES module `unit`."""
-    for item in items:
-        if item.path.name in UNIT_MODULES:
-            item.add_marker(pytest.mark.unit)
+    """Mark every test with its layer (tests/layers.py)."""
+    mark_layers(items)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    watch_test()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """After its teardown, a test that left its layer fails (tests/layers.py says why)."""
+    outcome = yield
+    if call.when != "teardown":
+        return
+    breach = layer_breach(item)
+    report = outcome.get_result()
+    if breach and report.passed:
+        report.outcome = "failed"
+        report.longrepr = breach
 
 
 @pytest.fixture(scope="session", autouse=True)

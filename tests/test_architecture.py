@@ -79,13 +79,16 @@ def test_test_helpers_are_imported_by_module_name_only() -> None:
 SERVER_SIGNS = ("subprocess", "Popen", "redis_server", "start_redis", "tiny_model: ", "grpc.server")
 
 
-def test_the_unit_layer_lists_existing_modules_that_start_no_server() -> None:
-    """`make test-fast` runs UNIT_MODULES: a renamed module would silently drop out, and one
-    that starts a process or a server does not belong to the fast layer."""
-    from conftest import UNIT_MODULES
+def test_the_layers_list_existing_modules_and_units_start_no_server() -> None:
+    """`make test-fast` runs UNIT_MODULES, `make test-system` SYSTEM_MODULES: a renamed
+    module would silently drop out, and one that starts a server (not seen by the process
+    audit: gRPC servers run in-process) does not belong to the fast layer."""
+    from layers import SYSTEM_MODULES, UNIT_MODULES
 
-    missing = sorted(name for name in UNIT_MODULES if not (ROOT / "tests" / name).is_file())
+    listed = UNIT_MODULES | SYSTEM_MODULES
+    missing = sorted(name for name in listed if not (ROOT / "tests" / name).is_file())
     assert missing == []
+    assert UNIT_MODULES & SYSTEM_MODULES == set()
     heavy = {
         name: signs
         for name in sorted(UNIT_MODULES)
