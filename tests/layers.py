@@ -76,6 +76,7 @@ SYSTEM_MODULES = frozenset(
         "test_redis_tls.py",
         "test_reliability.py",
         "test_reward_service.py",
+        "test_rollout_cores.py",
         "test_rollout_drain.py",
         "test_run_dir.py",
         "test_vllm_faults.py",
