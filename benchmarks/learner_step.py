@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _weight_publication
-from benchmarks._results import check, result_path, write_result
+from benchmarks._results import at_least, at_most, result_path, write_result
 from services.common.malloc import keep_freed_memory
 
 RESULTS = result_path("learner_step")
@@ -198,37 +198,11 @@ def bench_padding() -> dict[str, Any]:
 
 # ------------------------------------------------------------------ main
 def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
-    padding = pad["with_token_budget"]
-    megabytes = pub["model_bytes"] / 1e6
     return [
-        check(
-            "learner_vs_plain_torch_tokens_per_s",
-            thr["ratio"],
-            f">= {TARGET_SPEEDUP}",
-            thr["ratio"] >= TARGET_SPEEDUP,
-            digits=4,
-        ),
-        check(
-            "padding_fraction_with_token_budget",
-            padding,
-            f"<= {TARGET_PADDING}",
-            padding <= TARGET_PADDING,
-            digits=4,
-        ),
-        check(
-            "publication_vs_raw_tcp_bytes_per_s",
-            pub["ratio"],
-            f">= {TARGET_WIRE}",
-            pub["ratio"] >= TARGET_WIRE,
-            digits=4,
-        ),
-        check(
-            "publication_model_megabytes",
-            megabytes,
-            ">= 100",
-            pub["model_bytes"] >= 100e6,
-            digits=4,
-        ),
+        at_least("learner_vs_plain_torch_tokens_per_s", thr["ratio"], TARGET_SPEEDUP, 4),
+        at_most("padding_fraction_with_token_budget", pad["with_token_budget"], TARGET_PADDING, 4),
+        at_least("publication_vs_raw_tcp_bytes_per_s", pub["ratio"], TARGET_WIRE, 4),
+        at_least("publication_model_megabytes", pub["model_bytes"] / 1e6, 100, 4),
     ]
 
 
