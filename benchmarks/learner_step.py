@@ -104,7 +104,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
     """The baseline: π_old forward, then per mini-batch one padded forward/backward + AdamW."""
     import torch
 
-    from learner.algorithm import agg_loss, per_token_loss
+    from learner.algorithm import agg_loss, policy_loss
     from learner.batch import collate, sequences_from_groups
     from learner.batch_plan import mini_batches
     from learner.logprobs import logprobs_for_inputs
@@ -120,7 +120,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
         lp, _ = logprobs_for_inputs(logits, x.input_ids)
         old_mb = old[mb][:, : x.input_ids.shape[1]]
-        loss_mat, _ = per_token_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
+        loss_mat, _ = policy_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
         loss = agg_loss(loss_mat, x.loss_mask, "token_mean", int(x.loss_mask.sum()))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
