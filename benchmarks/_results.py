@@ -7,6 +7,8 @@ Every benchmark writes benchmarks/results/NAME.json with its details and
 from __future__ import annotations
 
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,18 @@ def at_least(name: str, value: float, target: float, digits: int = 3) -> Check:
 def at_most(name: str, value: float, target: float, digits: int = 3) -> Check:
     """A row that passes when the (unrounded) value stays within a numeric ceiling."""
     return check(name, value, target, value <= target, digits)
+
+
+def machine(load_start: tuple[float, float, float]) -> dict[str, Any]:
+    """Where the numbers were measured: platform, Python, cores, and the load average at the
+    start (`os.getloadavg()` taken then) and now."""
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_start": [round(x, 2) for x in load_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def result_path(name: str) -> Path:

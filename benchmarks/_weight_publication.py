@@ -113,7 +113,7 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
     from dapo.v1 import learner_pb2
     from rollout.weights import WeightStub, socket_buckets
     from services.tools.config import DapoConfig
-    from services.weight_transport.assembly import assemble_update
+    from services.weight_transport.assembly import Assembling, assemble_update
     from services.weight_transport.torch_codec import to_torch
 
     started = time.perf_counter()
@@ -122,7 +122,7 @@ def fetch_seconds(channel: Any, nbytes: int, transport: str) -> float:
         buckets = socket_buckets(stub, "127.0.0.1:0", DapoConfig())
         assert buckets is not None, "the publisher offered no weight socket"
     else:
-        buckets = stub.FetchWeights(learner_pb2.FetchWeightsRequest())
+        buckets = Assembling(stub.FetchWeights(learner_pb2.FetchWeightsRequest()))
     out = [to_torch(t) for t in assemble_update(buckets)[1]]
     seconds = time.perf_counter() - started
     assert sum(t.numel() * t.element_size() for t in out) == nbytes

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import check, result_path, write_result
+from services.tools.cli import up_argv
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = result_path("easy_data")
@@ -47,21 +48,9 @@ TARGET_ACCURACY = 0.85
 def dapo_up(run_dir: Path, model: Path, steps: int, sets: list[str]) -> dict[str, Any]:
     """One `dapo up --preset tiny` as a user runs it; its report.json and wall seconds."""
     started = time.monotonic()
-    args = [arg for s in [f"shared.model_path={model}", *sets] for arg in ("--set", s)]
+    args = [arg for s in sets for arg in ("--set", s)]
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            str(steps),
-            *args,
-        ],
+        [*up_argv(run_dir, model), "--steps", str(steps), *args],
         capture_output=True,
         text=True,
         cwd=ROOT.parent,

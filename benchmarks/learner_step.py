@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _weight_publication
-from benchmarks._results import check, result_path, write_result
+from benchmarks._results import at_least, at_most, result_path, write_result
 from services.common.malloc import keep_freed_memory
 
 RESULTS = result_path("learner_step")
@@ -104,7 +104,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
     """The baseline: π_old forward, then per mini-batch one padded forward/backward + AdamW."""
     import torch
 
-    from learner.algorithm import agg_loss, per_token_loss
+    from learner.algorithm import agg_loss, policy_loss
     from learner.batch import collate, sequences_from_groups
     from learner.batch_plan import mini_batches
     from learner.logprobs import logprobs_for_inputs
@@ -120,7 +120,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
         lp, _ = logprobs_for_inputs(logits, x.input_ids)
         old_mb = old[mb][:, : x.input_ids.shape[1]]
-        loss_mat, _ = per_token_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
+        loss_mat, _ = policy_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
         loss = agg_loss(loss_mat, x.loss_mask, "token_mean", int(x.loss_mask.sum()))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -198,37 +198,11 @@ def bench_padding() -> dict[str, Any]:
 
 # ------------------------------------------------------------------ main
 def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
-    padding = pad["with_token_budget"]
-    megabytes = pub["model_bytes"] / 1e6
     return [
-        check(
-            "learner_vs_plain_torch_tokens_per_s",
-            thr["ratio"],
-            f">= {TARGET_SPEEDUP}",
-            thr["ratio"] >= TARGET_SPEEDUP,
-            digits=4,
-        ),
-        check(
-            "padding_fraction_with_token_budget",
-            padding,
-            f"<= {TARGET_PADDING}",
-            padding <= TARGET_PADDING,
-            digits=4,
-        ),
-        check(
-            "publication_vs_raw_tcp_bytes_per_s",
-            pub["ratio"],
-            f">= {TARGET_WIRE}",
-            pub["ratio"] >= TARGET_WIRE,
-            digits=4,
-        ),
-        check(
-            "publication_model_megabytes",
-            megabytes,
-            ">= 100",
-            pub["model_bytes"] >= 100e6,
-            digits=4,
-        ),
+        at_least("learner_vs_plain_torch_tokens_per_s", thr["ratio"], TARGET_SPEEDUP, 4),
+        at_most("padding_fraction_with_token_budget", pad["with_token_budget"], TARGET_PADDING, 4),
+        at_least("publication_vs_raw_tcp_bytes_per_s", pub["ratio"], TARGET_WIRE, 4),
+        at_least("publication_model_megabytes", pub["model_bytes"] / 1e6, 100, 4),
     ]
 
 

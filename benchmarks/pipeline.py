@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._results import at_least, at_most, result_path, write_result
+from benchmarks._results import at_least, at_most, machine, result_path, write_result
 
 RESULTS = result_path("pipeline")
 STEPS = 30
@@ -298,15 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     load_start = os.getloadavg()
     runs, plain_before, plain_after = measure(args.steps, args.repeats)
-    machine = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_start": [round(x, 2) for x in load_start],
-        "load_average_end": [round(x, 2) for x in os.getloadavg()],
-    }
     summary = summarize(runs, plain_before, plain_after, args.repeats)
-    result = {"machine": machine, "steps_per_run": args.steps, **summary}
+    result = {"machine": machine(load_start), "steps_per_run": args.steps, **summary}
     return write_result(RESULTS, result)
 
 

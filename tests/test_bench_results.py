@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import platform
 from pathlib import Path
 
 import pytest
 
-from benchmarks._results import at_least, at_most, check, result_path, write_result
+from benchmarks._results import at_least, at_most, check, machine, result_path, write_result
 from services.tools.bench import list_benchmarks
 
 
@@ -44,6 +46,13 @@ def test_write_result_writes_what_dapo_bench_reads_and_returns_the_exit_code(
     bad = {"checks": [at_least("a", 2.0, 1.0), at_most("b", 2.0, 1.0)]}
     assert write_result(path, bad) == 1
     assert json.loads(path.read_text())["checks"][1]["ok"] is False
+
+
+def test_machine_rounds_the_start_load_and_reads_the_end_load_now() -> None:
+    row = machine((1.23456, 0.0, 2.5))
+    assert row["load_average_start"] == [1.23, 0.0, 2.5]
+    assert len(row["load_average_end"]) == 3 and row["cpus"] == os.cpu_count()
+    assert row["python"] == platform.python_version() and row["platform"]
 
 
 def test_result_path_is_where_dapo_bench_reads() -> None:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from learner.algorithm import agg_loss, per_token_loss
+from learner.algorithm import agg_loss, per_token_loss, policy_loss
 from learner.config import MaskedIS, NoCorrection, SequenceTIS, TokenTIS, TwoSidedMask
 from learner.correction import (
     OffPolicySums,
@@ -74,7 +74,8 @@ def test_weights_scale_the_gradient_of_the_clipped_term() -> None:
     adv = torch.tensor([[1.0, -1.0, 2.0]], dtype=F64)
     mask = torch.ones(1, 3, dtype=torch.bool)
     w = tis_weights(_prox([[3.0, 0.5, 1.0]]), torch.zeros(1, 3, dtype=F64), cap=2.0)
-    loss, _ = per_token_loss(logp, logp.detach(), adv, mask, 0.2, 0.28, is_weights=w)
+    policy, _ = policy_loss(logp, logp.detach(), adv, mask, 0.2, 0.28)
+    loss = per_token_loss(policy, is_weights=w)
     loss.sum().backward()
     assert logp.grad is not None
     torch.testing.assert_close(logp.grad, torch.tensor([[-2.0, 0.5, -2.0]], dtype=F64), **EXACT)
@@ -85,7 +86,8 @@ def test_a_masked_token_contributes_no_gradient() -> None:
     old = torch.zeros(1, 2, dtype=F64)
     w = two_sided_mask_weights(_prox([[10.0, 1.0]]), torch.zeros(1, 2, dtype=F64), 0.5, 5.0)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    loss, _ = per_token_loss(logp, old, torch.ones(1, 2, dtype=F64), mask, 0.2, 0.28, is_weights=w)
+    policy, _ = policy_loss(logp, old, torch.ones(1, 2, dtype=F64), mask, 0.2, 0.28)
+    loss = per_token_loss(policy, is_weights=w)
     loss.sum().backward()
     assert logp.grad is not None
     assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == -math.exp(-0.2)
@@ -110,7 +112,8 @@ def _loss_and_grad(
     mask = torch.rand(4, 9, generator=gen) > 0.2
     behav = old + behav_shift
     w = correction_weights(spec, old, behav, mask, 20.0)  # type: ignore[arg-type]
-    mat, _ = per_token_loss(logp, old, adv, mask, 0.2, 0.28, 3.0, is_weights=w)
+    policy, _ = policy_loss(logp, old, adv, mask, 0.2, 0.28, 3.0)
+    mat = per_token_loss(policy, is_weights=w)
     loss = agg_loss(mat, mask, "token_mean")
     loss.backward()
     assert logp.grad is not None

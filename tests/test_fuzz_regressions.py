@@ -26,6 +26,7 @@ from services.common.http import create_http_app, serve_http
 from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
 from services.tools.config import load_config
+from services.weight_transport.assembly import Assembling
 from services.weight_transport.tensor_codec import encode_buckets
 from services.weight_transport.torch_codec import from_torch, to_torch
 from services.weight_transport.weight_socket import FRAME, WeightSocketServer
@@ -132,7 +133,7 @@ def test_weight_update_with_non_finite_values_is_refused(tiny_model: Path, value
     spoiled.view(-1)[0] = value
     tensors[-1] = from_torch(tensors[-1].name, spoiled)
     with pytest.raises(ValueError, match="NaN or infinite"):
-        updater.apply(encode_buckets(tensors, version=1, bucket_bytes=1 << 20))
+        updater.apply(Assembling(encode_buckets(tensors, version=1, bucket_bytes=1 << 20)))
     after = engine.model.state_dict()
     assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
 
@@ -171,10 +172,12 @@ def test_incomplete_weight_update_is_refused(tiny_model: Path, keep: int) -> Non
     before = {n: t.clone() for n, t in engine.model.state_dict().items()}
     tensors = [from_torch(n, p.detach() + 1.0) for n, p in engine.model.named_parameters()]
     with pytest.raises(ValueError, match="is missing"):
-        updater.apply(encode_buckets(tensors[:keep], version=1, bucket_bytes=1 << 20))
+        updater.apply(Assembling(encode_buckets(tensors[:keep], version=1, bucket_bytes=1 << 20)))
     after = engine.model.state_dict()
     assert engine.version == 0 and all(torch.equal(before[n], after[n]) for n in before)
-    updater.apply(encode_buckets(tensors, version=1, bucket_bytes=1 << 20))  # every tensor
+    updater.apply(
+        Assembling(encode_buckets(tensors, version=1, bucket_bytes=1 << 20))
+    )  # every tensor
     after = engine.model.state_dict()  # the parameters may now hold the received memory
     assert engine.version == 1 and not torch.equal(before[tensors[0].name], after[tensors[0].name])
 

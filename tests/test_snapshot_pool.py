@@ -27,7 +27,7 @@ from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
 from services.tools.config import DapoConfig
 from services.weight_transport import weight_socket
-from services.weight_transport.assembly import assemble_update
+from services.weight_transport.assembly import Assembling, assemble_update
 from services.weight_transport.tensor_codec import RawTensor, parse_bucket
 from services.weight_transport.weight_socket import WeightSocketServer
 
@@ -97,7 +97,9 @@ def pull(learner: Learner) -> tuple[str, tuple[int, list[bytes]]]:
 
 def grpc_pull(learner: Learner) -> tuple[int, list[bytes]]:
     stub = learner_pb2_grpc.WeightServiceStub(learner.channel)
-    return contents(assemble_update(stub.FetchWeights(learner_pb2.FetchWeightsRequest())))
+    return contents(
+        assemble_update(Assembling(stub.FetchWeights(learner_pb2.FetchWeightsRequest())))
+    )
 
 
 def readers_gone() -> bool:
@@ -128,8 +130,8 @@ def test_a_stream_in_progress_keeps_its_version_while_newer_ones_are_published(
         learner.train(version)
         learner.servicer.publish(version, learner.views())
     rest = [bytes(frame) for frame in frames]
-    assert contents(assemble_update(map(parse_bucket, first + rest))) == (1, expected)
-    assert contents(assemble_update(grpc_first + list(messages))) == (1, expected)
+    assert contents(assemble_update(Assembling(map(parse_bucket, first + rest)))) == (1, expected)
+    assert contents(assemble_update(Assembling(grpc_first + list(messages)))) == (1, expected)
     assert learner.servicer.pool.allocated == 3
     assert readers_gone()
     newest = learner.train(5)  # the readers are done: version 1's snapshot is free again
@@ -206,4 +208,4 @@ def test_a_re_cut_is_bitwise_the_version(learner: Learner) -> None:
     request = learner_pb2.FetchWeightsRequest(bucket_bytes=BUCKET // 4)
     messages: list[Any] = list(stub.FetchWeights(request, timeout=60))
     assert len(messages) >= TENSORS * TENSOR_BYTES // (BUCKET // 4)
-    assert contents(assemble_update(messages)) == (1, expected)
+    assert contents(assemble_update(Assembling(messages))) == (1, expected)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from dapo.v1 import tensor_pb2
 from services.weight_transport.recycled import RECEIVED
@@ -26,6 +26,10 @@ from services.weight_transport.tensor_codec import (
     WireSlice,
     expected_nbytes,
 )
+
+Bucket: TypeAlias = tensor_pb2.WeightBucket | WireBucket
+"""One bucket of an update: a generated message (the FetchWeights stream, `encode_buckets`)
+or `parse_bucket`'s WireBucket (a socket frame)."""
 
 
 @dataclass
@@ -59,7 +63,7 @@ class WeightAssembler:
     # called with (bucket, the slices' views in their tensors) once a bucket is copied in
     on_bucket: Callable[[Any, list[memoryview]], None] | None = None
 
-    def add(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
+    def add(self, bucket: Bucket) -> None:
         """Take the next bucket; raise TensorWireError on anything inconsistent."""
         self._check_bucket(bucket)
         views = [self._add_slice(piece) for piece in bucket.slices]
@@ -71,7 +75,7 @@ class WeightAssembler:
         self._check_bucket(bucket)
         self._took(bucket, views)
 
-    def _check_bucket(self, bucket: tensor_pb2.WeightBucket | WireBucket) -> None:
+    def _check_bucket(self, bucket: Bucket) -> None:
         if self.complete:
             raise TensorWireError("bucket after the last one")
         if self.version is None:
@@ -151,15 +155,14 @@ class WeightAssembler:
         return [self._raw(name) for name in self._tensors]
 
 
-def assemble_update(buckets: AssembledBuckets | Iterable[Any]) -> tuple[int, list[RawTensor]]:
+def assemble_update(buckets: AssembledBuckets) -> tuple[int, list[RawTensor]]:
     """Receive a whole update: (version, tensors), or TensorWireError if incomplete."""
-    items = assembling(buckets)
-    for _ in items:
+    for _ in buckets:
         pass
-    return items.assembler.version or 0, items.assembler.result()
+    return buckets.assembler.version or 0, buckets.assembler.result()
 
 
-Assembled = tuple[Any, list[RawTensor]]
+Assembled = tuple[Bucket, list[RawTensor]]
 """A bucket taken into an assembler, and the tensors it completed (to check them while
 the next bucket arrives)."""
 
@@ -188,7 +191,7 @@ class AssembledBuckets(ABC):
 class Assembling(AssembledBuckets):
     """WeightBuckets (generated or parsed), taken into `assembler` as they are iterated."""
 
-    def __init__(self, buckets: Iterable[Any], assembler: WeightAssembler | None = None) -> None:
+    def __init__(self, buckets: Iterable[Bucket], assembler: WeightAssembler | None = None) -> None:
         self.assembler = assembler or WeightAssembler()
         self._buckets = buckets
 
@@ -199,9 +202,3 @@ class Assembling(AssembledBuckets):
 
     def close(self) -> None:
         """Nothing to release: the buckets' stream is its caller's."""
-
-
-def assembling(buckets: AssembledBuckets | Iterable[Any]) -> AssembledBuckets:
-    """`buckets` as `AssembledBuckets`: a source's as they are, WeightBuckets (generated or
-    parsed) through an `Assembling`."""
-    return buckets if isinstance(buckets, AssembledBuckets) else Assembling(buckets)
