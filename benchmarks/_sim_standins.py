@@ -1,21 +1,10 @@
 """Stand-ins for the GPU-bound parts of the pipeline that cost time, not CPU.
 
-`SimEngine` stands for the vLLM engine: it is a rollout engine on the real skeleton
-(`rollout.engine_base.EngineBase`: version, gate, partial rollouts) that sleeps per decode
-step instead of running a model. It declares the concurrency the vLLM engine declares for
-the run's engine config (`VllmEngine.concurrency`, one source of truth), so the batcher
-hands it groups exactly as it hands them to vLLM; `slots` rows decode together (as
-vLLM's max_num_seqs), rows of concurrent calls take a free slot as soon as one frees up
-(continuous batching), and each row stops at a length drawn from a DAPO-shaped
-long-tailed distribution. Its responses name the
-right answer of a `max3` prompt with a per-prompt probability, so the real reward service
-scores them and dynamic sampling has something to filter.
-
-`SimTrainer` is the learner's `Trainer` with the model left out: a step sleeps per trained
-token, and publishing sleeps per byte of a real weight tensor that the real WeightService
-serves and the real rollout server pulls. Everything around them (controller, reward,
-buffer, Redis streams, the ledger, the learner's consumer/commit/version protocol, gRPC
-and the weight socket) is the real code.
+`SimEngine` is a rollout engine on the real `EngineBase` that sleeps per decode step,
+with vLLM's declared concurrency and continuous batching and DAPO-shaped long-tailed
+lengths; `SimTrainer` is the learner's `Trainer` with the model left out, sleeping per
+trained token and per published byte. Everything around them is the real code.
+Details: benchmarks/README.md, "`pipeline_sim`".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Dynamic sampling when the data gets easy: `dapo up --preset tiny` (the launcher, real
 services) past the point where max3 is nearly solved.
 
-1. Easy tail: 150 steps without evaluation, the preset as users get it (a generation
-   budget of 4 x 16 groups per step, difficulty-aware admission). Steps/s over the last
-   50 steps against steps/s over the first 100 (from the first step's commit), in one
-   run, so machine load biases both alike. Target: >= 0.5. With the paper's sampling
-   (batches refilled until full, every prompt every epoch: `--paper`) the last 50 steps
-   fell to 0.1 and below (docs/architecture.md). The same run with plain admission
-   (`controller.difficulty_window=0`, the budget kept) shows what the back-off saves:
-   target, fewer groups generated per group trained.
-2. The demo still learns as fast: `dapo up --preset tiny` as `make demo` runs it (100
-   steps, held-out avg@4 every 10) with the paper's sampling and with the preset's, in
-   ABBA order; seconds and steps from the first step's commit to the first eval point at
-   held-out avg@4 >= 0.8, 0.85 and 0.9, and the final avg@4. Target: mean seconds to
-   0.85 with the preset's <= 1.1 x the paper's (10% for noise on this shared machine);
-   0.85, not 0.9, because the demo plateaus at 0.89-0.90 and its curve (every 10
-   steps) often never shows 0.9, with either sampling.
-
-Each run records the load average after it, its generated-per-trained groups and how
-many steps the budget cut short.
+1. Easy tail: steps/s over the last 50 of 150 steps against the first 100, in one run
+   (≥ 0.5), and generated per trained groups with plain admission against the preset's.
+2. The demo still learns as fast: seconds to held-out avg@4 ≥ 0.85 with the preset's
+   sampling against the paper's, ABBA order (≤ 1.1 x). Method: benchmarks/README.md,
+   "`easy_data`".
 """
 
 from __future__ import annotations

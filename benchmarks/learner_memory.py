@@ -1,32 +1,11 @@
 """`dapo bench learner_memory`: the learner's peak memory at long lengths, in the process
 users run.
 
-Every measured row is a real `dapo learner` process (`python -m services.tools.cli learner`,
-the command `dapo up` runs, with the launcher's child environment), configured by the
-project's loader from `--preset tiny` plus the row's settings, on a real Redis: it sets
-itself up (`services.common.process.configure_process`: threads, malloc), serves its
-weights and trains on groups read from the `train` stream in their wire encoding. Two
-steps: a short warm-up (the optimizer state exists from then on), then the peak RSS
-counter is reset (`/proc/PID/clear_refs`) and the measured step runs on one group: a
-256-token prompt with a long correct response (`tokens` in all) and a one-token wrong
-one. Peak = the process's VmHWM over the measured step; step time = the step's own
-`seconds` metric.
-
-Model: a random Qwen2 with the real Qwen2.5 vocabulary (151,936), 4 layers, hidden 256,
-tied head (42M parameters, 39M of them the embedding).
-
-Configurations: `fp32_zero0` (the tiny preset's engine: DeepSpeed ZeRO-0 fp32) with
-activation checkpointing at 4k and 16k, and at 4k with full-vocabulary logits (the baseline
-of the time check); `bf16_zero2` (the GPU default) and `bf16_zero3` at 16k. For each
-16k configuration a `bare` row runs the same step in a plain process that only builds
-`Trainer(settings)` (no service, glibc malloc defaults): the launched learner must stay
-within 1.2x of it.
-
-Checks: the 16k step of each configuration completes as launched, within 1.2x of its bare
-peak; memory slope of `fp32_zero0` from 4k to 16k <= 0.10 fp32 logit rows per token; step
-time at 4k <= 1.3x the full-logits path.
-
-Writes benchmarks/results/learner_memory.json (details + `checks`).
+Each row is a real `dapo learner` process training one long group; its peak RSS at 16k
+tokens is checked against a bare `Trainer` process (≤ 1.2x), with the memory slope from
+4k to 16k (≤ 0.10 fp32 logit rows per token) and the 4k step time against the
+full-logits path (≤ 1.3x). Writes benchmarks/results/learner_memory.json. Model, rows
+and method: benchmarks/README.md, "`learner_memory`".
 """
 
 from __future__ import annotations

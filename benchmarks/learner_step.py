@@ -1,26 +1,11 @@
 """Learner benchmarks: training throughput, padding, weight publication.
 
-1. Tokens/s of the learner's DAPO step (`train_step` on a DeepSpeed engine, ZeRO-0,
-   fp32, π_old recompute + token-budget micro-batches) against a plain torch loop on the
-   same model, batch and optimizer (π_old forward, one padded forward/backward of the
-   whole mini-batch, AdamW). Both count real (unpadded) prompt+response tokens.
-   Target: ≥ 0.8×.
-2. Padding fraction of a length-skewed batch: fixed-size micro-batches in arrival order
-   against `token_budget_micro_batches`. Target: ≤ 10 % with the budget.
-3. Weight publication: a rollout server's fetch of a ≥ 100 MB random Qwen2 from the
-   learner's WeightService on loopback, as `rollout.weights.socket_buckets` runs it (the
-   default transport: a ticket over gRPC, the bytes over the weight socket) into a
-   `WeightAssembler` up to torch tensors, against raw loopback TCP of the same bytes
-   measured in the same run, paired per published version, steady state
-   (docs/weight_publication.md). Target: ≥ 0.5×. The FetchWeights gRPC stream (the
-   fallback transport) is measured alongside. The publisher (WeightService, weight
-   socket and raw TCP sender alike) runs in its own process, as the learner does: in one
-   process server and client threads would share one GIL, which no deployment does.
-   The code of part 3 is in benchmarks/_weight_publication.py.
-   Like `dapo learner` / `dapo rollout`, the process tunes glibc malloc first
-   (`--no-malloc-tuning` to compare).
-
-Writes benchmarks/results/learner_step.json (details + `checks`).
+1. Tokens/s of the learner's DAPO step against a plain torch loop on the same model,
+   batch and optimizer (≥ 0.8×); 2. padding fraction of a length-skewed batch with token
+   budget micro-batches (≤ 10 %); 3. a rollout server's fetch of a ≥ 100 MB model over the
+   weight socket against raw loopback TCP of the same bytes (≥ 0.5×; code in
+   benchmarks/_weight_publication.py). Writes benchmarks/results/learner_step.json.
+   Method: benchmarks/README.md, "`learner_step`".
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The pipeline's asynchrony on a simulated cluster: the real services, devices that cost time.
 
-The controller, buffer, reward service, Redis (streams, ledger), gRPC, the learner's
-consume/commit/version protocol and weight publication are the real code; the rollout
-engine and the trainer are stand-ins that sleep per decode step, per trained token and
-per published byte (benchmarks/_sim_standins.py), so the CPU of this box does not bound
-the overlap (docs/pipeline_performance.md). Response lengths are long-tailed as in
-DAPO: most short, a share at L_max.
-
-Four modes in one run, each against its ideal bound, with T_gen and T_train measured in
-the synchronous run and T_gen_full = the tokens generated per step at every slot busy:
-
-- synchronous (max_staleness 0): generate the batch, then train; the baseline;
-- one-step-off (max_staleness 1, no partial rollouts): ideal (T_gen + T_train) /
-  max(T_gen, T_train);
-- fully async (max_staleness K, admission's pace; groups up to the default hard bound
-  4 K are still trained with the learner's off-policy correction) without and with
-  partial rollouts: ideal (T_gen + T_train) / max(T_gen_full, T_train).
-
-Checks: one-step-off >= 0.9 of its bound; fully async with partial rollouts >= 2.5 x
-the synchronous trained tokens/s; every trained group within its staleness bound; the
-ledger exact in every mode. The one-step-off and synchronous modes set the hard
-bound to their staleness: that is what they mean.
+Real services with a rollout engine and trainer that sleep instead of computing
+(benchmarks/_sim_standins.py), in four modes: synchronous (the baseline), one-step-off,
+and fully async without and with partial rollouts. Checks: one-step-off ≥ 0.9 of its
+ideal bound; async with partial rollouts ≥ 2.5 x synchronous trained tokens/s; every
+group within its staleness bound; the ledger exact. The modes, their bounds and the
+stand-ins: benchmarks/README.md, "`pipeline_sim`".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Reward service under load: C concurrent clients, normal plus adversarial items, HTTP and gRPC.
 
-One reward service (W workers, default 2) in this process; C client threads (default 16)
-post batches of K items for `--duration` seconds (default 60), alternating HTTP
-(POST /v1/score) and gRPC (Score). Most items are ordinary answers with a known verdict;
-among them: empty strings, nested `\\boxed`, lone surrogates (HTTP only: protobuf strings
-cannot hold them), and paced heavy items: the power tower `9^{9^{9^{9^9}}}` (only a kill
-stops it) and 1 MB responses (~1 s of math-verify each).
-
-Latency target, from how the pool queues. The pool is one FIFO over W workers and each
-client has at most one request of K items outstanding, so at most C*K items are ahead of
-any item. Heavy items are paced to one per `timeout_s` across all clients, so at most
-one worker at a time is stuck on one (a tower is killed `timeout_s` after it starts), and
-at least W-1 workers drain the rest. Worst case for a request: its own item runs up to
-`timeout_s`, after the C*K items ahead went through one worker (each taking t_item, the
-per-item worker time of ordinary traffic measured in a baseline phase in this process)
-plus one 1 MB item (t_big, measured here too). So
-
-    target p99 = timeout_s + C*K*t_item + t_big.
-
-Writes benchmarks/results/reward_load.json (or --out) with counts, p50/p99 latency,
-throughput, the load average, and checks: errors == 0, wrong verdicts == 0, p99 within
-the target.
+One reward service in this process, C client threads posting batches over HTTP and gRPC,
+ordinary items mixed with adversarial and paced heavy ones. Checks: no errors, no wrong
+verdicts, p99 latency within timeout_s + C*K*t_item + t_big (per-item costs measured in
+a baseline phase of the same run). Writes benchmarks/results/reward_load.json (or --out).
+The items and the latency bound's derivation: benchmarks/README.md, "`reward_load`".
 """
 
 from __future__ import annotations

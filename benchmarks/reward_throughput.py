@@ -1,16 +1,9 @@
 """Reward throughput: the service (gRPC batch, 2 workers) against a plain in-process loop.
 
-Both score the same items with the default `cascade` verifier: AIME-2024 answers (or
-0..999 when the shared file is absent) dressed in formats most of which the paper's
-rule rejects, so math-verify does the work, as it does for real equivalent answers.
-Every repetition uses a fresh item set, so neither side profits from math-verify's
-parse caches, and both start warm (math-verify imported and used once).
-
-Writes benchmarks/results/reward_throughput.json with the measured rates, the median of the
-per-repetition ratios (one warm-up repetition excluded), the agreement of the two sides'
-verdicts, per-item costs, worker utilisation and the load average of each repetition.
-No verdict cache is involved. Target on a quiet 2-core machine: >= 1.8x; on a machine
-shared with other busy processes the ratio mostly measures the scheduler's fair share.
+Both score the same fresh items with the default `cascade` verifier, both warm, no
+verdict cache; the median of the per-repetition ratios is the result. Target on a quiet
+2-core machine: >= 1.8x. Writes benchmarks/results/reward_throughput.json. The items and
+what is recorded: benchmarks/README.md, "`reward_throughput`".
 """
 
 from __future__ import annotations

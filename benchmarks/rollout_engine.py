@@ -1,23 +1,10 @@
 """Rollout throughput and weight-update time.
 
-1. Sampling on the tiny model (CPU): the torch engine's batched sampling (all prompts x
-   G samples in one call, KV cache) against one-at-a-time `model.generate` on the same
-   model and prompts, both sampling exactly T tokens at temperature 1 with log-probs.
-   The one-at-a-time loop is slow, so it runs on a subset of the samples and its rate is
-   reported as measured on that subset (tokens/s does not depend on how many calls run).
-   The same batch also goes through the gRPC service (one GenerateGroup call per prompt,
-   all concurrent, merged by the batcher) to show what the service keeps of the engine
-   rate.
-2. Weight updates for a random Qwen2 of >= 100 MB (fp32): pulled by the server from a
-   real learner WeightService after the version moves in Redis, until the new version is
-   served.
-
-Torch runs with `--threads` CPU threads (default 1) on both sides: on a shared 2-core
-machine two OpenMP threads per process collapse under oversubscription (measured: the
-same batched call took 0.21 s with 1 thread and 6 s with 2 while other jobs ran).
-
-Writes benchmarks/results/rollout_engine.json with every measurement and `checks`.
-Targets: batched >= 10x one-at-a-time; a >= 100 MB update applied in <= 5 s.
+1. The torch engine's batched sampling on the tiny model against one-at-a-time
+   `model.generate` on the same model and prompts (≥ 10x), and the same batch through
+   the gRPC service; 2. a ≥ 100 MB weight update pulled from a real learner
+   WeightService until served (≤ 5 s). Writes benchmarks/results/rollout_engine.json.
+   Method, and why one torch thread: benchmarks/README.md, "`rollout_engine`".
 """
 
 from __future__ import annotations

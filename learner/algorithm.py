@@ -1,34 +1,11 @@
 """DAPO's objective as pure functions of tensors (arXiv 2503.14476, eq. 8 and section 3).
 
-The paper's terms and the functions that compute them:
-
-    Â_{i,t} = (R_i − mean({R_j})) / std({R_j})                      -> `group_advantages`
-    r_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | q, o_{i,<t}) -> `policy_loss`
-    min(r Â, clip(r, 1 − ε_low, 1 + ε_high) Â)                       -> `policy_loss`
-    1 / Σ_i |o_i| · Σ_i Σ_t (...)                                     -> `agg_loss("token_mean")`
-    truncated responses get loss mask 0 (overlong filtering)          -> `overlong_filter_mask`
-    log π(o_{i,t} | ...) under the sampling temperature              -> `token_logprobs`
-
-`per_token_loss` combines the policy loss with the optional corrections below;
-`masked_mean` averages metrics such as the entropy over the loss tokens.
-
-Every loss is a *loss* to minimise, i.e. −J. Shapes: `[B, T]` is B sequences by T token
-positions; `mask` is 1 (or True) where a token counts in the loss.
-
-Departures from the paper, each chosen by an argument:
-
-- `std` is the unbiased sample std (the paper does not say which) and `epsilon` is added
-  to it, so a group of equal rewards gets advantage 0, not NaN. `norm_by_std=False`
-  drops the division (Dr.GRPO).
-- Dual-clip for negative advantages (`clip_ratio_c`, recipe 10.0) and the clamp of the
-  log-ratio to ±`logratio_clamp` (recipe 20) before `exp` come from the reference recipe,
-  not the paper. Outside the clamp the gradient is zero.
-- Off-policy corrections (`learner.correction`: importance weights π_old / π_behav that
-  `per_token_loss` multiplies in) are for asynchrony; the paper is synchronous.
-- A k3 KL penalty to a reference model (`kl_k3`) exists for ablations; DAPO has none.
-- `agg_loss` also offers GRPO's per-sequence mean and Dr.GRPO's constant-normalised sum.
-  Every divisor is explicit so that micro-batches and data-parallel ranks can use the
-  global count of the whole mini-batch (see `agg_loss`).
+`group_advantages`, `policy_loss`, `agg_loss`, `overlong_filter_mask` and `token_logprobs`
+compute the paper's terms; `per_token_loss` combines them with the optional corrections.
+Every loss is a loss to minimise (−J); `[B, T]` is B sequences by T token positions.
+Which function computes which term, and the departures from the paper (unbiased std + ε,
+dual-clip and log-ratio clamp, off-policy weights, k3 KL, GRPO / Dr.GRPO aggregation):
+docs/architecture.md, "The DAPO loss".
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """Attention that keeps packed sequences apart (`learner.batch` packs them end to end).
 
-Position ids restart at 0 for each packed sequence, so rotary embeddings see every
-sequence as if alone; attention is kept within a sequence:
-
-- on GPU with flash-attn installed (`flash_attention_2`), transformers turns the
-  restarting `position_ids` (with no attention mask) into `cu_seqlens` and calls the
-  varlen kernel: no mask, no `[L, L]` scores. Written, not run here (no GPU, no
-  flash-attn on CPU);
-- elsewhere (`sdpa_varlen`, registered below): the packed row is cut at each position 0
-  and causal SDPA runs per sequence, so neither a mask nor scores wider than one
-  sequence exist; SDPA's CPU and CUDA flash kernels tile even that. transformers' own
-  `sdpa` would also be exact given the same `position_ids` (it builds a block-diagonal
-  mask from them), but that mask is a `[T, T]` tensor: 1 GiB of bool at T = 32k.
-
-Both read the boundaries from the position ids in every layer (one host sync per layer
-on GPU); passing `cu_seq_lens_*` to the model would avoid it (not done).
-
-Measured here (fp32, tiny Qwen2): packed log-probs equal padded ones to 1e-5 with
-`sdpa_varlen`, `sdpa` and `eager`, and so does the DAPO gradient (tests/test_packing.py).
-One forward + backward of a 32k-token row of 16 × 2048 (2-layer, hidden 64, CPU under
-load 4–6): 9.3 s with `sdpa_varlen` against 22.7 s with `sdpa`'s block-diagonal mask,
-whose kernel visits all of the `[T, T]` blocks.
+Registers `sdpa_varlen`: causal SDPA per packed sequence, cut at each restart of the
+position ids, so no `[T, T]` mask or scores exist (on GPU, `flash_attention_2`'s varlen
+path does the same). Why not transformers' `sdpa`, and what was measured:
+docs/architecture.md, "The batch's layout and packing".
 """
 
 from __future__ import annotations

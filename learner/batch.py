@@ -3,22 +3,9 @@
 `TrainSequence` is one response with its advantage and log-probs
 (`sequences_from_groups` flattens scored groups into them); `LossInputs` is one
 micro-batch as tensors, built by `collate` (padded rows) or `collate_packed` (whole
-sequences end to end in one row); `assign_old_logprobs` stores the learner's recomputed
-log-probs back on the sequences. How a step's sequences are cut into mini- and
-micro-batches is `learner.batch_plan`.
-
-Layout: each padded row is prompt + response, right-padded. Every per-token tensor is
-`[B, L]` and aligned with `input_ids`: entry `[b, t]` is about token `input_ids[b, t]`,
-so the log-prob of that token comes from the hidden state at `t - 1`.
-
-Packed rows: `position_ids` restart at 0 for each sequence and the model's attention
-(`learner.attention`) keeps the sequences apart, so every sequence is scored as if it
-were alone in its row. A sequence's first token is a prompt token (prompts are never
-empty), so no scored token looks across a sequence boundary. What reduces per row needs
-one sequence per row, so it keeps padded rows (`use_packing`): `seq_mean_token_mean`
-(GRPO's per-sequence mean) and the sequence-level off-policy corrections (`seq_tis`,
-`mis` at sequence level). DAPO's token mean, Dr.GRPO's constant norm and the token-level
-corrections are sums over tokens and pack.
+sequences end to end in one row). How a step's sequences are cut into mini- and
+micro-batches is `learner.batch_plan`. The tensor layout and what may pack:
+docs/architecture.md, "The batch's layout and packing".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Off-policy corrections for asynchronous DAPO: decoupled PPO (AReaL, arXiv 2505.24298).
 
-Three policies meet in a step. π_behav sampled the tokens (the engine's log-probs,
-`Sample.logprobs`, each token's version in `Sample.token_versions`); π_prox is the
-learner's weights when the step starts (its recomputed log-probs, `old_logprobs`); π_θ
-is being trained. The PPO ratio r = π_θ / π_prox is clipped as DAPO says, and the
-importance weight ρ = π_prox / π_behav (per token, no gradient) multiplies the clipped
-term, so a response sampled versions ago (or by an engine with other kernels) is
-reweighted to the proximal policy instead of being trusted or thrown away:
-
-    loss_t = w(ρ) · max(−r_t Â, −clip(r_t, 1 − ε_low, 1 + ε_high) Â)
-
-`w` is one of (`correction_weights` picks by the config's `kind`):
-
-- `tis_weights` (token_tis): min(ρ_t, cap) — truncated IS per token;
-- `seq_tis_weights` (seq_tis): min(Π_t ρ_t, cap) on every token of the response;
-- `masked_is_weights` (mis): ρ inside [low, high], 0 outside, per token or per sequence;
-- `two_sided_mask_weights` (mask): 1 inside [low, high], 0 outside, per token.
-
-Departures from the paper: DAPO is synchronous and has no correction at all; this exists
-for asynchrony (`shared.max_staleness` > 0) and for engine/learner numerical mismatch.
-Where π_behav equals π_prox every weight is exactly 1.0, so the loss is bit for bit
-DAPO's. IcePop (Ring-1T) keeps ρ as the weight of its unmasked tokens, which is `mis` at
-token level; `mask` is its rejection alone. Log-ratios are clamped to ±`logratio_clamp`
-before `exp`, as in the policy loss.
+The importance weight ρ = π_prox / π_behav (per token, no gradient) multiplies DAPO's
+clipped term, so a response sampled versions ago, or by an engine with other kernels, is
+reweighted to the learner's proximal policy instead of being trusted or thrown away. The
+paper is synchronous and has none; where π_behav equals π_prox every weight is 1.0.
+The weights (`token_tis`, `seq_tis`, `mis`, `mask`) and how they enter the loss:
+docs/architecture.md, "Off-policy corrections".
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """`DeepSpeedPolicy`: the `Policy` protocol on a DeepSpeed engine (ZeRO 0–3, fp32/bf16).
 
-How the DAPO normalisation survives DeepSpeed (checked against deepspeed 0.19.8's
-`runtime/engine.py`):
-
-- gradient accumulation: the config says `gradient_accumulation_steps = 1` and the step
-  marks the boundary itself (`set_gradient_accumulation_boundary(last)` before each
-  backward), so the number of micro-batches may differ from one mini-batch to the next;
-  `engine.backward(loss, scale_wrt_gas=False)` never divides by the accumulation count;
-- data parallelism: DeepSpeed *averages* gradients over ranks, while each rank's loss is
-  already divided by the global token count (a share of a sum), so the loss is
-  multiplied by the world size before backward: the average becomes the exact sum;
-- the optimizer is torch AdamW as DeepSpeed's client optimizer (no JIT-built ops); the
-  learning rate is set by this class (warm-up counts rollout steps, not updates);
-- on CPU, DeepSpeed's shared-memory all-reduce op is skipped unless asked for: building
-  it takes about a minute and gloo is enough (ENVIRONMENT.md).
+DAPO's normalisation survives DeepSpeed because the step marks the accumulation boundary
+itself, backward never divides by the accumulation count, and the loss is multiplied by
+the world size so DeepSpeed's gradient average becomes the exact sum. How, and the
+optimizer, learning rate and CPU all-reduce choices: docs/architecture.md, "Data-parallel
+learner".
 """
 
 from __future__ import annotations

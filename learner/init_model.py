@@ -1,35 +1,10 @@
 """Build a small model from nothing: a locally trained tokenizer plus a random-weight Qwen2.
 
-Nothing is downloaded: the machines this project runs on reach no model hub, and RL from
-scratch on a CPU needs a model small enough to learn in minutes. The output directory loads
-with `AutoTokenizer.from_pretrained(dir)` and `AutoModelForCausalLM.from_pretrained(dir)`.
-
-Presets:
-
-- `tiny`: the setup measured to learn the synthetic digit tasks on a 2-core CPU. A
-  character-level tokenizer whose alphabet is that of the synthetic prompts, answers and
-  reference responses plus `+`, with `Answer: ` as one token (16 tokens: digits `+,=`,
-  newline, `Answer: `, and `<eos>` as eos and pad); Qwen2 with 2 layers, hidden 64,
-  4 heads (2 KV), FFN 256, tied embeddings (124,480 parameters). Its chat template renders only the
-  message contents, so a prompt is `3,7,1=` and nothing more. Characters outside the
-  alphabet are dropped when encoding (no unknown token: it would only be noise).
-- `tiny_long`: `tiny` that never stops: its generation config names no EOS, so every
-  response runs to `max_response_length` (the `long` run preset measures the system's
-  per-group costs beside long generations this way; a random model would stop after
-  about 16 tokens). 4096 positions.
-- `tiny_vllm`: `tiny` with 2 heads of 32 (vLLM's CPU attention takes head_dim 32 and up,
-  not `tiny`'s 16), for the demo on vLLM.
-- `small`: a byte-level BPE tokenizer trained on a few thousand synthetic math lines (any
-  text, AIME prompts included, encodes losslessly) with a ChatML template; Qwen2 with
-  2 layers, hidden 128, 2 heads (head_dim 64, which vLLM's CPU kernels accept).
-
-Both tokenizers are byte-level BPEs with Qwen2's own pre-tokenizer and are saved as
-`Qwen2Tokenizer`: transformers 5 rebuilds any qwen2 checkpoint's tokenizer that way from
-its vocab and merges, so anything else would tokenize differently once reloaded.
-
-The tokenizer depends only on the preset; `seed` sets the weights alone, so models of
-different seeds share token ids. Heavy libraries are imported inside functions so that
-`PRESETS` can be read (e.g. for CLI choices) without importing torch.
+Nothing is downloaded (the machines this project runs on reach no model hub), and RL from
+scratch on a CPU needs a model small enough to learn in minutes. `PRESETS` names the
+tokenizer + model setups (`tiny`, `tiny_long`, `tiny_vllm`, `small`) and is readable
+without importing torch. What each preset is and why its tokenizer is saved as
+`Qwen2Tokenizer`: docs/tasks.md, "The models".
 """
 
 from __future__ import annotations

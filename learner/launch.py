@@ -1,15 +1,9 @@
 """`dapo learner` with several ranks: the same command, re-executed under torchrun.
 
 With `learner.launch.ranks > 1` and no launcher around it (no LOCAL_RANK), the process
-replaces itself (exec: same PID, so a supervisor's SIGTERM reaches torchrun) with
-`torchrun --standalone --nproc-per-node=N -m learner <the same arguments>` (torchrun's
-main, run by `python -m learner.launch`), which starts
-the ranks: rank 0 serves and trains, the others follow it (learner.trainer.Follower).
-torchrun forwards SIGTERM to every rank and SIGKILLs them `shutdown_timeout_s` later;
-the ranks use that time for one coordinated checkpoint. When any rank dies, torchrun
-stops the others and restarts the whole group (`max_restarts`), which resumes from the
-last checkpoint. A launcher of our own (`dapo up`) keeps watching through torchrun: the
-ranks treat torchrun as their parent, and torchrun gets SIGTERM when the launcher dies.
+execs itself (same PID) as `torchrun --standalone --nproc-per-node=N -m learner <the same
+arguments>`: rank 0 serves and trains, the others follow it. What torchrun does on
+SIGTERM and when a rank dies: docs/reliability.md, "The learner as several ranks".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Per-token log-probs and entropy of a causal LM without `[L, V]` logits at once.
 
-A micro-batch's final hidden states `[B, L, H]` are cheap; its logits `[B, L, V]` are not
-(V = 151,936 for Qwen2.5: 0.58 GiB per 1k tokens per fp32 copy, and temperature,
-log-softmax and entropy each made another copy). So only the hidden states of positions
-that predict a response token are kept, and the output head runs over at most `chunk`
-of them at a time. Under autograd each chunk is checkpointed: backward recomputes that
-chunk's logits instead of keeping them, so at most one chunk's `[chunk, V]` tensors
-exist at a time, in forward and in backward. The head is called as a module, so
-DeepSpeed ZeRO-3 gathers its partitioned weight in its hooks (tied or untied).
-
-`chunk = 0` is the full path, kept as the baseline: logits of every position at once.
+The output head runs over at most `chunk` response positions at a time, each chunk
+checkpointed, so at most one chunk's `[chunk, V]` tensors exist in forward and backward
+(`chunk = 0` is the full-logits baseline). Why and how: docs/architecture.md, "Log-probs
+without `[L, V]` logits".
 """
 
 from __future__ import annotations

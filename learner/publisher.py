@@ -1,19 +1,10 @@
 """Publication off the training critical path.
 
-Why: the step should pay for nothing but its own copy of the weights. Here the step only
-*snapshots* them (one copy into a snapshot from the servicer's pool, whose buffers a
-later version reuses once nothing reads them: learner/snapshots.py; under ZeRO-3 this is
-where the weights are gathered, bucket by bucket, on every rank) and returns; a
-background thread hands the snapshot to the `WeightServicer`, which serves it as it is
-(frames viewing the snapshot: no second copy, no serialization of the tensor bytes).
-
-At most one publication is in flight: `submit` for version N+1 waits until publication
-N is served, then takes its snapshot and hands it over. So versions reach the servicer
-one by one, in order, and in the steady state the pool holds two snapshots: version N,
-served, and N+1 (N-1's came back once N superseded it and its readers finished). The
-version protocol is unchanged: the step commits its version to Redis after `submit`,
-and a rollout server that sees a version the learner does not offer yet waits for it
-(`GetVersion`), as it always has.
+The step pays only for its own copy of the weights into a pooled snapshot (under ZeRO-3,
+gathered bucket by bucket on every rank); a background thread hands the snapshot to the
+`WeightServicer`, which serves it as it is. At most one publication is in flight, so
+versions reach the servicer one by one, in order. How, and what the step waits for:
+docs/weight_publication.md, "Off the critical path".
 """
 
 from __future__ import annotations

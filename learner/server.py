@@ -1,21 +1,11 @@
 """The learner service: reads informative groups from `train`, trains, publishes weights.
 
-One step: train on N groups (held by `learner.train_stream`) → snapshot the new weights
-into the WeightService → in one Redis transaction set the version and append the step's
-metrics. The N entries are acked (and counted `trained`) in that transaction, or, with
-`checkpoint_dir`, once a checkpoint holding their effect is on disk
-(`learner.checkpoints`); after a crash the restarted learner restores the checkpoint,
-acks-and-counts the pending entries up to its cursor without training them again, and
-trains the rest again, in stream order.
-
-Versions never go backwards for rollout servers: a learner restored to an older
-checkpoint than the version in Redis publishes its weights as that version + 1.
-Groups between the soft and the hard staleness bound are trained, with the off-policy
-correction; those past the hard bound are dropped by the stream.
-
-With several data-parallel ranks (torchrun), rank 0 runs everything above and sends
-each command (train these groups / checkpoint / export / stop) to the other ranks
-(`learner.trainer.Commander`); they follow (`learner.trainer.Follower`).
+One step trains N groups (held by `learner.train_stream`), snapshots the new weights
+into the WeightService and commits the version and metrics in one Redis transaction; the
+entries are acked then or, with checkpoints, once a checkpoint holds their effect
+(`learner.checkpoints`). With several ranks, rank 0 runs all this and commands the others
+(`learner.trainer`). Acks, restarts and why versions never go backwards:
+docs/architecture.md, "The learner: ack at checkpoint, dedup by the checkpointed cursor".
 """
 
 from __future__ import annotations

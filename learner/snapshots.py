@@ -1,21 +1,10 @@
 """Host snapshots of the weights, pooled: what the learner serves each version from.
 
-Why: the weight socket sends a version's tensor bytes straight out of its snapshot (the
-frames view it; nothing serializes the bytes again), so a snapshot must stay untouched
-while any reader may still stream it. Yet a fresh snapshot per version would fault in new
-pages (about 2 s per GB here) on every step: the pool reuses the snapshots that nothing
-can read any more.
-
-Lifetime: a snapshot backs exactly one version's `FrameLog`, and `WeightServicer` ties
-them with `weakref.finalize(log, pool.give_back, snapshot)`. Every reader reaches the
-snapshot's bytes only through that log: the servicer's latest-version slot, an unredeemed
-weight socket ticket (until redeemed or purged as expired), a weight socket stream, a
-FetchWeights generator, a re-cut. So the snapshot goes back to the pool only once the
-version was superseded AND the last of those let the log go. Steady state: 2 snapshots
-(the version served, the next one being taken); a reader still streaming an old version
-pins it and the pool allocates one more (logged at INFO). A publication that broke off
-keeps its log in a reference cycle (its error's traceback), so that snapshot comes back
-when the garbage collector runs; until then the pool allocates, never overwrites.
+The weight socket sends a version's bytes straight out of its snapshot, so a snapshot
+must stay untouched while any reader may still stream it; a fresh one per version would
+fault in new pages (about 2 s per GB here) every step. The pool reuses a snapshot once
+its version's `FrameLog` is gone (superseded and no reader left). The lifetime rules:
+docs/weight_publication.md, "The path" (snapshot lifetime).
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """One DAPO training step over a batch of informative groups, on one rank or many.
 
-One pass, top to bottom:
-
-1. plan (`learner.batch_plan`): split the responses into mini-batches (one optimizer
-   update each, the same seeded split on every rank), deal each mini-batch to the
-   data-parallel ranks by token count, cut a rank's share into micro-batches by budget
-   (each packed into one row, `learner.batch`, or padded to its longest row);
-2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
-   response tokens without gradient (`learner.logprobs`); store them on the sequences.
-   π_old is the proximal policy of decoupled PPO: with an off-policy correction on
-   (`learner.correction`) each token's loss is weighted by π_old / π_behav, the engine's
-   log-prob being π_behav;
-3. per mini-batch: all-reduce its loss token and sequence counts, then per micro-batch
-   collate → score → per-token DAPO loss divided by those global counts → backward, so
-   gradient accumulation and data parallelism give exactly the full-batch gradient;
-4. the optimizer step, once per mini-batch.
-
-Ranks make the same calls into the model (ZeRO-3 gathers parameters in each): a rank
-with fewer micro-batches runs dummy ones whose loss is multiplied by zero, and the
-output head runs the same number of chunks on every rank.
+Plan the mini- and micro-batches, recompute π_old (and π_ref), then per mini-batch
+all-reduce the loss counts and run the micro-batches' losses divided by those global
+counts, so gradient accumulation and data parallelism give exactly the full-batch
+gradient. The pass step by step, and how ranks stay in lockstep: docs/architecture.md,
+"One step".
 """
 
 from __future__ import annotations

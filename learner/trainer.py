@@ -1,14 +1,10 @@
 """What every data-parallel rank holds (`Trainer`) and how ranks > 0 follow rank 0.
 
-Rank 0 (`learner.server`, through `Commander`) sends each `Command` as bytes: an op, an
-int64 argument and a body (for OP_TRAIN: the int64 policy version of the weights, then
-the packed groups; for OP_STOP the argument is the exit code, so a stopped, unfinished
-run fails on every rank and a supervisor restarts the whole group).
-
-Stopping: every rank handles SIGTERM by asking to stop, never by dying, since rank 0's
-checkpoint is a collective. After each training step the ranks agree on whether any of
-them was asked (a max all-reduce of the flag); rank 0 then checkpoints and tells all to
-stop.
+Rank 0 (`learner.server`, through `Commander`) sends each `Command` as bytes (an op, an
+int64 argument, a body); the other ranks run it (`Follower`). Every rank handles SIGTERM
+by asking to stop, never by dying, since rank 0's checkpoint is a collective. The
+command format: docs/architecture.md, "Data-parallel learner"; how the ranks stop
+together: docs/reliability.md, "The learner as several ranks".
 """
 
 from __future__ import annotations

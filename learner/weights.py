@@ -1,16 +1,10 @@
 """The learner's WeightService: rollout servers pull the latest weights from here.
 
-`publish` copies a version into a pooled host snapshot (learner/snapshots.py; one copy of
-every weight byte, so a fetch streams a consistent version even while the next step
-trains) and cuts it into frames: each bucket's protobuf metadata as bytes around views of
-the snapshot (`encode_bucket_parts`), so the tensor bytes are never serialized again and
-every fetch (R rollout servers) streams the same snapshot. `publish_snapshot` serves a
-snapshot already taken (the background publisher's) without any copy. The version is
-offered as soon as publication starts (a `FrameLog`): fetches stream the frames already
-built while the rest are copied. With a `WeightSocketServer`, `OpenWeightSocket` hands
-out tickets for the frames over the data-plane socket, which sends them scatter/gather
-(services/weight_transport/weight_socket.py). `add_weight_service` registers FetchWeights with a
-pass-through serializer: each frame joined, exactly the generated `WeightBucket` bytes.
+`publish` copies a version once into a pooled host snapshot and cuts it into frames that
+view it (`encode_bucket_parts`), offered as soon as publication starts (a `FrameLog`);
+`publish_snapshot` serves a snapshot already taken, with no copy. Fetches go over the
+weight socket (`OpenWeightSocket` tickets) or the FetchWeights stream, both sending those
+frames. The path and its copies: docs/weight_publication.md, "The path".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """A pool of killable verifier processes with a hard per-item timeout.
 
-Why processes and why killable: math-verify's own timeouts use SIGALRM, which only works
-in a process's main thread, and inputs such as `9^{9^{9^{9^9}}}` keep the GIL inside
-C code, so no thread can interrupt them. Each worker therefore runs one item at a time
-in its main thread; a dispatcher thread in the server watches the deadlines and, when an
-item runs past `timeout_s`, kills that one worker, answers the item with a timeout error
-and starts a replacement. A worker that dies on its own (crash, OOM killer) is replaced
-too; the item it was on is retried once elsewhere, and a second death answers it with an
-error. Nothing is lost either way: every other item the worker held goes back to the
-front of the queue, in order, and is verified by the next free worker.
-
-Work goes out in chunks (see reward.worker): a free worker gets about 1/(CHUNK_SPREAD x
-workers) of the queue, at most MAX_CHUNK_ITEMS items or MAX_CHUNK_BYTES (one item
-always), so a big batch costs a handful of messages while the last chunks stay small
-enough for both workers to finish together. A chunk goes only to an idle worker, which
-is blocked reading its pipe: a large one can never fill a pipe in front of a stuck
-worker and block the dispatcher (and with it every deadline). The deadline of the item
-a worker is on comes from the shared `Progress` word, so the dispatcher wakes for
-deadlines, new work and chunk results only, never per item.
-
-Workers start from a forkserver that has already imported math-verify, so a replacement
-is ready in milliseconds instead of a second of imports.
+math-verify's timeouts need a process's main thread and some inputs hold the GIL in C
+code, so each item runs in a worker process, and a worker whose item runs past
+`timeout_s` is killed and replaced; a worker that dies on its own is replaced too, and
+nothing is lost. Why, how work goes out in chunks and how deadlines are kept:
+docs/reward.md, "Time bounds" and "How the pool spends (little) time on each item".
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Soft overlong punishment and the overlong flag (the paper's "Overlong reward shaping",
 equation 13).
 
-With L_max = `max_len`, L_cache = `buffer_len` and expected length L_max - L_cache:
-
-    R_len(y) = 0                                        if |y| <= L_max - L_cache
-             = ((L_max - L_cache) - |y|) / L_cache * f  if L_max - L_cache < |y| <= L_max
-             = -f                                       if |y| > L_max
-
-with f = `factor` (1.0 in the paper). For |y| <= L_max this is the reference recipe's
-`min(-(|y| - (L_max - L_cache)) / L_cache * f, 0)`; beyond L_max, which a generator
-capped at L_max never produces, the paper's constant -1 (times f) is used where the
-reference formula would keep falling. `buffer_len = 0` means no soft zone: 0 up to
-L_max, -f beyond.
-
-Overlong *filtering* is not a reward: the service only passes the `truncated` flag on
-(set by the caller, or because the length exceeds L_max) and the learner masks it.
+0 up to L_max - L_cache, then falling linearly to -f at L_max, and -f beyond (`max_len`,
+`buffer_len`, `factor`). Where it follows the reference recipe and where the paper, and
+why overlong filtering is only a flag here: docs/reward.md, "Overlong punishment".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The answer checks: the paper's `dapo` rule, math-verify, their cascade, first integer.
 
-Everything here is a pure function of (response, ground truth) returning a `Verdict`;
-nothing raises on bad input. The functions run inside the worker processes of
-`reward.pool` (math-verify's SIGALRM timeouts need a process's main thread, and some of
-its inputs can only be stopped by killing the process), but they are plain functions, so
-tests and the in-process benchmark call them directly.
-
-The `dapo` rule reproduces the reference "math_dapo" rule's verdicts, quirks included
-(rewards that differ from the reference change which groups are informative); the
-quirks are listed in docs/reward.md, "The `dapo` rule's quirks".
-
-`math_verify` follows math-verify's contract: `parse` both sides, `verify(gold, pred)`
-with gold first. `cascade` (the default) asks the rule first and math-verify only when
-the rule says wrong, reading the rule's `Answer:` text when there is one (more precise
-than re-extracting from the whole response; tried as is, then inside `$...$` so bare
-LaTeX like `\\frac12` parses), else the whole response. `first_integer`
-is for the toy tasks whose tiny models never learn to emit EOS: "9+9+" reads 9.
+Each is a pure function of (response, ground truth) returning a `Verdict` and never
+raises on bad input; they run in `reward.pool`'s worker processes but are plain
+functions, so tests and the in-process benchmark call them directly. The `dapo` rule
+keeps the reference "math_dapo" rule's quirks on purpose (rewards that differ change
+which groups are informative). What each verifier reads: docs/reward.md, "Verifiers".
 """
 
 from __future__ import annotations

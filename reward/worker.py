@@ -1,21 +1,10 @@
 """The verifier worker process and what it shares with the pool's dispatcher.
 
-A worker gets a *chunk* of items in one message, verifies them one by one in its main
-thread (math-verify's SIGALRM timeouts need it) and sends the verdicts back in few
-messages: when the chunk is done, and earlier whenever FLUSH_S has passed since the
-last send, so a slow item's verdict leaves the worker as soon as it exists. One message
-per chunk instead of two per item spares syscalls and, above all, wake-ups of the
-server process, which on a small machine steal a core from the workers.
-
-The dispatcher still enforces a deadline *per item*: before each item the worker writes
-(item index, start time) into a shared 64-bit word (`Progress`; one aligned store, so it
-is never read half-written). The dispatcher reads it without any message and, when the
-current item runs past its timeout, knows exactly which item to blame.
-
-Wire format, JSON both ways (no pickle on any queue; JSON also carries lone surrogates
-intact): a chunk is a list of `[verifier, response, ground_truth]`; a reply is
-`{"ready": pid}` once, then lists of `[correct, pred, verifier, error, seconds]`, one
-per item in chunk order.
+A worker verifies a chunk of items one by one in its main thread and sends the verdicts
+back in few messages (at the chunk's end, and whenever FLUSH_S has passed); before each
+item it writes (item index, start time) into the shared `Progress` word, so the
+dispatcher keeps a deadline per item without a message. The JSON wire format and why:
+docs/reward.md, "How the pool spends (little) time on each item".
 """
 
 from __future__ import annotations

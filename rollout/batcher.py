@@ -1,16 +1,10 @@
 """Cross-request batching: hands concurrent GenerateGroup calls to the engine the way the
 engine declares it takes them (`RolloutEngine.max_concurrent_calls`).
 
-- One call at a time (the torch engine): groups with equal sampling params that arrive
-  together share one merged engine call, so the server keeps its cores busy.
-- Many calls (vLLM: continuous batching): each group is its own engine call, handed
-  over the moment it arrives, up to the declared number at once; the engine schedules
-  their sequences itself, so a short group finishes while a long one still runs.
-
-Samples are handed to their caller the moment the engine yields them, not when the call
-ends. A request whose caller went away before its turn is skipped; one whose merged call
-fails before yielding anything is retried alone, so one bad prompt cannot fail its
-neighbours.
+One call at a time (torch): groups with equal sampling params share one merged call.
+Many calls (vLLM): each group is its own call, handed over as it arrives. Samples reach
+their caller as the engine yields them; a failed merged call is retried per request.
+Details: docs/architecture.md, "The rollout server".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """What every rollout engine does the same way, written once.
 
 `EngineBase` holds the policy version and turns `stream` / `generate` / `pause` /
-`resume` into one hook, `_samples`, that an engine fills in with its own sampler. The
-functions below are the rules both engines must agree on so that swapping one engine for
-the other changes no sample's meaning: which prompts are refused, which tokens stop a
-sample, how an incoming weight set is checked.
-
-`Gate` is the one piece of concurrency: generation passes through it, and a weight swap
-waits until nothing is inside, so every token is produced by the version it is tagged
-with.
-
-Partial rollouts (`EngineBase.partial_rollouts`): without them a swap waits for every
-response in flight, i.e. for the longest. With them an engine that decodes token by
-token itself (torch) polls `_preempt_wanted()` at each token boundary and, when a swap
-waits, calls `_yield_to_swap()` (leave the gate, let the swap in, come back) and
-continues each unfinished response under the new weights from prompt + tokens so far,
-recomputing its context (its KV cache refilled). An engine with its own scheduler
-(vLLM) has no such hook: its calls only pass the gate, and the swap itself aborts the
-requests in flight and has them resubmitted as prompt + partial output with the
-remaining token budget. Every token then carries the version, and log-prob, of the
-weights that sampled it.
+`resume` into one hook, `_samples`; the functions below are the rules both engines must
+agree on (refused prompts, stop tokens, weight checks). `Gate` lets a weight swap in only
+when no generation is inside, so every token is produced by the version it is tagged
+with. How partial rollouts continue a response across a swap: docs/architecture.md,
+"The rollout server".
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@
 
 GenerateGroup answers all n samples of a prompt at once, each tagged with the policy
 version that produced it. Weights are pulled by `rollout.weights.WeightSync`: whole and
-newer, or not at all.
-
-Readiness. `ready` (GET /readyz, GetStatus, the registry's `ready` flag) means "serving
-the version the learner published". A server that starts late or restarts refuses
-GenerateGroup with UNAVAILABLE until it has caught up once; after that it keeps
-serving while it fetches a newer version (each sample says which version made it, and
-the buffer and learner enforce staleness). The registry's `accepting` flag says exactly
-that ("caught up once") and is what the controller routes on: `ready`
-drops after every learner step until the pull lands, and routing on it stalled
-admission for a backoff each step, while a request's `min_version` already makes the
-server wait for the weights it needs.
+newer, or not at all. A server refuses work until it has caught up with the learner
+once, then serves while it fetches newer versions; why the controller routes on
+`accepting`, not `ready`: docs/architecture.md, "The rollout server".
 """
 
 from __future__ import annotations

@@ -2,16 +2,9 @@
 keeps request submissions and swaps apart. No vLLM or torch here (asyncio only), so it
 imports, and is tested, anywhere.
 
-A response is generated as one or more vLLM requests ("segments"): the first from the
-prompt; after a swap aborted it, the next from prompt + every token so far, with the
-budget left. `Stitched` concatenates the segments' tokens and log-probs and tags each
-token with the version of the segment that sampled it.
-
-`Admission` is what makes that tag exact. A segment is tagged with the version current
-when it was *added* to vLLM; a swap holds new additions, waits for the additions under
-way (an `add_request` spans several awaits), then aborts everything vLLM holds, loads,
-and only then lets additions in again. So every segment is either added, run and
-aborted or finished before the new weights arrive, or added after them: never a mix.
+`Stitched` joins a response's segments (vLLM requests cut by swaps) and tags each token
+with its segment's version; `Admission` holds new additions during a swap so that tag is
+exact. How: docs/vllm.md, "Inside the engine" (partial rollouts).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """New weights for a rollout server, pulled from the learner.
 
-Every update goes through `WeightUpdater.apply`, which loads an update only once every byte
-of it has arrived and been checked (a half-received update is never applied), and only
-if its version is newer than the one served (versions only move forward, also when two
-pulls race). The engine checks names, dtypes and shapes before touching any
-weight, so a bad bucket leaves the previous weights and version in place.
-
-`WeightSync` watches the learner's published version in Redis and pulls the full
-weights whenever it moves ahead, from the first `WeightSource` that offers them
-(`pull`: the previous server's relay when there is one, then the learner's weight
-socket, else its FetchWeights stream); `caught_up` is set the first time the served
-version reaches the published one.
+`WeightUpdater.apply` loads an update only once every byte has arrived and been checked,
+and only if its version is newer than the one served; the engine checks names, dtypes and
+shapes first, so a bad bucket leaves the previous weights in place. `WeightSync` pulls
+whenever the learner's published version moves ahead, from the first `WeightSource` that
+offers it (`pull`: relay, weight socket, FetchWeights). How: docs/weight_publication.md.
 """
 
 from __future__ import annotations

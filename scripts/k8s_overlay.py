@@ -6,10 +6,7 @@ it (docs/deploy.md, "Your own run in one line"):
         --gpus-per-node 8 --rollout-servers 6 --out deploy/k8s/overlays/mine \\
       && kubectl apply -k deploy/k8s/overlays/mine
 
-Derived, not asked: each rollout server's GPUs (rollout.engine.tensor_parallel_size), the
-KEDA stream (shared.run_name) and its per-server target (controller.max_groups_in_flight
-over the maximum), how many rollout servers a drain may take at once (a node's share).
-Why not Helm: docs/deploy.md, "Why kustomize and not Helm".
+What it derives: docs/deploy.md, same section; why not Helm: "Why kustomize and not Helm".
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Idempotent moves of a group between Redis keys, each one Lua script (atomic).
 
-A write can be sent twice: redis-py resends a command whose connection broke (the first
-may have run), and a restarted service redoes the move it was making when it died. So
-every move is keyed by the thing it consumes, and does nothing if that is already gone:
-
-- publish / reject (controller): `HDEL inflight <group id>` must remove the group, else
-  no XADD and no count;
-- forward / ack / drop (buffer, learner): `XACK <entry ids>` must ack something, and
-  the counters move by what was acked, else no XADD;
-- admit (controller): `HSETNX inflight <group id>`; counted only when new;
-- a learner step: only if its version is newer than the stored one.
-
-Lua's unpack is limited to a few thousand values: long id lists are acked in chunks (each
-chunk atomic with its own counters, which keeps the ledger exact).
+A write can be sent twice (redis-py resends a command whose connection broke; a
+restarted service redoes its last move), so every move is keyed by the thing it consumes
+and does nothing if that is already gone. The moves, their keys, and why long id lists
+are acked in chunks: docs/reliability.md, "Idempotent moves".
 """
 
 from __future__ import annotations

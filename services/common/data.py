@@ -1,30 +1,10 @@
 """Prompt data: DAPO-format parquet/JSONL loaders and built-in synthetic tasks (torch-free).
 
-Every source yields `PromptRecord`s. On disk a record is one DAPO-format row (the layout of
-DAPO-Math-17k and the AIME-2024 eval set)::
-
-    {"data_source": str, "prompt": [{"role": "user", "content": str}], "ability": str,
-     "reward_model": {"ground_truth": str, "style": str},
-     "extra_info": {"index": int | str, "raw_problem": str, "split": str | None}}
-
-JSONL files hold the same rows, one JSON object per line. The AIME file repeats each of its
-30 problems 32 times (for avg@32); `unique=True` keeps the first copy of each.
-
-The synthetic tasks are what a model trained from scratch on a CPU can learn in minutes
-(2-digit addition, for one, does not: its rewards are too rare): `max3` (`3,7,1=` ->
-`7`), `copy2` (`4,2=` -> `42`) and `reverse2` (`4,2=` -> `24`). Their prompts are bare
-(no instruction template) so they stay a few tokens long, and each answer is a short
-digit string a first-integer verifier can check.
-
-A *mix* joins tasks whose prompts cannot be confused (different arities): `mixed` is
-max3 plus copy2, i.e. prompts of mixed difficulty (a one-digit answer most of the time,
-a two-digit one the tiny model rarely gets right at first) and answers of varied length.
-The earlier ablation ladder (`dapo ablate --preset tiny_mixed`) trains on it. Each part keeps
-its own fixed train/test split, so a mix's splits never share a prompt either.
-
-The reasoning tasks `runmax` and `runsum` (services/common/reasoning.py) answer in the DAPO
-paper's format after a scratchpad whose length follows the prompt; the default ablation
-ladder trains on `runmax` (docs/tasks.md).
+Every source yields `PromptRecord`s: DAPO-format rows (DAPO-Math-17k, AIME-2024) or the
+synthetic tasks a model trained from scratch on a CPU can learn in minutes (`max3`,
+`copy2`, `reverse2`, the `mixed` mix; the reasoning tasks live in
+services/common/reasoning.py). The row layout, the tasks, mixes and their splits:
+docs/tasks.md, "Data files, tasks and mixes".
 """
 
 from __future__ import annotations

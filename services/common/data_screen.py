@@ -1,14 +1,9 @@
 """Screening training prompts at load: what a rollout server would refuse never becomes a group.
 
-As verl's `filter_overlong_prompts` does, a prompt longer than `shared.max_prompt_length`
-tokens after the chat template is skipped when the data is loaded, and so is a prompt with
-no text (or none the tokenizer knows: no tokens at all); each skip is counted by reason
-(the ledger's `dataset` entry, the report, the progress bar). Data where nothing is left
-is an error, not a run that waits forever.
-
-Rows that break the schema are errors too (services/common/data.py names the file, row and
-column), and so is one prompt id given to two different prompts: the controller finds a
-group's prompt by its id when it resumes the group after a restart.
+As verl's `filter_overlong_prompts` does, overlong and empty prompts are skipped and
+counted by reason; data where nothing is left, rows that break the schema and one prompt
+id given to two prompts (a resumed group finds its prompt by id) are errors, not a run
+that waits forever. docs/reliability.md, "Data checked at load".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """How much generation a training step may wait for (bounded dynamic sampling).
 
-The DAPO paper refills a batch until it holds N informative groups, however many groups
-that takes. Once a task is nearly solved almost every group comes back all-correct and
-is filtered, so a step can wait for hundreds of groups per group it trains (measured on
-the tiny demo: 125,036 groups generated to train 1,920). With a budget of `ratio`, a
-step waits for at most ratio × N groups decided by the buffer (kept or filtered) since
-the previous batch was taken; past that it trains on the informative groups it holds,
-at least one (verl's `max_num_gen_batches` bounds the same thing, by raising an error).
-
-A short batch keeps the loss exact: the learner's token-level loss divides by the
-tokens of each mini-batch it actually trains (learner/step.py), whatever the batch size.
+The paper refills a batch until it holds N informative groups; once a task is nearly
+solved a step can wait for hundreds of groups per group it trains. With a budget of
+`ratio`, a step waits for at most ratio × N groups decided since the previous batch, then
+trains on the informative groups it holds (at least one); the token-level loss stays
+exact. docs/architecture.md, "When the data gets easy".
 """
 
 from __future__ import annotations

@@ -3,15 +3,10 @@
     admitted = in_flight + scored + rejected           (controller)
     scored   = kept + filtered + pending_scored        (buffer)
     kept     = trained + dropped + pending_train       (learner)
-    ⇒ admitted = trained + filtered + dropped + rejected + pending + in flight
 
-A rejected group is one a server refused for good (an overlong prompt, a ground truth past
-the reward's limit: services/controller/failures.py). Prompts the controller skipped when
-it loaded the data never become groups; `dataset` counts them (rows = usable + filtered).
-
-Counters are written in the same Redis transactions that move the groups, and the
-pending counts come from the streams' consumer-group state, so a mismatch means a bug
-(or a group lost), never a race.
+Counters move in the same Redis transactions as the groups and pending counts come from
+the consumer groups, so a mismatch means a bug (or a group lost), never a race
+(docs/architecture.md, "Nothing is lost").
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """glibc malloc tuning for processes that receive weights (rollout servers; see process.py).
 
-By default glibc serves large blocks (≥ 128 KiB, rising to at most 32 MiB) with mmap and
-gives them back to the kernel on free, and trims the heap top: every weight bucket and
-every received tensor then lands in fresh pages, which the kernel faults in and zeroes
-one 4 KiB page at a time. Measured here, writing into fresh memory ran ~30× slower than
-re-writing memory already mapped (docs/weight_publication.md). Raising the
-mmap threshold (to 2 GiB: an embedding matrix of a 32B model fits) keeps blocks in the
-heap, and the heap is never trimmed, so freed blocks serve the next version's buckets.
-A fixed trim threshold is not enough: a rollout server holds two versions at a swap, and
-when the older one is freed while the newer lies below it, the freed top of the heap is a
-whole model, more than any threshold, and went back to the kernel every other version.
-The price is that the process keeps its peak heap mapped.
-
-One arena for every thread: a thread other than the main one allocates from an arena of
-its own, made of 64 MiB heaps, so a larger block (an embedding matrix) is mmap'd fresh
-and unmapped again on free whatever the thresholds, and each new thread (a relay's
-reception, the learner's publisher) starts from cold memory. Measured: 1 GB of tensors
-allocated and written in a new thread each version took 0.21-0.25 s, against 0.09-0.10
-s with one arena (as in the main thread). The price is one lock for large allocations
-across threads; small Python objects come from Python's own allocator.
+glibc's defaults mmap large blocks fresh and trim the heap, so every received weight
+bucket lands in pages the kernel faults in and zeroes. Here the mmap threshold is 2 GiB,
+the heap is never trimmed and all threads share one arena, so the next version reuses the
+memory the last one freed; the price is a peak heap that stays mapped. Why each setting
+and what it measured: docs/weight_publication.md, "The path" (glibc keeps freed memory).
 """
 
 from __future__ import annotations

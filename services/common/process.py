@@ -2,14 +2,9 @@
 
 One function for `dapo learner`, `dapo rollout` and every benchmark that times or measures
 one of them, so a benchmark row runs in a process configured exactly as the role's (the
-record it returns goes into the benchmark's result file).
-
-- Threads: several torch processes on one machine must not oversubscribe its cores.
-- malloc: a rollout server receives a whole model per version, so it keeps freed memory
-  warm (`services.common.malloc`). The learner does not: its weight snapshots are pooled
-  and reused (learner/snapshots.py), while its training step's large temporaries (the
-  log-prob head's logits chunks) fragmented a never-trimmed heap until a 16k-token step
-  ran out of memory at 3x the peak of glibc's defaults.
+record it returns goes into the benchmark's result file): torch threads, so processes on
+one machine do not oversubscribe its cores, and malloc tuned for rollout servers only
+(`services.common.malloc`; why not the learner: docs/weight_publication.md, "The path").
 """
 
 from __future__ import annotations

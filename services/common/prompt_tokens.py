@@ -1,17 +1,11 @@
 """Prompt lengths in tokens, as a rollout server counts them, without torch or transformers.
 
-The rollout server refuses a prompt longer than `shared.max_prompt_length` after the chat
-template (rollout/limits.py). The controller and `dapo up` skip such prompts when they load
-the data, as verl does, so they must count the same way in a torch-free process: the chat
-template is rendered with jinja2 the way transformers' `apply_chat_template` renders it
-(sandboxed, trim_blocks, lstrip_blocks, the special tokens as variables) and the text is
-encoded with the model's own `tokenizer.json` through `tokenizers`, without special tokens
-added. tests/test_data_validation.py checks the counts against transformers.
-
-Where `tokenizers`, jinja2 or the model's tokenizer files are missing (the slim image's
-controller has no model), there is no counter: a prompt too long then reaches a rollout
-server, which refuses it, and the group is rejected with that reason
-(services/controller/failures.py) instead of being skipped at load.
+The controller and `dapo up` skip prompts longer than `shared.max_prompt_length` at load,
+so they must count as the rollout server does, in a torch-free process: the chat template
+rendered with jinja2 as transformers renders it, the text encoded with the model's
+`tokenizer.json` through `tokenizers`. Without those (the slim image) there is no counter
+and the rollout server refuses such a prompt instead (docs/reliability.md, "Data checked
+at load").
 """
 
 from __future__ import annotations

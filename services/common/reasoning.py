@@ -1,20 +1,13 @@
 """Synthetic reasoning tasks: variable-length digit lists, a scratchpad, the paper's answer line.
 
-The digit tasks of `data.py` have one-token answers read by a first-integer verifier, so a
-truncated response loses nothing and length never matters. Here the reference response
-works through the list one step per digit and ends with the DAPO paper's answer line, so
-the `dapo` verifier (last `Answer:` line, exact match) scores it::
+The digit tasks of `data.py` answer in one token, so length never matters; here the
+reference response works through the list one step per digit and ends with the DAPO
+paper's `Answer:` line, scored by the `dapo` verifier:
 
     runmax   3,7,1,4=  ->  3,7,7,7\\nAnswer: 7      (running maximum)
     runsum   3,5,2=    ->  3,8,10\\nAnswer: 10      (running total)
 
-The list has 2 to 6 digits, so the reference response is 6 to 14 tokens long with the tiny
-character tokenizer (`Answer: ` is one token there) and its length follows the prompt.
-Only the answer line is scored: a model may skip the scratchpad or repeat its answer line,
-and a response cut off after a complete answer line still reads as that answer.
-
-Each task's prompts are a fixed pool (every list of 2 digits, a fixed sample of the longer
-lengths) split once, independent of any run seed, 20% held out.
+Why and how they are drawn and split: docs/tasks.md, "Why a reasoning-length task".
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Admission control: how many prompts may be in the pipeline at once.
 
-Three independent limits, each a small pure function of counters:
-
-- *concurrency*: groups being generated or scored by this controller;
-- *back-pressure*: informative groups queued for the learner (`train` backlog);
-- *staleness*: with `max_staleness = k`, the learner will train at most (k + 1) batches
-  before a group admitted now is too old; so the informative work expected from what is
-  queued and in flight must stay below (k + 1) · N. `k = 0` is synchronous on-policy
-  DAPO: one batch of expected informative groups per version. Rollout servers add no
-  lag: each group asks for at least the version current at admission, and a server
-  that is behind pulls it before it generates.
-
-The expected informative yield of a group in flight uses a running estimate of the
-informative rate (kept / decided), so admission adapts as the model gets better.
+Three independent limits, each a small pure function of counters: concurrency (groups
+being generated or scored), back-pressure (informative groups queued for the learner)
+and staleness (the informative work expected from what is queued and in flight stays
+below (max_staleness + 1) · N, with a running estimate of the informative rate). Why
+that bound: docs/architecture.md, "Staleness and admission".
 """
 
 from __future__ import annotations

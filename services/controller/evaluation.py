@@ -1,15 +1,11 @@
 """The eval curve: held-out accuracy every `controller.eval.every_steps` policy versions,
 sampled by the run's own rollout servers and verified by its reward service.
 
-An evaluation is a side channel of the controller, not a group of the pipeline: its
-GenerateGroup and Score calls go through the same routing, retries and score batching as
-training groups, but nothing is admitted, nothing enters `inflight`, `scored` or the
-ledger, so the buffer and the learner never see it and the ledger's identities are
-untouched. It runs in its own thread beside admission, so training goes on meanwhile
-and pays only for the rollout capacity the evaluation takes. Each point asks for at least
-the version that triggered it (`min_version`); the versions that actually sampled it are
-recorded beside it. Points go to the run's `evals` stream (the launcher's progress bar
-and report read it) and to the `dapo_controller_eval_*` gauges (Prometheus, Grafana).
+A side channel of the controller, in its own thread: its calls share the training groups'
+routing, retries and score batching, but nothing is admitted, so the buffer, the learner
+and the ledger never see it. Points go to the run's `evals` stream and the
+`dapo_controller_eval_*` gauges. docs/architecture.md, "Held-out evaluation and the eval
+curve".
 """
 
 from __future__ import annotations

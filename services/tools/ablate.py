@@ -1,23 +1,10 @@
 """`dapo ablate`: the DAPO paper's ablation ladder (its Table 1) at toy scale.
 
-The paper climbs from naive GRPO through overlong filtering, clip-higher, soft overlong
-punishment and token-level loss to dynamic sampling (= full DAPO). Here every rung is a
-real `dapo up` run (Redis plus all five services) on the synthetic `runmax` task
-(`--preset tiny`; `--preset tiny_mixed`: the earlier `mixed` task), once per seed; the
-techniques are the config switches each service already reads:
-
-| technique | switch (off → on) |
-|---|---|
-| overlong filtering | learner.overlong_filtering false → true |
-| clip-higher | learner.clip_ratio_high = clip_ratio_low → the preset's (0.28) |
-| soft overlong punishment | reward.overlong_punishment false → true |
-| token-level loss | learner.loss_agg_mode seq_mean_token_mean → token_mean |
-| dynamic sampling | buffer.dynamic_sampling false → true |
-
-Held-out accuracy is measured while each run trains: every `eval_every` steps the
-launcher's monitor fetches the learner's latest weights and evaluates them (avg@n on the
-task's test split) in this process. Outputs go to runs/ablate-<name>/: table.md,
-table.json, accuracy.png, and each run's own directory (logs, report.json).
+Every rung (naive GRPO, + overlong filtering, + clip-higher, + soft overlong punishment,
++ token-level loss, + dynamic sampling = DAPO) is a real `dapo up` run on `runmax`
+(`--preset tiny_mixed`: the `mixed` task), once per seed, with held-out accuracy measured
+while it trains. Outputs go to runs/ablate-<name>/. The switch per rung, the outputs and
+the results: docs/ablation.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """`dapo up` never hangs silently: the data is checked before any service starts, a stall
 is shown with its cause, and a run that cannot make progress stops with one line saying why.
 
-- Before launch, the training data is loaded and screened as the controller will load it
-  (services/controller/dataset.load_training_data): a bad file, a missing column or data
-  with no usable prompt is a one-line error before any process starts.
-- While no step completes for `stall_after_s`, the progress bar says so, with the latest
-  error of each service (read from its /status: its `last_error`) and the ledger's counts.
-- The run stops with a non-zero exit when a service marked it hopeless (the run's `failed`
-  key: the controller's rejection streak) or, when asked (`stall_timeout_s`), when no step
-  has completed for that long.
+Bad data is a one-line error before launch; a stall past `stall_after_s` shows each
+service's `last_error` and the ledger's counts; the run exits non-zero when a service
+marked it hopeless (the run's `failed` key) or, when asked, after `stall_timeout_s`
+without a step. docs/reliability.md, "Data checked at load" and "A stall says why".
 """
 
 from __future__ import annotations

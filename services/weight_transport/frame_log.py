@@ -1,15 +1,9 @@
 """A version's weight buckets as wire frames, readable while they are still being written.
 
-Why: a rollout server should not wait for the last bucket of a version to start fetching
-it. A `FrameLog` is offered as soon as publication starts: each reader streams the frames
-already appended and waits for the next, so building the frames overlaps the transfer
-(and, behind a relay, every server's reception).
-
-A frame is a list of parts (`bytes` of protobuf metadata, `memoryview`s into the
-publisher's snapshot buffers) that join to exactly one serialized `WeightBucket`: the
-weight socket sends them with scatter/gather, nothing copies the tensor bytes again. The
-snapshot must therefore outlive every reader: the learner's `SnapshotPool` takes a
-snapshot back only once its FrameLog is unreachable (learner/snapshots.py).
+A `FrameLog` is offered as soon as publication starts, so building the frames overlaps
+the transfer. A frame is parts (protobuf metadata `bytes`, views into the publisher's
+snapshot) that join to exactly one serialized `WeightBucket`; the snapshot therefore
+outlives every reader (docs/weight_publication.md, "The path").
 """
 
 from __future__ import annotations

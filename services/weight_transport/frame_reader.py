@@ -1,14 +1,10 @@
 """A weight socket's frames received straight into the tensors they carry.
 
-Why: reading each 4 MiB frame into a buffer and then copying every slice into its tensor
-makes two passes over each byte on the receiver. Here each slice's metadata is parsed as
-it arrives and its data are received (`recv_into`) into their place in the tensor, where
-`WeightAssembler.reserve` says they go: the kernel's copy is the only one.
-
-A frame is still one serialized `WeightBucket` (the wire format is unchanged); its
-fields may come in any order, except that a slice's `data` must be the slice's last
-field, which every protobuf serializer does (fields in number order; data is 6).
-Anything else is refused with `TensorWireError`, as is every malformed frame.
+Each slice's metadata is parsed as it arrives and its data `recv_into` their place in the
+tensor (`WeightAssembler.reserve`), so the kernel's copy is the only one. A slice's `data`
+must be its last field (as every protobuf serializer writes it); anything else, and every
+malformed frame, is refused with `TensorWireError`. Details: docs/weight_publication.md,
+"The path" (received in place).
 """
 
 from __future__ import annotations

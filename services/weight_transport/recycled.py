@@ -1,19 +1,11 @@
 """Memory for received tensors that is reused from version to version, by size.
 
-Why: a rollout server receives a whole model per version into fresh buffers while it
-still serves the previous one. Left to malloc, those buffers landed in memory the kernel
-had to fault in and zero every other version (the heap could not grow in place, so
-glibc mapped new regions; 50-65k page faults and 1-3 s of system time per 1.26 GB),
-which cost more than receiving the bytes. Here each large buffer is an anonymous mmap
-that goes back to a free list, still mapped, when the last view of it is gone (its
-numpy array is collected: torch tensors, relay frames and memoryviews all hold it), and
-the next version's tensor of the same size takes it back: the same model's tensors
-reuse the same pages every version. Small buffers come from malloc as before.
-
-Hold a buffer through its array, a memoryview of it or a tensor made from either
-(`torch.frombuffer`), as every user here does: a numpy slice alone points past the array
-to the mapping (numpy collapses view bases) and would not keep the memory from reuse.
-Price: the pages of the peak (about two versions at a swap) stay mapped.
+A rollout server receives a whole model per version while it still serves the previous
+one; left to malloc, those buffers landed in fresh pages the kernel faulted in and zeroed
+every other version, which cost more than receiving the bytes. Large buffers here are
+anonymous mmaps that return to a free list, still mapped, once their last view is gone.
+How to hold a buffer so it is not reused early, and the price: docs/weight_publication.md,
+"The path" (the receiver never zero-fills).
 """
 
 from __future__ import annotations

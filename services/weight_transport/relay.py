@@ -1,21 +1,10 @@
 """A relay chain of rollout servers: the learner sends each weight byte once.
 
-Why: when every rollout server pulls from the learner, the learner sends R copies of
-every version. Here rollout server i (in the registry's instance order) pulls from server
-i - 1 instead, and only the first pulls from the learner. Each server forwards every
-bucket (a serialized `WeightBucket`, exactly the weight socket's frame) to the next server
-as soon as it assembled it, while the next bucket is still on the wire: the chain streams
-rather than storing and forwarding the whole model. What it forwards are views into the
-tensors it assembled (no copy of its own), kept until its next version starts.
-
-`Reception` is one version arriving: a thread receives its frames straight into the
-tensors (services/weight_transport/frame_reader.py), this server's `WeightUpdater` checks each
-tensor as it completes, and relay children read the assembled buckets.
-`RelayServer` is the listening side (same frames, same TLS as the learner's weight
-socket; a request names the lowest version the child takes and carries a digest of the
-shared token). A child whose parent is gone, slow past `relay_timeout_s`, or serving an
-older version gets an error and pulls from the learner (the fallback path); so does a
-late joiner whose parent already moved on.
+Rollout server i (in the registry's instance order) pulls from server i - 1, and only the
+first from the learner; each forwards every bucket as soon as it assembled it (views of
+its tensors, no copy), so the chain streams. `Reception` is one version arriving,
+`RelayServer` the listening side; a child whose parent fails falls back to the learner.
+Order, memory, timeouts and security: docs/weight_publication.md, "The relay chain".
 """
 
 from __future__ import annotations

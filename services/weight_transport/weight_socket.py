@@ -1,22 +1,10 @@
 """The weights' data plane: serialized weight buckets over a plain (or TLS) TCP socket.
 
-Why: gRPC Python hands every received message to Python as a fresh `bytes` object, with
-the GIL held, which caps a FetchWeights stream at about 0.5-0.6x of raw loopback TCP
-(docs/weight_publication.md). Here the client reads each bucket with `recv_into` into one
-reused buffer, so a fetch runs close to raw TCP speed.
-
-The control plane stays gRPC: `OpenWeightSocket` (token and mTLS checked there) returns a
-one-time ticket bound to one published version. The client connects to the learner's
-weight socket, sends the ticket, and reads frames: an 8-byte little-endian length, then
-that many bytes of one serialized `WeightBucket` (the very bytes FetchWeights streams);
-length 0 ends the stream. A wrong, reused or expired ticket gets the connection closed
-before any byte is sent. Under `security.tls` the socket uses the same certificates as
-gRPC (mTLS included).
-
-The server sends each frame from its parts (`Frame`: protobuf metadata bytes and views into
-the learner's snapshot, or a relay's assembled tensors) with one scatter/gather `sendmsg`,
-so no user-space copy of the tensor bytes is made; `send_frame` is the one frame sender,
-for the learner and the relays alike.
+gRPC Python hands every received message to Python as a fresh `bytes` object with the GIL
+held, which caps FetchWeights at about 0.5-0.6x of raw loopback TCP; here the client reads
+each bucket into a reused buffer and the server sends each frame's parts with one
+scatter/gather `sendmsg` (`send_frame`, for the learner and relays alike), close to raw
+TCP speed. Tickets, frames, TLS and bounds: docs/weight_publication.md, "The weight socket".
 """
 
 from __future__ import annotations
