@@ -75,7 +75,14 @@ def test_every_service_takes_the_common_flags(role: str) -> None:
 
 def test_config_show_prints_the_resolved_config() -> None:
     result = dapo(
-        "config", "show", "--preset", "tiny", "--set", "learner.lr=0.5", "--format", "json"
+        "config",
+        "show",
+        "--preset",
+        "tiny",
+        "--set",
+        "learner.optimizer.lr=0.5",
+        "--format",
+        "json",
     )
     data = json.loads(result.stdout)
     assert data["learner"]["lr"] == 0.5 and data["shared"]["run_name"] == "tiny"
@@ -119,7 +126,7 @@ def test_unknown_preset(tmp_path: Path) -> None:
 def test_malformed_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("learner:\n  lr: -3\n")
-    assert_one_line_error(dapo("config", "show", "--config", str(bad)), "learner.lr")
+    assert_one_line_error(dapo("config", "show", "--config", str(bad)), "learner.optimizer.lr")
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:

@@ -16,26 +16,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_defaults_are_the_papers_hyperparameters() -> None:
     c = load_config(env={})
-    assert (c.learner.clip_ratio_low, c.learner.clip_ratio_high) == (0.2, 0.28)
-    assert c.learner.lr == 1e-6 and c.learner.weight_decay == 0.1 and c.learner.grad_clip == 1.0
-    assert c.learner.warmup_steps == 20 and c.learner.kl_coef == 0.0
-    assert c.learner.loss_agg_mode == "token_mean"
+    assert (c.learner.objective.clip_ratio_low, c.learner.objective.clip_ratio_high) == (0.2, 0.28)
+    assert (
+        c.learner.optimizer.lr == 1e-6
+        and c.learner.optimizer.weight_decay == 0.1
+        and c.learner.optimizer.grad_clip == 1.0
+    )
+    assert c.learner.optimizer.warmup_steps == 20 and c.learner.objective.kl_coef == 0.0
+    assert c.learner.objective.loss_agg_mode == "token_mean"
     assert c.shared.group_size == 16 and c.shared.train_batch_groups == 512
     batch = c.shared.train_batch_groups * c.shared.group_size
-    assert batch // c.learner.mini_batch_responses == 16  # 16 gradient updates per step
+    assert batch // c.learner.batching.mini_batch_responses == 16  # 16 gradient updates per step
     assert c.shared.max_response_length == 20480 and c.shared.overlong_buffer_length == 4096
     assert c.shared.max_prompt_length == 2048
     assert c.shared.sampling.temperature == 1.0 and c.shared.sampling.top_p == 1.0
-    assert c.buffer.dynamic_sampling and c.learner.overlong_filtering
+    assert c.buffer.dynamic_sampling and c.learner.objective.overlong_filtering
 
 
 def test_layers_override_in_order(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("learner:\n  lr: 0.5\n  total_steps: 7\nshared:\n  group_size: 4\n")
-    env = {"DAPO_LEARNER__LR": "0.25", "DAPO_ROLLOUT__ENGINE__DTYPE": "bfloat16"}
+    env = {"DAPO_LEARNER__OPTIMIZER__LR": "0.25", "DAPO_ROLLOUT__ENGINE__DTYPE": "bfloat16"}
     c = load_config(path, preset="tiny", overrides=["shared.group_size=8"], env=env)
     assert c.learner.total_steps == 7  # file over preset
-    assert c.learner.lr == 0.25  # env over file
+    assert c.learner.optimizer.lr == 0.25  # env over file
     assert c.shared.group_size == 8  # CLI over file
     assert c.rollout.engine.dtype == "bfloat16"  # nested env
     assert c.shared.run_name == "tiny"  # preset kept where nothing overrides
@@ -51,7 +55,10 @@ def test_toml_files_load(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"overrides": ["learner.clip_ratio_high=-1"]}, "learner.clip_ratio_high"),
+        (
+            {"overrides": ["learner.objective.clip_ratio_high=-1"]},
+            "learner.objective.clip_ratio_high",
+        ),
         ({"overrides": ["shared.group_size=1"]}, "shared.group_size"),
         ({"overrides": ["learner.nope=1"]}, "learner.nope"),
         ({"overrides": ["rollout.engine.kind=tpu"]}, "rollout.engine"),

@@ -40,19 +40,19 @@ def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
         "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
         "learner.engine": "deepspeed",
-        "learner.zero_stage": 0,
+        "learner.deepspeed.zero_stage": 0,
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
-        "learner.warmup_steps": 2,
+        "learner.optimizer.lr": 1e-2,
+        "learner.optimizer.warmup_steps": 2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
-        "learner.checkpoint_every": 2,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
+        "learner.checkpoint.every": 2,
         "learner.total_steps": 4,
         **{f"learner.{k}": v for k, v in learner.items()},
     }
     if ckpt is not None:
-        sets["learner.checkpoint_dir"] = str(ckpt)
+        sets["learner.checkpoint.dir"] = str(ckpt)
     return load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
@@ -277,12 +277,12 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
         "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
         "learner.engine": "deepspeed",
-        "learner.zero_stage": 3,
+        "learner.deepspeed.zero_stage": 3,
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
+        "learner.optimizer.lr": 1e-2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": 3,
         "learner.linger_s": 120,
     }

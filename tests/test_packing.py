@@ -57,13 +57,13 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
     ("kw", "packed"),
     [
         ({}, True),
-        ({"packing": False}, False),
-        ({"loss_agg_mode": "seq_mean_token_mean"}, False),
-        ({"correction": TokenTIS()}, True),
-        ({"correction": SequenceTIS()}, False),
-        ({"correction": MaskedIS(level="token")}, True),
-        ({"correction": MaskedIS()}, True),
-        ({"correction": MaskedIS(level="sequence")}, False),
+        ({"batching": {"packing": False}}, False),
+        ({"objective": {"loss_agg_mode": "seq_mean_token_mean"}}, False),
+        ({"objective": {"correction": TokenTIS()}}, True),
+        ({"objective": {"correction": SequenceTIS()}}, False),
+        ({"objective": {"correction": MaskedIS(level="token")}}, True),
+        ({"objective": {"correction": MaskedIS()}}, True),
+        ({"objective": {"correction": MaskedIS(level="sequence")}}, False),
     ],
 )
 def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:

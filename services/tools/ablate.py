@@ -8,10 +8,10 @@ techniques are the config switches each service already reads:
 
 | technique | switch (off → on) |
 |---|---|
-| overlong filtering | learner.overlong_filtering false → true |
-| clip-higher | learner.clip_ratio_high = clip_ratio_low → the preset's (0.28) |
+| overlong filtering | learner.objective.overlong_filtering false → true |
+| clip-higher | learner.objective.clip_ratio_high = clip_ratio_low → the preset's (0.28) |
 | soft overlong punishment | reward.overlong_punishment false → true |
-| token-level loss | learner.loss_agg_mode seq_mean_token_mean → token_mean |
+| token-level loss | learner.objective.loss_agg_mode seq_mean_token_mean → token_mean |
 | dynamic sampling | buffer.dynamic_sampling false → true |
 
 Held-out accuracy is measured while each run trains: every `eval_every` steps the
