@@ -1,7 +1,7 @@
 """Rank 0's checkpoints, and the acks that wait for them.
 
-With `checkpoint_dir`, a step's `train` entries are acked (and counted `trained`) only
-once a checkpoint holding their effect is on disk (every `checkpoint_every` steps, on
+With `checkpoint.dir`, a step's `train` entries are acked (and counted `trained`) only
+once a checkpoint holding their effect is on disk (every `checkpoint.every` steps, on
 stop, at the end); the checkpoint records the id of the last trained entry (the cursor).
 Without one, nothing waits: the step's own transaction acks its entries.
 """

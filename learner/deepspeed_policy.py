@@ -190,7 +190,7 @@ class DeepSpeedPolicy:
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full weights in `state_dict` order; under ZeRO-3 gathered a bucket of at most
-        `gather_bucket_bytes` at a time (each yielded tensor a copy, the gathered ones
+        `publication.gather_bucket_bytes` at a time (each yielded tensor a copy, the gathered ones
         released before the next bucket), so no rank ever holds the whole model.
 
         Every rank must drain this iterator (the gathers are collectives).

@@ -3,7 +3,7 @@
 One step: train on N groups (held by `learner.train_stream`) → snapshot the new weights
 into the WeightService → in one Redis transaction set the version and append the step's
 metrics. The N entries are acked (and counted `trained`) in that transaction, or, with
-`checkpoint_dir`, once a checkpoint holding their effect is on disk
+`checkpoint.dir`, once a checkpoint holding their effect is on disk
 (`learner.checkpoints`); after a crash the restarted learner restores the checkpoint,
 acks-and-counts the pending entries up to its cursor without training them again, and
 trains the rest again, in stream order.

@@ -9,7 +9,7 @@ One pass, top to bottom:
 2. π_old (and π_ref when there is a KL term): per micro-batch, collate and score the
    response tokens without gradient (`learner.logprobs`); store them on the sequences.
    π_old is the proximal policy of decoupled PPO: with an off-policy correction on
-   (`learner.correction`) each token's loss is weighted by π_old / π_behav, the engine's
+   (`learner.objective.correction`) each token's loss is weighted by π_old / π_behav, the engine's
    log-prob being π_behav;
 3. per mini-batch: all-reduce its loss token and sequence counts, then per micro-batch
    collate → score → per-token DAPO loss divided by those global counts → backward, so

@@ -46,7 +46,7 @@ class TorchPolicy(LocalCausalLM):
             raise DapoError(
                 f"learner.engine=torch trains in one process, but {world} ranks were "
                 "launched: use learner.engine=deepspeed for data parallelism (any "
-                "zero_stage, 0 included), or launch one process"
+                "deepspeed.zero_stage, 0 included), or launch one process"
             )
         if cfg.batching.gradient_checkpointing:
             enable_activation_checkpointing(model)

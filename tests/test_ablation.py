@@ -185,8 +185,8 @@ def test_reward_side_switch_leaves_the_gradient_alone(plan: Plan, tiny_model: Pa
 
 def test_clip_higher_switch_is_the_upper_bound_only(plan: Plan) -> None:
     off, on = rung(plan, "overlong_filtering").learner, rung(plan, "clip_higher").learner
-    assert off.clip_ratio_low == on.clip_ratio_low == 0.2
-    assert (off.clip_ratio_high, on.clip_ratio_high) == (0.2, 0.28)
+    assert off.objective.clip_ratio_low == on.objective.clip_ratio_low == 0.2
+    assert (off.objective.clip_ratio_high, on.objective.clip_ratio_high) == (0.2, 0.28)
 
 
 # --------------------------------------------------------------------------- reward

@@ -101,20 +101,20 @@ def test_cpu_examples_equal_their_presets(example: str, preset: str) -> None:
 def test_paper_example_keeps_the_paper_hyperparameters() -> None:
     paper = load_config(ROOT / "examples" / "dapo-qwen2.5-32b.yaml", env={})
     defaults = load_config(env={})
-    for section in ("learner", "shared"):
-        for name in (
-            "clip_ratio_low",
-            "clip_ratio_high",
-            "lr",
-            "group_size",
-            "max_response_length",
-            "overlong_buffer_length",
-            "train_batch_groups",
-        ):
-            if hasattr(getattr(defaults, section), name):
-                assert getattr(getattr(paper, section), name) == getattr(
-                    getattr(defaults, section), name
-                ), name
+    for section, name in (
+        ("learner.objective", "clip_ratio_low"),
+        ("learner.objective", "clip_ratio_high"),
+        ("learner.optimizer", "lr"),
+        ("shared", "group_size"),
+        ("shared", "max_response_length"),
+        ("shared", "overlong_buffer_length"),
+        ("shared", "train_batch_groups"),
+    ):
+        want = defaults.model_dump()
+        got = paper.model_dump()
+        for part in section.split("."):
+            want, got = want[part], got[part]
+        assert got[name] == want[name], f"{section}.{name}"
 
 
 def test_every_preset_validates() -> None:

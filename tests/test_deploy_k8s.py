@@ -454,7 +454,7 @@ def resolved_without(config: Any, fields: dict[str, tuple[str, ...]]) -> dict[st
             "single-node",
             {
                 "shared": ("model_path", "run_name"),
-                "learner": ("checkpoint_dir",),
+                "learner": ("checkpoint.dir",),
                 "rollout": ("engine.tensor_parallel_size",),
             },
         ),

@@ -2,7 +2,7 @@
 
 docker-compose (`restart: on-failure`) and Kubernetes restart the learner with the same
 command: no `learner.checkpoint.resume=true`. Once the run's Redis holds a published version, the
-checkpoint in checkpoint_dir belongs to this run and is restored; the base model is never
+checkpoint in learner.checkpoint.dir belongs to this run and is restored; the base model is never
 published as a newer version (docs/deploy.md, "A run that ends, ends").
 
 - a finished run, restarted: no new version, no new step, the trained weights served;

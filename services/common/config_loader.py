@@ -81,7 +81,7 @@ def read_file(path: Path) -> dict[str, Any]:
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """`DAPO_LEARNER__OPTIMIZER__LR=1e-5` → `{"learner": {"lr": 1e-05}}`."""
+    """`DAPO_LEARNER__OPTIMIZER__LR=1e-5` → `{"learner": {"optimizer": {"lr": 1e-05}}}`."""
     out: dict[str, Any] = {}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
@@ -92,7 +92,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def cli_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """`["learner.optimizer.lr=1e-5"]` → `{"learner": {"lr": 1e-05}}`."""
+    """`["learner.optimizer.lr=1e-5"]` → `{"learner": {"optimizer": {"lr": 1e-05}}}`."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
