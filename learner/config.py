@@ -256,7 +256,12 @@ def move_legacy_keys(section: Mapping[str, Any]) -> dict[str, Any]:
         out[group] = {**sub, new: out.pop(old)}
         if old not in _warned:
             _warned.add(old)
-            log.warning("config: learner.%s is now learner.%s.%s", old, group, new)
+            log.warning(
+                "config: learner.%s is now learner.%s.%s (the old name still loads)",
+                old,
+                group,
+                new,
+            )
     return out
 
 
