@@ -83,7 +83,7 @@ def test_packed_micro_batches_fill_the_budget() -> None:
 
 def _padded_and_packed(impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = tiny_qwen(False)
-    policy = TorchPolicy(model, _cfg(3, packing=False))
+    policy = TorchPolicy(model, _cfg(3, batching={"packing": False}))
     seqs = sequences_from_groups(make_groups(seed=1))
     with torch.no_grad():
         padded = collate(seqs, 0)
@@ -107,7 +107,7 @@ def test_packed_logprobs_equal_padded_rows(impl: str) -> None:
 
 
 def _grads(packing: bool, checkpointing: bool) -> dict[str, torch.Tensor]:
-    cfg = _cfg(4, packing=packing, gradient_checkpointing=checkpointing)
+    cfg = _cfg(4, batching={"packing": packing, "gradient_checkpointing": checkpointing})
     policy = TorchPolicy(tiny_qwen(False), cfg)
     seqs = sequences_from_groups(make_groups(seed=2))
     recompute_old_logprobs(policy, seqs, cfg, 0, TEMPERATURE)
