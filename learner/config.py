@@ -1,4 +1,5 @@
-"""Configuration of the learner: the DAPO objective and the optimiser (torch-free)."""
+"""Configuration of the learner (torch-free), nested by job: the DAPO objective, the
+optimiser, batching, DeepSpeed, checkpoints and weight publication."""
 
 from __future__ import annotations
 

@@ -64,6 +64,10 @@ def test_toml_files_load(tmp_path: Path) -> None:
             "learner.objective.clip_ratio_high",
         ),
         ({"overrides": ["shared.group_size=1"]}, "shared.group_size"),
+        (
+            {"overrides": ["learner.objective.clip_ratio_low=1"]},
+            "learner.objective.clip_ratio_low",
+        ),
         ({"overrides": ["learner.nope=1"]}, "learner.nope"),
         ({"overrides": ["rollout.engine.kind=tpu"]}, "rollout.engine"),
         ({"overrides": ["no-equals-sign"]}, "section.field=value"),
