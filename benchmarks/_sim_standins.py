@@ -206,7 +206,7 @@ class SimTrainer(Trainer):
 
     def __init__(self, config: LearnerSettings, costs: SimCosts) -> None:  # no super(): no model
         self.config, self.model_path, self.pad_id = config, str(config.model_path), 0
-        self.policy = SimPolicy(costs, config.learner.zero_stage)  # type: ignore[assignment]
+        self.policy = SimPolicy(costs, config.learner.deepspeed.zero_stage)  # type: ignore[assignment]
         self.dp, self.reference, self.costs = Single(), None, costs
         self.busy: list[tuple[float, float]] = []  # (start, end) of each step
 

@@ -185,7 +185,7 @@ def bench_publication(versions: int, bucket: int | None, tuned: bool) -> dict[st
     raw TCP run just before it (same load); the ratio is the median of those pairs."""
     from learner.config import LearnerConfig
 
-    bucket = bucket or LearnerConfig().weight_bucket_bytes
+    bucket = bucket or LearnerConfig().publication.bucket_bytes
     started = time.perf_counter()
     runs = publish_and_fetch(bucket, versions, tuned)
     nbytes, total_s = runs.pop("model_bytes"), time.perf_counter() - started

@@ -30,9 +30,9 @@ VOCAB, PROMPT, CHUNK, THREADS = 151_936, 256, 512, 2
 TARGET_SLOPE, TARGET_TIME, TARGET_BARE = 0.10, 1.3, 1.2
 ROW_TIMEOUT_S = 1800
 ENGINES = {
-    "fp32_zero0": {"learner.zero_stage": 0, "learner.dtype": "float32"},
-    "bf16_zero2": {"learner.zero_stage": 2, "learner.dtype": "bfloat16"},
-    "bf16_zero3": {"learner.zero_stage": 3, "learner.dtype": "bfloat16"},
+    "fp32_zero0": {"learner.deepspeed.zero_stage": 0, "learner.dtype": "float32"},
+    "bf16_zero2": {"learner.deepspeed.zero_stage": 2, "learner.dtype": "bfloat16"},
+    "bf16_zero3": {"learner.deepspeed.zero_stage": 3, "learner.dtype": "bfloat16"},
 }
 
 
@@ -87,11 +87,11 @@ def overrides(model_dir: Path, row: dict[str, Any], run: str) -> list[str]:
         "shared.max_staleness": 100,
         "shared.torch_threads": THREADS,
         "learner.engine": "deepspeed",
-        "learner.lr": 1e-6,
-        "learner.mini_batch_responses": 2,
-        "learner.micro_batch_tokens": row["tokens"] + PROMPT,
-        "learner.logprob_chunk_tokens": row["chunk"],
-        "learner.gradient_checkpointing": str(row["checkpointing"]).lower(),
+        "learner.optimizer.lr": 1e-6,
+        "learner.batching.mini_batch_responses": 2,
+        "learner.batching.micro_batch_tokens": row["tokens"] + PROMPT,
+        "learner.batching.logprob_chunk_tokens": row["chunk"],
+        "learner.batching.gradient_checkpointing": str(row["checkpointing"]).lower(),
         "learner.total_steps": 2,
         "learner.linger_s": 3600,
         **ENGINES[row["engine"]],

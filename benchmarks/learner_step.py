@@ -100,7 +100,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
     with torch.no_grad():
         logits = model(input_ids=full.input_ids, attention_mask=full.attention_mask).logits
         old, _ = logprobs_for_inputs(logits, full.input_ids)
-    for mb in mini_batches(len(seqs), cfg.mini_batch_responses, 0):
+    for mb in mini_batches(len(seqs), cfg.batching.mini_batch_responses, 0):
         x = collate([seqs[i] for i in mb], 0)
         logits = model(input_ids=x.input_ids, attention_mask=x.attention_mask).logits
         lp, _ = logprobs_for_inputs(logits, x.input_ids)
@@ -108,7 +108,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
         loss_mat, _ = policy_loss(lp, old_mb, x.advantages, x.loss_mask, 0.2, 0.28)
         loss = agg_loss(loss_mat, x.loss_mask, "token_mean", int(x.loss_mask.sum()))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return time.perf_counter() - started
@@ -117,7 +117,7 @@ def plain_torch_step(model: Any, opt: Any, groups: list[Any], cfg: Any) -> float
 def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     import torch
 
-    from learner.config import LearnerConfig
+    from learner.config import BatchingConfig, DeepSpeedConfig, LearnerConfig, OptimizerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.model_io import load_model
     from learner.step import train_step
@@ -127,18 +127,18 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     # layer in backward, ~1/3 more compute, a memory trade the small model does not need).
     cfg = LearnerConfig(
         engine="deepspeed",
-        zero_stage=0,
         dtype="float32",
-        lr=1e-5,
-        mini_batch_responses=32,
-        micro_batch_tokens=4096,
-        gradient_checkpointing=False,
+        deepspeed=DeepSpeedConfig(zero_stage=0),
+        optimizer=OptimizerConfig(lr=1e-5),
+        batching=BatchingConfig(
+            mini_batch_responses=32, micro_batch_tokens=4096, gradient_checkpointing=False
+        ),
     )
     groups = make_groups(4096, n_groups=8, group_size=8)
     tokens = sum(len(g.prompt_token_ids) + len(s.token_ids) for g in groups for s in g.samples)
     policy = DeepSpeedPolicy(load_model(model_dir), cfg)
     plain = load_model(model_dir)
-    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas)
+    opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas)
     learner_s, plain_s = [], []
     for rep in range(reps + 1):  # the first of each is a warm-up
         a = train_step(policy, groups, cfg, 0, 1.0, 256, seed=0).seconds

@@ -52,7 +52,7 @@ def save_model(out: Path) -> None:
 
 def serve_publisher(model_dir: str, background: bool = True) -> None:
     """The learner stand-in, publishing as `dapo learner` does by default
-    (`learner.publish_in_background`, weights copied in the background): `publish V` on
+    (`learner.publication.in_background`, weights copied in the background): `publish V` on
     stdin replies once the step would go on (at once: the copy and the offer run in a
     thread); `wire` waits for it to be served and replies with the bytes one stream
     sends; `streams` counts the streams served."""
@@ -96,7 +96,7 @@ def serve_publisher(model_dir: str, background: bool = True) -> None:
         if command == "publish" and background:
             publisher.submit(int(version), tensors, len(tensors), overlap=True)
             print("published", version, flush=True)
-        elif command == "publish":  # learner.publish_in_background: false
+        elif command == "publish":  # learner.publication.in_background: false
             servicer.publish(int(version), tensors)
             print("published", version, flush=True)
         elif command == "wire":
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sync-publish",
         action="store_true",
-        help="publish inside the step (learner.publish_in_background: false)",
+        help="publish inside the step (learner.publication.in_background: false)",
     )
     args = parser.parse_args(argv or [])
     started = time.perf_counter()

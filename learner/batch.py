@@ -272,11 +272,15 @@ def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) 
 
 def use_packing(cfg: LearnerConfig) -> bool:
     """Whether micro-batches are packed: asked for, and nothing in the loss reduces per row."""
-    c = cfg.correction
+    c = cfg.objective.correction
     per_row_weights = isinstance(c, SequenceTIS) or (
         isinstance(c, MaskedIS) and c.level == "sequence"
     )
-    return cfg.packing and cfg.loss_agg_mode != "seq_mean_token_mean" and not per_row_weights
+    return (
+        cfg.batching.packing
+        and cfg.objective.loss_agg_mode != "seq_mean_token_mean"
+        and not per_row_weights
+    )
 
 
 def collate_packed(

@@ -1,7 +1,7 @@
 """Rank 0's checkpoints, and the acks that wait for them.
 
-With `checkpoint_dir`, a step's `train` entries are acked (and counted `trained`) only
-once a checkpoint holding their effect is on disk (every `checkpoint_every` steps, on
+With `checkpoint.dir`, a step's `train` entries are acked (and counted `trained`) only
+once a checkpoint holding their effect is on disk (every `checkpoint.every` steps, on
 stop, at the end); the checkpoint records the id of the last trained entry (the cursor).
 Without one, nothing waits: the step's own transaction acks its entries.
 """
@@ -34,7 +34,7 @@ class Checkpointer:
 
     @property
     def enabled(self) -> bool:
-        return self.config.learner.checkpoint_dir is not None
+        return self.config.learner.checkpoint.dir is not None
 
     def restore(self, resume: bool) -> dict[str, Any] | None:
         """The restored checkpoint's state (step, version, cursor), or None."""
@@ -49,7 +49,7 @@ class Checkpointer:
             self.unacked += ids
 
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.config.learner.checkpoint_every == 0
+        return self.enabled and step % self.config.learner.checkpoint.every == 0
 
     def checkpoint(self, step: int, version: int, cursor: str) -> None:
         """Checkpoint to disk, then ack and count the entries it holds."""

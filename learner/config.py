@@ -1,13 +1,18 @@
-"""Configuration of the learner: the DAPO objective and the optimiser (torch-free)."""
+"""Configuration of the learner (torch-free), nested by job: the DAPO objective, the
+optimiser, batching, DeepSpeed, checkpoints and weight publication."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import logging
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings
+
+log = logging.getLogger(__name__)
 
 LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -79,15 +84,10 @@ class LearnerLaunch(StrictModel):
     )
 
 
-class LearnerConfig(StrictModel):
-    """Defaults are the paper's (DAPO.md, Qwen2.5-32B); presets and files override them."""
+class ObjectiveConfig(StrictModel):
+    """The DAPO loss: clipping, advantages, masking, off-policy correction and KL."""
 
-    server: ServerConfig = Field(
-        default_factory=lambda: ServerConfig(grpc_port=50053, http_port=8003)
-    )
-    model_path: str | None = Field(None, description="Local Hugging Face model directory.")
-    # -- the objective --
-    clip_ratio_low: float = Field(0.2, ge=0, description="epsilon_low.")
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1, description="epsilon_low.")
     clip_ratio_high: float = Field(0.28, ge=0, description="epsilon_high (clip-higher).")
     clip_ratio_c: float | None = Field(
         None, gt=1, description="Dual-clip bound for negative advantages (recipe: 10.0)."
@@ -104,13 +104,21 @@ class LearnerConfig(StrictModel):
         "(shared staleness hard bound > 0), none otherwise.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL to a reference model (DAPO: none).")
-    # -- the optimiser --
+
+
+class OptimizerConfig(StrictModel):
+    """AdamW and its schedule."""
+
     lr: float = Field(1e-6, gt=0)
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up, in rollout steps.")
     weight_decay: float = Field(0.1, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
-    # -- batching --
+
+
+class BatchingConfig(StrictModel):
+    """How a step's responses become gradient updates and micro-batches."""
+
     mini_batch_responses: int = Field(
         512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
     )
@@ -129,37 +137,34 @@ class LearnerConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         True, description="Recompute decoder layers in backward instead of storing them."
     )
-    total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
-    generation_budget: float | None = Field(
-        None,
-        ge=1,
-        description="Bounded dynamic sampling: a step waits for at most this many groups "
-        "generated (decided by the buffer) per group of a full batch; past that it trains "
-        "on the informative groups it holds (at least one), a short batch whose token-level "
-        "loss stays exact, and says so (the metrics' `groups`, the progress bar, the "
-        "summary). None: refill until the batch is full, as the paper; a departure from it "
-        "otherwise (docs/architecture.md). The tiny and long presets use 4.",
-    )
-    # -- engine --
-    engine: Literal["torch", "deepspeed"] = Field(
-        "deepspeed", description="deepspeed (ZeRO, data parallel) or a plain torch loop."
-    )
+
+
+class DeepSpeedConfig(StrictModel):
+    """DeepSpeed's settings (learner.engine=deepspeed)."""
+
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Training dtype (DeepSpeed keeps fp32 master weights)."
-    )
     cpu_shm_allreduce: bool = Field(
         False, description="DeepSpeed's shared-memory all-reduce on CPU (a ~1 min JIT build)."
     )
-    checkpoint_dir: str | None = Field(
+
+
+class CheckpointConfig(StrictModel):
+    """Checkpoints, resuming, and the final exported model."""
+
+    dir: str | None = Field(
         None, description="Checkpoints go here; unset: none, and entries are acked every step."
     )
-    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every K steps (and on stop).")
-    resume: bool = Field(False, description="Restore the latest checkpoint in checkpoint_dir.")
+    every: int = Field(50, ge=1, description="Checkpoint every K steps (and on stop).")
+    resume: bool = Field(False, description="Restore the latest checkpoint in `dir`.")
     export_dir: str | None = Field(
-        None, description="Final save_pretrained model (default: <checkpoint_dir>/final)."
+        None, description="Final save_pretrained model (default: <dir>/final)."
     )
-    weight_bucket_bytes: int = Field(
+
+
+class PublicationConfig(StrictModel):
+    """Publishing each policy version's weights to the rollout servers."""
+
+    bucket_bytes: int = Field(
         4 * 1024 * 1024,
         ge=1024,
         description="Weight bytes per gRPC message (4 MiB: docs/weight_publication.md).",
@@ -171,29 +176,139 @@ class LearnerConfig(StrictModel):
         "(one parameter larger than this is gathered alone): the whole model is never "
         "gathered on one rank.",
     )
-    publish_in_background: bool = Field(
+    in_background: bool = Field(
         True,
         description="Snapshot each version's weights in the step and hand the snapshot to "
         "the WeightService in a background thread while the next step trains (at most one "
         "publication in flight); false: publish inside the step.",
     )
-    weight_transport: Literal["socket", "grpc"] = Field(
+    transport: Literal["socket", "grpc"] = Field(
         "socket",
         description="How rollout servers pull weights: 'socket' (a ticket over gRPC, the "
         "bytes over a plain/TLS TCP socket, ~1.5x faster) or 'grpc' (FetchWeights stream).",
     )
-    weight_socket_port: int = Field(
+    socket_port: int = Field(
         0, ge=0, le=65535, description="TCP port of the weight socket (0: any free port)."
+    )
+
+
+# Flat keys of the learner section before it was nested: old key → (sub-model, new key).
+LEGACY_KEYS: dict[str, tuple[str, str]] = {
+    **{
+        key: ("objective", key)
+        for key in (
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "clip_ratio_c",
+            "logratio_clamp",
+            "loss_agg_mode",
+            "norm_adv_by_std",
+            "adv_epsilon",
+            "overlong_filtering",
+            "correction",
+            "kl_coef",
+        )
+    },
+    **{
+        key: ("optimizer", key)
+        for key in ("lr", "warmup_steps", "weight_decay", "betas", "grad_clip")
+    },
+    **{
+        key: ("batching", key)
+        for key in (
+            "mini_batch_responses",
+            "micro_batch_tokens",
+            "packing",
+            "logprob_chunk_tokens",
+            "gradient_checkpointing",
+        )
+    },
+    "zero_stage": ("deepspeed", "zero_stage"),
+    "cpu_shm_allreduce": ("deepspeed", "cpu_shm_allreduce"),
+    "checkpoint_dir": ("checkpoint", "dir"),
+    "checkpoint_every": ("checkpoint", "every"),
+    "resume": ("checkpoint", "resume"),
+    "export_dir": ("checkpoint", "export_dir"),
+    "weight_bucket_bytes": ("publication", "bucket_bytes"),
+    "gather_bucket_bytes": ("publication", "gather_bucket_bytes"),
+    "publish_in_background": ("publication", "in_background"),
+    "weight_transport": ("publication", "transport"),
+    "weight_socket_port": ("publication", "socket_port"),
+}
+_warned: set[str] = set()
+
+
+def move_legacy_keys(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The learner section with each old flat key moved to its sub-model, warned once per
+    process; a key given both ways is refused (ValueError naming both)."""
+    out = dict(section)
+    for old in [key for key in out if key in LEGACY_KEYS]:
+        group, new = LEGACY_KEYS[old]
+        sub = out.get(group) or {}
+        if isinstance(sub, BaseModel):
+            sub = sub.model_dump(exclude_unset=True)
+        if not isinstance(sub, Mapping):
+            raise ValueError(f"learner.{group} must be a mapping")
+        if new in sub:
+            raise ValueError(
+                f"learner.{old} and learner.{group}.{new} both given; "
+                f"keep only learner.{group}.{new} (learner.{old} is its old name)"
+            )
+        out[group] = {**sub, new: out.pop(old)}
+        if old not in _warned:
+            _warned.add(old)
+            log.warning(
+                "config: learner.%s is now learner.%s.%s (the old name still loads)",
+                old,
+                group,
+                new,
+            )
+    return out
+
+
+class LearnerConfig(StrictModel):
+    """Defaults are the paper's (DAPO.md, Qwen2.5-32B); presets and files override them."""
+
+    server: ServerConfig = Field(
+        default_factory=lambda: ServerConfig(grpc_port=50053, http_port=8003)
+    )
+    model_path: str | None = Field(None, description="Local Hugging Face model directory.")
+    engine: Literal["torch", "deepspeed"] = Field(
+        "deepspeed", description="deepspeed (ZeRO, data parallel) or a plain torch loop."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Training dtype (DeepSpeed keeps fp32 master weights)."
+    )
+    total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
+    generation_budget: float | None = Field(
+        None,
+        ge=1,
+        description="Bounded dynamic sampling: a step waits for at most this many groups "
+        "generated (decided by the buffer) per group of a full batch; past that it trains "
+        "on the informative groups it holds (at least one), a short batch whose token-level "
+        "loss stays exact, and says so (the metrics' `groups`, the progress bar, the "
+        "summary). None: refill until the batch is full, as the paper; a departure from it "
+        "otherwise (docs/architecture.md). The tiny and long presets use 4.",
     )
     linger_s: float = Field(
         30.0, ge=0, description="After the last step, keep serving the final weights this long."
     )
     launch: LearnerLaunch = Field(default_factory=LearnerLaunch)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    publication: PublicationConfig = Field(default_factory=PublicationConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        """Old files' flat keys (`learner.lr`) load into their sub-models, with a warning."""
+        return move_legacy_keys(data) if isinstance(data, Mapping) else data
 
     @model_validator(mode="after")
-    def _clip_order(self) -> LearnerConfig:
-        if self.clip_ratio_low >= 1:
-            raise ValueError("clip_ratio_low must be < 1")
+    def _ranks_need_deepspeed(self) -> LearnerConfig:
         if self.launch.ranks > 1 and self.engine != "deepspeed":
             raise ValueError(
                 f"learner.launch.ranks={self.launch.ranks} needs learner.engine=deepspeed "
@@ -207,19 +322,29 @@ class LearnerSettings(RoleSettings):
 
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
+    @classmethod
+    def upgrade_layer(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The learner section's old flat keys moved to their sub-models, layer by layer."""
+        section = data.get("learner")
+        if not isinstance(section, Mapping):
+            return dict(data)
+        return {**data, "learner": move_legacy_keys(section)}
+
     @model_validator(mode="after")
     def _resolve_correction(self) -> LearnerSettings:
         """None becomes token_tis when stale groups can be trained (hard bound > 0), else none."""
-        if self.learner.correction is None:
+        objective = self.learner.objective
+        if objective.correction is None:
             stale = self.shared.staleness_hard_bound > 0
             chosen = DEFAULT_CORRECTION if stale else NoCorrection()
-            self.learner = self.learner.model_copy(update={"correction": chosen})
+            resolved = objective.model_copy(update={"correction": chosen})
+            self.learner = self.learner.model_copy(update={"objective": resolved})
         return self
 
     @property
     def correction(self) -> Correction:
         """The correction in effect (`_resolve_correction` has replaced None)."""
-        return self.learner.correction or NoCorrection()
+        return self.learner.objective.correction or NoCorrection()
 
     @property
     def model_path(self) -> str | None:

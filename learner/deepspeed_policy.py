@@ -34,7 +34,7 @@ def init_distributed(cfg: LearnerConfig) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() == "cpu" and not cfg.cpu_shm_allreduce:
+    if get_accelerator().device_name() == "cpu" and not cfg.deepspeed.cpu_shm_allreduce:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     if not torch.distributed.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         torch.distributed.init_process_group(
@@ -80,8 +80,8 @@ def ds_config(cfg: LearnerConfig) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "gradient_clipping": cfg.optimizer.grad_clip,
+        "zero_optimization": {"stage": cfg.deepspeed.zero_stage},
         "bf16": {"enabled": cfg.dtype == "bfloat16"},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
@@ -103,11 +103,11 @@ class DeepSpeedPolicy:
 
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
-        self.weight_copy_overlaps = copy_overlaps(cfg.zero_stage)
+        self.weight_copy_overlaps = copy_overlaps(cfg.deepspeed.zero_stage)
         self.world_size = torch.distributed.get_world_size()
-        if cfg.gradient_checkpointing:
+        if cfg.batching.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        if cfg.packing:
+        if cfg.batching.packing:
             from deepspeed.accelerator import get_accelerator
 
             packed_attention(model, get_accelerator().device_name())
@@ -156,7 +156,7 @@ class DeepSpeedPolicy:
 
     def _stage0_fp32_norm(self) -> float:
         """DeepSpeed reports no norm for plain fp32 stage 0; grads are full there."""
-        if self.cfg.zero_stage > 0 or self.cfg.dtype != "float32":
+        if self.cfg.deepspeed.zero_stage > 0 or self.cfg.dtype != "float32":
             return 0.0
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -168,7 +168,9 @@ class DeepSpeedPolicy:
 
     def _set_lr(self) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.lr * warmup_factor(self.schedule_step, self.cfg.warmup_steps)
+            group["lr"] = self.cfg.optimizer.lr * warmup_factor(
+                self.schedule_step, self.cfg.optimizer.warmup_steps
+            )
 
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -179,14 +181,16 @@ class DeepSpeedPolicy:
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full weights in `state_dict` order; under ZeRO-3 gathered a bucket of at most
-        `gather_bucket_bytes` at a time (each yielded tensor a copy, the gathered ones
+        `publication.gather_bucket_bytes` at a time (each yielded tensor a copy, the gathered ones
         released before the next bucket), so no rank ever holds the whole model.
 
         Every rank must drain this iterator (the gathers are collectives).
         """
         import deepspeed
 
-        for group in gather_groups(unique_weights(self.module), self.cfg.gather_bucket_bytes):
+        for group in gather_groups(
+            unique_weights(self.module), self.cfg.publication.gather_bucket_bytes
+        ):
             sharded = [t for _, t in group if hasattr(t, "ds_id")]  # probe-ok: ZeRO-3 params
             gathering = deepspeed.zero.GatheredParameters(sharded, modifier_rank=None)
             with gathering if sharded else contextlib.nullcontext():

@@ -54,7 +54,7 @@ class Single:
         if payload is None:
             raise DapoError(
                 "a follower rank started without torch.distributed: data parallelism needs "
-                "learner.engine=deepspeed (any zero_stage), launched with torchrun"
+                "learner.engine=deepspeed (any deepspeed.zero_stage), launched with torchrun"
             )
         return payload
 

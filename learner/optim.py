@@ -18,4 +18,9 @@ def warmup_factor(step: int, warmup_steps: int) -> float:
 
 def adamw(params: Iterable[torch.nn.Parameter], cfg: LearnerConfig) -> torch.optim.AdamW:
     """torch AdamW as configured (DeepSpeed takes it as its client optimizer: no JIT ops)."""
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.optimizer.lr,
+        betas=cfg.optimizer.betas,
+        weight_decay=cfg.optimizer.weight_decay,
+    )

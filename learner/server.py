@@ -73,7 +73,7 @@ class Learner:
         self.policy = self.trainer.policy
         self.ranks = Commander(self.trainer.dp)
         self.stream = TrainStream(config, client)
-        self.weights = WeightServicer(config.learner.weight_bucket_bytes, weight_socket)
+        self.weights = WeightServicer(config.learner.publication.bucket_bytes, weight_socket)
         self.publisher = BackgroundPublisher(self.weights)  # off the step's critical path
         self.checkpoints = Checkpointer(config, self.trainer, self.ranks, self.stream)
         self.step, self.version, self.cursor = 0, 0, "0-0"
@@ -86,7 +86,7 @@ class Learner:
         Once the run has a version, restore even without `resume` (compose and Kubernetes
         restart the learner with the same command: never publish the base model anew)."""
         published = int(self.client.get(self.keys.version) or 0)
-        resume = self.config.learner.resume or published > 0
+        resume = self.config.learner.checkpoint.resume or published > 0
         self.ranks.resume(resume)
         state = self.checkpoints.restore(resume)
         if state is not None:
@@ -148,7 +148,7 @@ class Learner:
         ledger); the `steps` trace names the groups in this step (the fault tests read it).
         """
         new_version = self.version + 1
-        if self.config.learner.publish_in_background:
+        if self.config.learner.publication.in_background:
             overlap = self.policy.weight_copy_overlaps  # the copy runs until the next step
             self.publisher.submit(new_version, *self._weights(), overlap=overlap)
         else:

@@ -36,7 +36,7 @@ from learner.batch import (
     use_packing,
 )
 from learner.batch_plan import MicroBatch, global_counts, plan_micro_batches, plan_step
-from learner.config import LearnerConfig, NoCorrection
+from learner.config import LearnerConfig, NoCorrection, ObjectiveConfig
 from learner.correction import (
     OffPolicySums,
     correction_weights,
@@ -68,8 +68,8 @@ def train_step(
     """
     started = time.monotonic()
     dp = dp or Single()
-    seqs = sequences_from_groups(groups, cfg.adv_epsilon, cfg.norm_adv_by_std)
-    plan = plan_step(seqs, cfg.mini_batch_responses, seed, dp)
+    seqs = sequences_from_groups(groups, cfg.objective.adv_epsilon, cfg.objective.norm_adv_by_std)
+    plan = plan_step(seqs, cfg.batching.mini_batch_responses, seed, dp)
     shares = [[seqs[i] for i in share] for share in plan]
     metrics = StepMetrics()
     rank_seqs = [s for share in shares for s in share]
@@ -80,7 +80,7 @@ def train_step(
     metrics.policy_lag_max = dp.all_reduce_max(lag_max)
     totals = StepSums(off_policy=off_policy)
     for mine in shares:
-        counts = global_counts(mine, cfg.overlong_filtering, dp)
+        counts = global_counts(mine, cfg.objective.overlong_filtering, dp)
         if counts.tokens == 0:  # every response filtered: a step would only apply momentum
             metrics.skipped_updates += 1
             continue
@@ -100,7 +100,7 @@ def train_step(
     report_sums(metrics, reduce_sums(totals, dp))
     report_batch(metrics, seqs, groups)
     metrics.longest_loss_share = longest_loss_share(
-        loss_tokens(seqs, cfg.overlong_filtering), cfg.loss_agg_mode
+        loss_tokens(seqs, cfg.objective.overlong_filtering), cfg.objective.loss_agg_mode
     )
     metrics.lr = policy.lr()
     metrics.seconds = time.monotonic() - started
@@ -118,22 +118,22 @@ def micro_plan(
 ) -> list[MicroBatch]:
     """This rank's micro-batches, cut for packing or for padding as configured."""
     packed = use_packing(cfg)
-    return plan_micro_batches(seqs, fallback, cfg.micro_batch_tokens, dp, packed)
+    return plan_micro_batches(seqs, fallback, cfg.batching.micro_batch_tokens, dp, packed)
 
 
 def collate_micro(batch: list[TrainSequence], pad_id: int, cfg: LearnerConfig) -> LossInputs:
     """One micro-batch's tensors: one packed row, or rows padded to the longest."""
     if use_packing(cfg):
-        return collate_packed(batch, pad_id, cfg.overlong_filtering)
-    return collate(batch, pad_id, cfg.overlong_filtering)
+        return collate_packed(batch, pad_id, cfg.objective.overlong_filtering)
+    return collate(batch, pad_id, cfg.objective.overlong_filtering)
 
 
 def score(
     model: CausalLM, inputs: LossInputs, cfg: LearnerConfig, temperature: float, dp: DataParallel
 ) -> tuple[Tensor, Tensor]:
     """Log-probs and entropy `[B, L]` of `inputs`; the head runs as many chunks on every rank."""
-    chunks = dp.all_reduce_max(chunk_count(inputs, cfg.logprob_chunk_tokens))
-    return sequence_logprobs(model, inputs, temperature, cfg.logprob_chunk_tokens, chunks)
+    chunks = dp.all_reduce_max(chunk_count(inputs, cfg.batching.logprob_chunk_tokens))
+    return sequence_logprobs(model, inputs, temperature, cfg.batching.logprob_chunk_tokens, chunks)
 
 
 @torch.no_grad()
@@ -193,7 +193,7 @@ def accumulate(
     over ranks before any forward.
     """
     dp = dp or Single()
-    counts = counts or global_counts(seqs, cfg.overlong_filtering, dp)
+    counts = counts or global_counts(seqs, cfg.objective.overlong_filtering, dp)
     plan = micro_plan(seqs, fallback or seqs[0], cfg, dp)
     sums = StepSums()
     for k, (batch, real) in enumerate(plan):
@@ -220,23 +220,24 @@ def micro_batch_loss(
     its clip statistics, the KL term and the off-policy weights (None when off)."""
     if inputs.old_logprobs is None:
         raise ValueError("no π_old: run recompute_old_logprobs first")
-    kl = kl_term(logprobs, inputs, cfg)
-    weights = importance_weights(inputs, cfg)
+    objective = cfg.objective
+    kl = kl_term(logprobs, inputs, objective)
+    weights = importance_weights(inputs, objective)
     policy, stats = policy_loss(
         logprobs,
         inputs.old_logprobs,
         inputs.advantages,
         inputs.loss_mask,
-        cfg.clip_ratio_low,
-        cfg.clip_ratio_high,
-        cfg.clip_ratio_c,
-        cfg.logratio_clamp,
+        objective.clip_ratio_low,
+        objective.clip_ratio_high,
+        objective.clip_ratio_c,
+        objective.logratio_clamp,
     )
-    loss_mat = per_token_loss(policy, weights, kl, cfg.kl_coef)
+    loss_mat = per_token_loss(policy, weights, kl, objective.kl_coef)
     loss = agg_loss(
         loss_mat,
         inputs.loss_mask,
-        cfg.loss_agg_mode,
+        objective.loss_agg_mode,
         counts.tokens,
         counts.sequences,
         max_response_length,
@@ -244,30 +245,31 @@ def micro_batch_loss(
     return loss, stats, kl, weights
 
 
-def importance_weights(inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
-    """The off-policy weights π_old / π_behav of `cfg.correction` (None when there is none)."""
-    if cfg.correction is None or isinstance(cfg.correction, NoCorrection):
+def importance_weights(inputs: LossInputs, objective: ObjectiveConfig) -> Tensor | None:
+    """The off-policy weights π_old / π_behav of `objective.correction` (None when off)."""
+    correction = objective.correction
+    if correction is None or isinstance(correction, NoCorrection):
         return None
     if inputs.rollout_logprobs is None or inputs.old_logprobs is None:
         raise ValueError(
-            f"correction {cfg.correction.kind!r} needs the engine's log-probs of every response"
+            f"correction {correction.kind!r} needs the engine's log-probs of every response"
         )
     return correction_weights(
-        cfg.correction,
+        correction,
         inputs.old_logprobs,
         inputs.rollout_logprobs,
         inputs.response_mask,
-        cfg.logratio_clamp,
+        objective.logratio_clamp,
     )
 
 
-def kl_term(logprobs: Tensor, inputs: LossInputs, cfg: LearnerConfig) -> Tensor | None:
+def kl_term(logprobs: Tensor, inputs: LossInputs, objective: ObjectiveConfig) -> Tensor | None:
     """Per-token k3 KL to the reference when `kl_coef` > 0, else None."""
-    if cfg.kl_coef == 0.0:
+    if objective.kl_coef == 0.0:
         return None
     if inputs.ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs reference log-probs: pass a Reference to train_step")
-    return kl_k3(logprobs, inputs.ref_logprobs.to(logprobs.device), cfg.logratio_clamp)
+    return kl_k3(logprobs, inputs.ref_logprobs.to(logprobs.device), objective.logratio_clamp)
 
 
 def _micro_sums(

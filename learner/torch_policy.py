@@ -46,19 +46,19 @@ class TorchPolicy(LocalCausalLM):
             raise DapoError(
                 f"learner.engine=torch trains in one process, but {world} ranks were "
                 "launched: use learner.engine=deepspeed for data parallelism (any "
-                "zero_stage, 0 included), or launch one process"
+                "deepspeed.zero_stage, 0 included), or launch one process"
             )
-        if cfg.gradient_checkpointing:
+        if cfg.batching.gradient_checkpointing:
             enable_activation_checkpointing(model)
         torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
-        if cfg.packing:
+        if cfg.batching.packing:
             packed_attention(model, device)
         self.model = model
         self.model.train()
         self.cfg = cfg
         self.optimizer = adamw(self.model.parameters(), cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: warmup_factor(s, cfg.warmup_steps)
+            self.optimizer, lambda s: warmup_factor(s, cfg.optimizer.warmup_steps)
         )
 
     @property
@@ -69,7 +69,7 @@ class TorchPolicy(LocalCausalLM):
         loss.backward()
 
     def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optimizer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)

@@ -72,9 +72,9 @@ def pad_token_id(path: str) -> int:
 
 def export_dir(config: LearnerSettings) -> Path | None:
     cfg = config.learner
-    if cfg.export_dir:
-        return Path(cfg.export_dir)
-    return Path(cfg.checkpoint_dir) / "final" if cfg.checkpoint_dir else None
+    if cfg.checkpoint.export_dir:
+        return Path(cfg.checkpoint.export_dir)
+    return Path(cfg.checkpoint.dir) / "final" if cfg.checkpoint.dir else None
 
 
 class Trainer:
@@ -84,9 +84,10 @@ class Trainer:
         self.config, self.model_path = config, model_dir(config)
         self.pad_id = pad_token_id(self.model_path)
         self.policy: Policy = build_policy(self.model_path, config.learner)
-        self.learner_config = config.learner.model_copy(update={"correction": config.correction})
+        objective = config.learner.objective.model_copy(update={"correction": config.correction})
+        self.learner_config = config.learner.model_copy(update={"objective": objective})
         self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
-        kl_on = config.learner.kl_coef > 0
+        kl_on = config.learner.objective.kl_coef > 0
         self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
 
     def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
@@ -108,14 +109,14 @@ class Trainer:
         return metrics
 
     def checkpoint(self, tag: str, client_state: dict) -> None:
-        assert self.config.learner.checkpoint_dir
-        self.policy.save_checkpoint(self.config.learner.checkpoint_dir, tag, client_state)
+        assert self.config.learner.checkpoint.dir
+        self.policy.save_checkpoint(self.config.learner.checkpoint.dir, tag, client_state)
 
     def restore(self, resume: bool) -> dict | None:
         cfg = self.config.learner
-        if not (resume and cfg.checkpoint_dir):
+        if not (resume and cfg.checkpoint.dir):
             return None
-        return self.policy.load_checkpoint(cfg.checkpoint_dir)
+        return self.policy.load_checkpoint(cfg.checkpoint.dir)
 
     def export(self) -> None:
         out = export_dir(self.config)

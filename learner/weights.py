@@ -134,7 +134,7 @@ class WeightServicer(learner_pb2_grpc.WeightServiceServicer):
             abort(
                 context,
                 grpc.StatusCode.UNIMPLEMENTED,
-                "no weight socket (learner.weight_transport=grpc): use FetchWeights",
+                "no weight socket (learner.publication.transport=grpc): use FetchWeights",
             )
             raise AssertionError("abort raises")
         version, buckets = self._offered(request, context)
@@ -162,13 +162,13 @@ def _recut(log: FrameLog, version: int, size: int) -> list[Frame]:
 
 
 def open_weight_socket(config: Any) -> WeightSocketServer | None:
-    """The learner's weight socket when `learner.weight_transport` is 'socket' (started)."""
+    """The learner's weight socket when `learner.publication.transport` is 'socket' (started)."""
     learner = config.learner
-    if learner.weight_transport != "socket":
+    if learner.publication.transport != "socket":
         return None
     return WeightSocketServer(
         learner.server.host,
-        learner.weight_socket_port,
+        learner.publication.socket_port,
         config.security.tls,
         io_timeout_s=config.shared.rpc.weights_timeout_s,
     ).start()

@@ -265,7 +265,7 @@ def socket_buckets(
     stub: WeightStub, address: str, config: RolloutSettings, hub: RelayHub | None = None
 ) -> AssembledBuckets | None:
     """The latest version's buckets over the weight socket; None when the learner offers
-    none (learner.weight_transport=grpc) or it cannot be reached (a warning says why).
+    none (learner.publication.transport=grpc) or it cannot be reached (a warning says why).
     With a `hub` the frames are kept and relayed to the next server as they arrive."""
     rpc, request = config.shared.rpc, learner_pb2.FetchWeightsRequest(version=0)
     try:

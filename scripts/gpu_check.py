@@ -113,7 +113,7 @@ def learner_steps(model_dir: Path) -> list[dict[str, Any]]:
     activation checkpointing), after a short warm-up step that allocates the optimizer."""
     import torch
 
-    from learner.config import LearnerConfig
+    from learner.config import BatchingConfig, LearnerConfig, OptimizerConfig
     from learner.model_io import load_model
     from learner.step import train_step
     from learner.torch_policy import TorchPolicy
@@ -122,11 +122,12 @@ def learner_steps(model_dir: Path) -> list[dict[str, Any]]:
     cfg = LearnerConfig(
         engine="torch",
         dtype="bfloat16",
-        lr=1e-6,
-        warmup_steps=0,
-        mini_batch_responses=2,
-        micro_batch_tokens=max(STEP_TOKENS),
-        gradient_checkpointing=True,
+        optimizer=OptimizerConfig(lr=1e-6, warmup_steps=0),
+        batching=BatchingConfig(
+            mini_batch_responses=2,
+            micro_batch_tokens=max(STEP_TOKENS),
+            gradient_checkpointing=True,
+        ),
     )
     policy = TorchPolicy(load_model(model_dir, "bfloat16"), cfg, device="cuda")
     train_step(policy, [make_group(PROMPT + 256)], cfg, 0, 1.0, max(STEP_TOKENS))

@@ -60,7 +60,7 @@ def run_values(config_path: Path) -> dict[str, Any]:
     for what, path, mount in (
         ("shared.model_path", config.model_path, "/models/"),
         ("controller.dataset.path", config.controller.dataset.path, "/data/"),
-        ("learner.checkpoint_dir", config.learner.checkpoint_dir, "/checkpoints"),
+        ("learner.checkpoint.dir", config.learner.checkpoint.dir, "/checkpoints"),
     ):
         if not path or not str(path).startswith(mount):
             raise SystemExit(f"k8s_overlay.py: {what} must be under {mount} (the shared volume)")

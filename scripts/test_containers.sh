@@ -249,7 +249,7 @@ say "built"
 # The run: up; mid-run the learner's process, then a rollout server's, is SIGKILLed inside
 # its container; then until every dapo service has exited (a restart is seen as running).
 STEPS=$(sed -n 's/^  total_steps: *//p' "$ROOT/examples/tiny-cpu.yaml")
-EVERY=$(sed -n 's/^  checkpoint_every: *//p' "$ROOT/examples/tiny-cpu.yaml")
+EVERY=$(sed -n '/^  checkpoint:/,/^  [a-z]/s/^    every: *//p' "$ROOT/examples/tiny-cpu.yaml")
 KILL_LEARNER_AT=$(( EVERY + EVERY / 2 ))  # past the first checkpoint
 KILL_ROLLOUT_AT=$(( STEPS * 3 / 4 ))
 PROMETHEUS_PORT=$(free_port)

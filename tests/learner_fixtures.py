@@ -60,7 +60,7 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
 
     from learner.batch import sequences_from_groups
     from learner.batch_plan import plan_micro_batches, rank_share
-    from learner.config import LearnerConfig
+    from learner.config import BatchingConfig, DeepSpeedConfig, LearnerConfig, OptimizerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.dist import data_parallel
     from learner.model_io import load_model
@@ -68,11 +68,10 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
 
     cfg = LearnerConfig(
         engine="deepspeed",
-        zero_stage=stage,
         dtype="float32",
-        micro_batch_tokens=micro_tokens,
-        lr=1e-3,
-        logprob_chunk_tokens=5,
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+        optimizer=OptimizerConfig(lr=1e-3),
+        batching=BatchingConfig(micro_batch_tokens=micro_tokens, logprob_chunk_tokens=5),
     )
     policy = DeepSpeedPolicy(load_model(model), cfg)
     dp = data_parallel()
@@ -81,7 +80,7 @@ def grads_worker(model: str, out: str, stage: int, micro_tokens: int) -> None:
     recompute_old_logprobs(policy, share, cfg, 0, 1.0, dp, fallback=seqs[0])
     for s in share:  # move π_old off π_θ so the clip branches matter
         s.old_logprobs = s.old_logprobs - 0.1 * torch.arange(len(s.response_ids))
-    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp, packed=cfg.packing))
+    micro = len(plan_micro_batches(share, seqs[0], micro_tokens, dp, packed=cfg.batching.packing))
     accumulate(policy, share, cfg, 0, 1.0, 16, dp, fallback=seqs[0])
     grads = policy.full_gradients()
     if dp.rank == 0:
@@ -98,19 +97,17 @@ def train_worker(model: str, out: str, stage: int, dtype: str) -> None:
 
     from safetensors.torch import save_file
 
-    from learner.config import LearnerConfig
+    from learner.config import BatchingConfig, DeepSpeedConfig, LearnerConfig, OptimizerConfig
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.dist import data_parallel
     from learner.model_io import load_model
     from learner.step import train_step
 
     cfg = LearnerConfig(
-        zero_stage=stage,
         dtype=dtype,
-        lr=1e-3,
-        warmup_steps=0,
-        mini_batch_responses=8,
-        micro_batch_tokens=64,
+        deepspeed=DeepSpeedConfig(zero_stage=stage),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+        batching=BatchingConfig(mini_batch_responses=8, micro_batch_tokens=64),
     )
     started = time.monotonic()
     policy = DeepSpeedPolicy(load_model(model), cfg)
@@ -145,7 +142,7 @@ def gather_worker(model: str, out: str) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     import learner.deepspeed_policy as dsp
-    from learner.config import LearnerConfig
+    from learner.config import DeepSpeedConfig, LearnerConfig
     from learner.model_io import load_model
 
     base = dsp.ds_config  # every parameter sharded (the tiny model's would all persist)
@@ -155,7 +152,9 @@ def gather_worker(model: str, out: str) -> None:
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}
         }
     )
-    policy = dsp.DeepSpeedPolicy(load_model(model), LearnerConfig(zero_stage=3, dtype="float32"))
+    policy = dsp.DeepSpeedPolicy(
+        load_model(model), LearnerConfig(dtype="float32", deepspeed=DeepSpeedConfig(zero_stage=3))
+    )
     params = [p for p in policy.module.parameters() if not getattr(p, "ds_persist", False)]
     sizes = [dsp.full_bytes(p) for p in params]
     peak, owned = [0], dsp._owned
@@ -166,10 +165,10 @@ def gather_worker(model: str, out: str) -> None:
         return owned(tensor)
 
     dsp._owned = watched  # type: ignore[assignment]
-    policy.cfg.gather_bucket_bytes = 10**12  # everything at once, for comparison
+    policy.cfg.publication.gather_bucket_bytes = 10**12  # everything at once, for comparison
     whole = {n: t.clone() for n, t in policy.named_weights()}
     whole_peak, peak[0] = peak[0], 0
-    policy.cfg.gather_bucket_bytes = bucket = max(1024, sum(sizes) // 6)
+    policy.cfg.publication.gather_bucket_bytes = bucket = max(1024, sum(sizes) // 6)
     streamed = {n: t.clone() for n, t in policy.named_weights()}
     same = streamed.keys() == whole.keys() and all(
         torch.equal(streamed[n], whole[n]) for n in whole

@@ -11,6 +11,7 @@ two-rung `dapo ablate` through every process.
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -64,15 +65,20 @@ def test_each_rung_adds_exactly_one_technique_in_paper_order(plan: Plan) -> None
         changed = [path for path in before if before[path] != after[path]]
         assert changed == [technique.path]
     naive, dapo = rung(plan, "naive_grpo"), rung(plan, "dynamic_sampling")
-    assert naive.learner.clip_ratio_high == naive.learner.clip_ratio_low  # clip-higher off
-    assert naive.learner.loss_agg_mode == "seq_mean_token_mean"
-    assert not (naive.buffer.dynamic_sampling or naive.learner.overlong_filtering)
+    assert (
+        naive.learner.objective.clip_ratio_high == naive.learner.objective.clip_ratio_low
+    )  # clip-higher off
+    assert naive.learner.objective.loss_agg_mode == "seq_mean_token_mean"
+    assert not (naive.buffer.dynamic_sampling or naive.learner.objective.overlong_filtering)
     assert not naive.reward.overlong_punishment
     # The top rung is the base config itself: full DAPO.
     for technique in TECHNIQUES:
-        section, field = technique.path.split(".")
-        assert getattr(getattr(dapo, section), field) == getattr(getattr(plan.base, section), field)
-    assert dapo.learner.clip_ratio_high == 0.28 and dapo.learner.loss_agg_mode == "token_mean"
+        value = attrgetter(technique.path)
+        assert value(dapo) == value(plan.base), technique.path
+    assert (
+        dapo.learner.objective.clip_ratio_high == 0.28
+        and dapo.learner.objective.loss_agg_mode == "token_mean"
+    )
 
 
 def test_leave_one_out_turns_off_exactly_one_technique_of_full_dapo(plan: Plan) -> None:
@@ -180,8 +186,8 @@ def test_reward_side_switch_leaves_the_gradient_alone(plan: Plan, tiny_model: Pa
 
 def test_clip_higher_switch_is_the_upper_bound_only(plan: Plan) -> None:
     off, on = rung(plan, "overlong_filtering").learner, rung(plan, "clip_higher").learner
-    assert off.clip_ratio_low == on.clip_ratio_low == 0.2
-    assert (off.clip_ratio_high, on.clip_ratio_high) == (0.2, 0.28)
+    assert off.objective.clip_ratio_low == on.objective.clip_ratio_low == 0.2
+    assert (off.objective.clip_ratio_high, on.objective.clip_ratio_high) == (0.2, 0.28)
 
 
 # --------------------------------------------------------------------------- reward

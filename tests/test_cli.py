@@ -75,10 +75,17 @@ def test_every_service_takes_the_common_flags(role: str) -> None:
 
 def test_config_show_prints_the_resolved_config() -> None:
     result = dapo(
-        "config", "show", "--preset", "tiny", "--set", "learner.lr=0.5", "--format", "json"
+        "config",
+        "show",
+        "--preset",
+        "tiny",
+        "--set",
+        "learner.optimizer.lr=0.5",
+        "--format",
+        "json",
     )
     data = json.loads(result.stdout)
-    assert data["learner"]["lr"] == 0.5 and data["shared"]["run_name"] == "tiny"
+    assert data["learner"]["optimizer"]["lr"] == 0.5 and data["shared"]["run_name"] == "tiny"
 
 
 @pytest.mark.parametrize(
@@ -93,7 +100,7 @@ def test_config_show_prints_auto_values_resolved(
     data = json.loads(dapo(*args).stdout)
     assert data["shared"]["max_staleness_hard"] == hard
     assert data["rollout"]["partial_rollouts"] is partial
-    assert data["learner"]["correction"]["kind"] == correction
+    assert data["learner"]["objective"]["correction"]["kind"] == correction
     shown = tmp_path / "shown.json"
     shown.write_text(json.dumps(data))
     again = dapo("config", "show", "--config", str(shown), "--format", "json")
@@ -118,8 +125,8 @@ def test_unknown_preset(tmp_path: Path) -> None:
 
 def test_malformed_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("learner:\n  lr: -3\n")
-    assert_one_line_error(dapo("config", "show", "--config", str(bad)), "learner.lr")
+    bad.write_text("learner:\n  optimizer:\n    lr: -3\n")
+    assert_one_line_error(dapo("config", "show", "--config", str(bad)), "learner.optimizer.lr")
 
 
 def test_missing_model_dir(tmp_path: Path) -> None:
@@ -216,3 +223,33 @@ def test_eval_bad_sampling_and_a_broken_model_are_one_line(
     assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--limit", "0"), "--limit")
     (tmp_path / "config.json").write_text("{}")  # a directory that is no model
     assert_one_line_error(dapo(*base, "--model", str(tmp_path)), "DAPO_DEBUG=1")
+
+
+def test_config_show_reads_an_old_flat_learner_section(tmp_path: Path) -> None:
+    """An old file's flat learner keys load where the nested ones do, each old name warned
+    once (naming its new place); one given both ways is a one-line error."""
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text("learner:\n  lr: 2.0e-5\n  checkpoint_dir: /ck\n  weight_transport: grpc\n")
+    new.write_text(
+        "learner:\n  optimizer: {lr: 2.0e-5}\n  checkpoint: {dir: /ck}\n"
+        "  publication: {transport: grpc}\n"
+    )
+    shown_old = dapo("config", "show", "--preset", "tiny", "--config", str(old), "--format", "json")
+    shown_new = dapo("config", "show", "--preset", "tiny", "--config", str(new), "--format", "json")
+    assert shown_old.returncode == 0 and json.loads(shown_old.stdout) == json.loads(
+        shown_new.stdout
+    )
+    for moved in (
+        "learner.lr is now learner.optimizer.lr",
+        "learner.checkpoint_dir is now learner.checkpoint.dir",
+        "learner.weight_transport is now learner.publication.transport",
+    ):
+        assert shown_old.stderr.count(moved) == 1, shown_old.stderr
+    assert "is now" not in shown_new.stderr
+    both = dapo("config", "show", "--config", str(old), "--set", "learner.optimizer.lr=1")
+    assert both.returncode == 0  # different layers: the later one wins
+    twice = ("--set", "learner.lr=1", "--set", "learner.optimizer.lr=2")
+    assert_one_line_error(
+        dapo("config", "show", "--preset", "tiny", *twice),
+        "learner.lr and learner.optimizer.lr both given",
+    )

@@ -136,10 +136,10 @@ def test_stalled_weight_readers_never_block_the_learner(
         "shared.overlong_buffer_length": 0,
         "learner.engine": "torch",
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
+        "learner.optimizer.lr": 1e-2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": steps,
     }
     config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])

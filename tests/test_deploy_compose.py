@@ -117,7 +117,7 @@ def test_a_finished_run_stays_down_and_the_learner_keeps_its_checkpoints(resolve
     env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
     run = load_config(mounts(learner)["/etc/dapo/run.yaml"], env=env)
     assert (
-        run.learner.checkpoint_dir and mounts(learner)[run.learner.checkpoint_dir] == "checkpoints"
+        run.learner.checkpoint.dir and mounts(learner)[run.learner.checkpoint.dir] == "checkpoints"
     )
 
 
@@ -199,7 +199,7 @@ def test_the_run_config_of_each_profile_loads(resolved) -> None:
     run = load_config(source, env=env)
     assert run.shared.redis_url and run.shared.redis_url.startswith("redis://:")
     assert run.learner.server.host == "0.0.0.0"
-    assert run.learner.weight_socket_port == 50054  # fixed, as on Kubernetes (docs/deploy.md)
+    assert run.learner.publication.socket_port == 50054  # fixed, as on Kubernetes (docs/deploy.md)
     if profile == "cpu":
         assert run.model_path == "/models/tiny" and run.rollout.engine.kind == "torch"
         init = config["services"]["init-model"]

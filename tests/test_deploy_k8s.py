@@ -30,7 +30,7 @@ OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 TARGETS = {"base": K8S / "base", **{name: K8S / "overlays" / name for name in OVERLAYS}}
 DAPO_ROLES = {"controller": 8004, "buffer": 8005, "reward": 8001, "rollout": 8002, "learner": 8003}
 GPU_ROLES = {"learner", "rollout"}
-WEIGHT_SOCKET_PORT = 50054  # learner.weight_socket_port: NetworkPolicies name the port
+WEIGHT_SOCKET_PORT = 50054  # learner.publication.socket_port: NetworkPolicies name the port
 SECRET = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
 SECRET_MOUNT = "/var/run/secrets/dapo"
 # The oldest and newest APIs kubernetes-validate knows, and the one the docs name.
@@ -381,7 +381,7 @@ def test_learner_group_restarts_as_a_whole_and_resumes(rendered, tmp_path: Path)
         "kubernetes.io/hostname"
     )
     config = run_config_of(objects, tmp_path)
-    checkpoints = config.learner.checkpoint_dir
+    checkpoints = config.learner.checkpoint.dir
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     mount = mounts["/checkpoints"]
     assert checkpoints and checkpoints.startswith("/checkpoints")
@@ -454,7 +454,7 @@ def resolved_without(config: Any, fields: dict[str, tuple[str, ...]]) -> dict[st
             "single-node",
             {
                 "shared": ("model_path", "run_name"),
-                "learner": ("checkpoint_dir",),
+                "learner": ("checkpoint.dir",),
                 "rollout": ("engine.tensor_parallel_size",),
             },
         ),
@@ -484,8 +484,8 @@ def test_the_learner_weight_socket_listens_on_the_port_that_is_exposed(
     config must name the fixed port its container and policies expose."""
     _, objects = rendered
     learner = run_config_of(objects, tmp_path, dapo_env(objects, "learner")).learner
-    assert learner.weight_transport == "socket"
-    assert learner.weight_socket_port == WEIGHT_SOCKET_PORT
+    assert learner.publication.transport == "socket"
+    assert learner.publication.socket_port == WEIGHT_SOCKET_PORT
     ports = {p["name"]: p["containerPort"] for p in container_of(objects, "learner")["ports"]}
     assert ports["weights"] == WEIGHT_SOCKET_PORT
 

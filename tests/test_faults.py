@@ -124,7 +124,7 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
                 "--set",
                 "learner.linger_s=0",
                 "--set",
-                "learner.checkpoint_every=2",
+                "learner.checkpoint.every=2",
                 # Full batches (the counts below): no generation budget.
                 "--set",
                 "learner.generation_budget=null",

@@ -117,7 +117,7 @@ def test_config_refuses_non_finite_numbers(value: str) -> None:
     """Found by the config fuzzer: rollout.drain_timeout_s=1e400 (inf) was accepted, and
     so were an infinite lr, timeout or temperature. (drain_timeout_s went with the Pause
     RPC; weight_poll_s is a float of the same kind.)"""
-    for field in ("rollout.weight_poll_s", "learner.lr", "reward.timeout_s"):
+    for field in ("rollout.weight_poll_s", "learner.optimizer.lr", "reward.timeout_s"):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(overrides=[f"{field}={value}"], env={})
 

@@ -15,7 +15,16 @@ from learner_fixtures import hand_logprobs, make_groups
 
 from learner.algorithm import agg_loss, kl_k3
 from learner.batch import collate, loss_counts, sequences_from_groups, use_packing
-from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS, TwoSidedMask
+from learner.config import (
+    BatchingConfig,
+    LearnerConfig,
+    MaskedIS,
+    ObjectiveConfig,
+    OptimizerConfig,
+    SequenceTIS,
+    TokenTIS,
+    TwoSidedMask,
+)
 from learner.logprobs import sequence_logprobs
 from learner.model_io import load_model
 from learner.reference import Reference
@@ -25,8 +34,12 @@ from learner.torch_policy import TorchPolicy
 MAX_LEN = 16
 
 
-def _cfg(**kw) -> LearnerConfig:
-    return LearnerConfig(lr=1e-3, micro_batch_tokens=64, **kw)
+def _cfg(packing: bool = True, **objective) -> LearnerConfig:
+    return LearnerConfig(
+        optimizer=OptimizerConfig(lr=1e-3),
+        batching=BatchingConfig(micro_batch_tokens=64, packing=packing),
+        objective=ObjectiveConfig(**objective),
+    )
 
 
 def _prepared(model: Path, cfg: LearnerConfig, reference: Reference | None = None):
@@ -144,7 +157,7 @@ def test_kl_adds_exactly_coef_times_the_token_mean_k3_gradient(tiny_model: Path)
     cfg = _cfg(kl_coef=coef)
     policy, seqs = _prepared(tiny_model, cfg, reference)
     inputs = collate(seqs, 0)
-    logprobs, _ = sequence_logprobs(policy, inputs, 1.0, cfg.logprob_chunk_tokens)
+    logprobs, _ = sequence_logprobs(policy, inputs, 1.0, cfg.batching.logprob_chunk_tokens)
     assert inputs.ref_logprobs is not None
     counts = loss_counts(seqs)
     kl = kl_k3(logprobs, inputs.ref_logprobs)
@@ -198,7 +211,10 @@ def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine
     from learner.backends import build_policy
 
     cfg = LearnerConfig(
-        engine=engine, lr=1e-2, micro_batch_tokens=64, mini_batch_responses=8, dtype="float32"
+        engine=engine,
+        dtype="float32",
+        optimizer=OptimizerConfig(lr=1e-2),
+        batching=BatchingConfig(micro_batch_tokens=64, mini_batch_responses=8),
     )
     policy = build_policy(tiny_model, cfg)
     first = train_step(policy, make_groups(), cfg, 0, 1.0, MAX_LEN)  # momentum is now non-zero
@@ -209,7 +225,8 @@ def test_fully_filtered_mini_batches_skip_the_optimizer(tiny_model: Path, engine
     for name, tensor in policy.named_weights():
         assert torch.equal(tensor, before[name]), name
     # Overlong filtering off: the same truncated batch trains.
-    cfg_off = cfg.model_copy(update={"overlong_filtering": False})
+    objective_off = cfg.objective.model_copy(update={"overlong_filtering": False})
+    cfg_off = cfg.model_copy(update={"objective": objective_off})
     trained = train_step(policy, _all_truncated(make_groups(seed=1)), cfg_off, 0, 1.0, MAX_LEN)
     assert trained.updates == 2
     assert any(not torch.equal(t, before[n]) for n, t in policy.named_weights())

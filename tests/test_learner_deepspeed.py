@@ -22,6 +22,7 @@ from learner.logprobs import sequence_logprobs
 from learner.model_io import load_model
 from learner.step import accumulate, recompute_old_logprobs, train_step
 from learner.torch_policy import TorchPolicy
+from services.common.config_loader import deep_merge
 from services.common.net import free_port
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -32,18 +33,15 @@ FIXTURES = Path(__file__).with_name("learner_fixtures.py")
 BF16_TOLERANCE = {0: (0.01, 0.3), 1: (1e-3, 0.1), 2: (1e-3, 0.1), 3: (1e-3, 0.1)}
 
 
-def _cfg(**kw) -> LearnerConfig:
-    base = dict(
-        engine="deepspeed",
-        zero_stage=0,
-        dtype="float32",
-        lr=1e-2,
-        warmup_steps=0,
-        weight_decay=0.0,
-        mini_batch_responses=8,
-        micro_batch_tokens=64,
-    )
-    return LearnerConfig(**{**base, **kw})
+def _cfg(**sections: dict) -> LearnerConfig:
+    base = {
+        "engine": "deepspeed",
+        "dtype": "float32",
+        "deepspeed": {"zero_stage": 0},
+        "optimizer": {"lr": 1e-2, "warmup_steps": 0, "weight_decay": 0.0},
+        "batching": {"mini_batch_responses": 8, "micro_batch_tokens": 64},
+    }
+    return LearnerConfig.model_validate(deep_merge(base, sections))
 
 
 @torch.no_grad()
@@ -74,7 +72,9 @@ def test_deepspeed_training_moves_probability_towards_positive_advantages(
 
 
 def test_deepspeed_stage0_fp32_matches_plain_torch(tiny_model: Path) -> None:
-    cfg = _cfg(lr=1e-3, grad_clip=0.05)  # the clip is active: norms must agree too
+    cfg = _cfg(
+        optimizer={"lr": 1e-3, "grad_clip": 0.05}
+    )  # the clip is active: norms must agree too
     ds = DeepSpeedPolicy(load_model(tiny_model), cfg)
     plain = TorchPolicy(load_model(tiny_model), cfg)
     groups = make_groups(seed=3)
@@ -89,7 +89,7 @@ def test_deepspeed_stage0_fp32_matches_plain_torch(tiny_model: Path) -> None:
 
 def _reference_grads(model: Path, budget: int) -> dict[str, torch.Tensor]:
     """One process, the whole mini-batch in one padded micro-batch."""
-    cfg = _cfg(micro_batch_tokens=budget, packing=False)
+    cfg = _cfg(batching={"micro_batch_tokens": budget, "packing": False})
     policy = DeepSpeedPolicy(load_model(model), cfg)
     seqs = sequences_from_groups(make_groups())
     recompute_old_logprobs(policy, seqs, cfg, 0, 1.0)
@@ -165,7 +165,7 @@ def test_world2_every_zero_stage_and_dtype_trains_the_same_steps(
     otherwise (packing, checkpointing, chunked log-probs). fp32 stages agree to 1e-5;
     bf16 follows fp32 within `BF16_TOLERANCE`."""
     defaults = LearnerConfig()
-    assert (defaults.zero_stage, defaults.dtype) == (2, "bfloat16")  # in the matrix below
+    assert (defaults.deepspeed.zero_stage, defaults.dtype) == (2, "bfloat16")  # in the matrix below
     _run_ranks(tiny_model, tmp_path / "train", "0,1,2,3", "float32,bfloat16", "train")
     initial = {n: t.detach().float() for n, t in load_model(tiny_model).state_dict().items()}
     runs = _stage_runs(tmp_path / "train")
@@ -204,5 +204,5 @@ def test_only_zero3_keeps_the_weight_copy_on_the_training_thread(
 ) -> None:
     """The policy declares it: ZeRO-3 gathers each weight in a collective on the training
     thread, so the learner must not copy a version while the next step trains."""
-    policy = DeepSpeedPolicy(load_model(tiny_model), _cfg(zero_stage=stage))
+    policy = DeepSpeedPolicy(load_model(tiny_model), _cfg(deepspeed={"zero_stage": stage}))
     assert policy.weight_copy_overlaps == (stage < 3)

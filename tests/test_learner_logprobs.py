@@ -20,6 +20,7 @@ from learner.config import LearnerConfig
 from learner.logprobs import head_logprobs, sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
+from services.common.config_loader import deep_merge
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 VOCAB, TEMPERATURE = 257, 0.7
@@ -42,16 +43,18 @@ def tiny_qwen(tied: bool, seed: int = 0) -> Qwen2ForCausalLM:
     return model
 
 
-def _cfg(chunk: int, **kw) -> LearnerConfig:
-    base = dict(
-        engine="torch",
-        dtype="float32",
-        gradient_checkpointing=False,
-        micro_batch_tokens=40,
-        logprob_chunk_tokens=chunk,
-        lr=1e-3,
-    )
-    return LearnerConfig(**{**base, **kw})
+def _cfg(chunk: int, **sections: object) -> LearnerConfig:
+    base = {
+        "engine": "torch",
+        "dtype": "float32",
+        "optimizer": {"lr": 1e-3},
+        "batching": {
+            "gradient_checkpointing": False,
+            "micro_batch_tokens": 40,
+            "logprob_chunk_tokens": chunk,
+        },
+    }
+    return LearnerConfig.model_validate(deep_merge(base, sections))
 
 
 def test_token_logprobs_of_head_rows_equal_log_softmax_and_have_its_gradient() -> None:
@@ -138,7 +141,9 @@ class LogitsWatch:
 
 
 def _watch_step(chunk: int) -> tuple[LogitsWatch, int]:
-    cfg = _cfg(chunk, micro_batch_tokens=10_000)  # one micro-batch: B·L rows on the full path
+    cfg = _cfg(
+        chunk, batching={"micro_batch_tokens": 10_000}
+    )  # one micro-batch: B·L rows on the full path
     policy = TorchPolicy(tiny_qwen(False), cfg)
     seqs = sequences_from_groups(make_groups(seed=3))
     recompute_old_logprobs(policy, seqs, cfg, 0, TEMPERATURE)
@@ -167,7 +172,12 @@ def test_deepspeed_chunked_untied_gradient_equals_torch_full(
 
     tiny_qwen(False).save_pretrained(tmp_path)
     want = _dapo_grads(Qwen2ForCausalLM.from_pretrained(tmp_path), _cfg(0))
-    cfg = _cfg(3, engine="deepspeed", zero_stage=zero_stage, gradient_checkpointing=checkpointing)
+    cfg = _cfg(
+        3,
+        engine="deepspeed",
+        deepspeed={"zero_stage": zero_stage},
+        batching={"gradient_checkpointing": checkpointing},
+    )
     policy = DeepSpeedPolicy(Qwen2ForCausalLM.from_pretrained(tmp_path), cfg)
     seqs = sequences_from_groups(make_groups(seed=2))
     recompute_old_logprobs(policy, seqs, cfg, 0, TEMPERATURE)

@@ -12,7 +12,7 @@ from learner_fixtures import make_groups
 
 from learner.backends import build_policy
 from learner.batch import sequences_from_groups
-from learner.config import LearnerConfig
+from learner.config import BatchingConfig, LearnerConfig
 from learner.dist import Single
 from learner.model_io import load_model
 from learner.step import accumulate, recompute_old_logprobs
@@ -57,9 +57,9 @@ def _grads(model_dir: Path, checkpointing: bool) -> dict[str, torch.Tensor]:
     cfg = LearnerConfig(
         engine="torch",
         dtype="float32",
-        gradient_checkpointing=checkpointing,
-        micro_batch_tokens=40,
-        logprob_chunk_tokens=3,
+        batching=BatchingConfig(
+            gradient_checkpointing=checkpointing, micro_batch_tokens=40, logprob_chunk_tokens=3
+        ),
     )
     torch.manual_seed(0)
     policy = TorchPolicy(load_model(model_dir), cfg)

@@ -1,8 +1,8 @@
 """A restarted learner process resumes from its checkpoint directory, by itself.
 
 docker-compose (`restart: on-failure`) and Kubernetes restart the learner with the same
-command: no `learner.resume=true`. Once the run's Redis holds a published version, the
-checkpoint in checkpoint_dir belongs to this run and is restored; the base model is never
+command: no `learner.checkpoint.resume=true`. Once the run's Redis holds a published version, the
+checkpoint in learner.checkpoint.dir belongs to this run and is restored; the base model is never
 published as a newer version (docs/deploy.md, "A run that ends, ends").
 
 - a finished run, restarted: no new version, no new step, the trained weights served;
@@ -45,13 +45,13 @@ def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) ->
         "shared.overlong_buffer_length": 0,
         "learner.engine": "torch",
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
+        "learner.optimizer.lr": 1e-2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": steps,
-        "learner.checkpoint_dir": str(tmp_path / "ckpt"),
-        "learner.checkpoint_every": 100,
+        "learner.checkpoint.dir": str(tmp_path / "ckpt"),
+        "learner.checkpoint.every": 100,
         "learner.linger_s": 0,
         "learner.server.grpc_port": 0,
         "learner.server.http_port": 0,

@@ -40,19 +40,19 @@ def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
         "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
         "learner.engine": "deepspeed",
-        "learner.zero_stage": 0,
+        "learner.deepspeed.zero_stage": 0,
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
-        "learner.warmup_steps": 2,
+        "learner.optimizer.lr": 1e-2,
+        "learner.optimizer.warmup_steps": 2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
-        "learner.checkpoint_every": 2,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
+        "learner.checkpoint.every": 2,
         "learner.total_steps": 4,
         **{f"learner.{k}": v for k, v in learner.items()},
     }
     if ckpt is not None:
-        sets["learner.checkpoint_dir"] = str(ckpt)
+        sets["learner.checkpoint.dir"] = str(ckpt)
     return load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
 
 
@@ -106,7 +106,9 @@ def test_checkpoint_crash_resume_equals_uninterrupted_run(
     assert _counts(redis_client, "b") == (0, 3 * BATCH, 3)
     del first
 
-    resumed = Learner(_config(tiny_model, "b", tmp_path / "b", resume=True), redis_client)
+    resumed = Learner(
+        _config(tiny_model, "b", tmp_path / "b", **{"checkpoint.resume": True}), redis_client
+    )
     assert (resumed.step, resumed.cursor) == (2, ids[2 * BATCH - 1])
     assert resumed.version == 4  # rollout servers saw 3: never go backwards
     resumed.run(threading.Event())
@@ -126,7 +128,8 @@ def test_final_export_loads_in_transformers(
 
     _fill(redis_client, "x", 2)
     learner = Learner(
-        _config(tiny_model, "x", tmp_path / "ck", total_steps=2, zero_stage=3), redis_client
+        _config(tiny_model, "x", tmp_path / "ck", **{"total_steps": 2, "deepspeed.zero_stage": 3}),
+        redis_client,
     )
     learner.run(threading.Event())
     final = tmp_path / "ck" / "final"
@@ -143,7 +146,7 @@ def test_stop_checkpoints_and_acks_what_was_trained(
 ) -> None:
     _fill(redis_client, "s", 3)
     learner = Learner(
-        _config(tiny_model, "s", tmp_path / "s", total_steps=50, checkpoint_every=50),
+        _config(tiny_model, "s", tmp_path / "s", **{"total_steps": 50, "checkpoint.every": 50}),
         redis_client,
     )
     stop = threading.Event()
@@ -213,7 +216,9 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
     from rollout.torch_engine import TorchEngine
 
     _fill(redis_client, "w", 1)
-    learner = Learner(_config(tiny_model, "w", None, zero_stage=zero_stage), redis_client)
+    learner = Learner(
+        _config(tiny_model, "w", None, **{"deepspeed.zero_stage": zero_stage}), redis_client
+    )
     _steps(learner, 1)
     server, port = start_grpc_server(
         ServerConfig(),
@@ -277,12 +282,12 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
         "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
         "learner.engine": "deepspeed",
-        "learner.zero_stage": 3,
+        "learner.deepspeed.zero_stage": 3,
         "learner.dtype": "float32",
-        "learner.lr": 1e-2,
+        "learner.optimizer.lr": 1e-2,
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": 3,
         "learner.linger_s": 120,
     }

@@ -40,11 +40,11 @@ def start_run(
     sets = {
         "shared.model_path": model,
         "shared.run_name": run,
-        "learner.zero_stage": 2,
+        "learner.deepspeed.zero_stage": 2,
         "controller.eval.enabled": "false",
         "learner.linger_s": 0,
         "learner.generation_budget": "null",  # full batches: the test counts them
-        "learner.checkpoint_every": checkpoint_every,
+        "learner.checkpoint.every": checkpoint_every,
         "learner.launch.shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
     }
     cmd = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny"]

@@ -16,7 +16,7 @@ import torch
 from learner_fixtures import make_groups
 
 from learner.backends import build_policy
-from learner.config import LearnerConfig
+from learner.config import BatchingConfig, DeepSpeedConfig, LearnerConfig, OptimizerConfig
 from learner.step import train_step
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -25,14 +25,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def _cfg(engine: str, checkpointing: bool) -> LearnerConfig:
     return LearnerConfig(
         engine=engine,
-        zero_stage=0,
         dtype="float32",
-        lr=1e-3,
-        warmup_steps=0,
-        mini_batch_responses=64,
-        micro_batch_tokens=4096,
-        logprob_chunk_tokens=0,
-        gradient_checkpointing=checkpointing,
+        deepspeed=DeepSpeedConfig(zero_stage=0),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0),
+        batching=BatchingConfig(
+            mini_batch_responses=64,
+            micro_batch_tokens=4096,
+            logprob_chunk_tokens=0,
+            gradient_checkpointing=checkpointing,
+        ),
     )
 
 

@@ -21,7 +21,7 @@ SAFE_LOADERS = {"SafeLoader", "CSafeLoader"}
 ALLOWED: dict[tuple[str, str], str] = {
     ("learner/deepspeed_policy.py", "checkpoint-load"): (
         "DeepSpeed's engine.load_checkpoint unpickles (torch.load) the checkpoint files that "
-        "this learner wrote itself under learner.checkpoint_dir; that directory must be "
+        "this learner wrote itself under learner.checkpoint.dir; that directory must be "
         "trusted storage (docs/security.md). There is no weights-only mode for its optimizer "
         "and engine state."
     ),

@@ -57,13 +57,13 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
     ("kw", "packed"),
     [
         ({}, True),
-        ({"packing": False}, False),
-        ({"loss_agg_mode": "seq_mean_token_mean"}, False),
-        ({"correction": TokenTIS()}, True),
-        ({"correction": SequenceTIS()}, False),
-        ({"correction": MaskedIS(level="token")}, True),
-        ({"correction": MaskedIS()}, True),
-        ({"correction": MaskedIS(level="sequence")}, False),
+        ({"batching": {"packing": False}}, False),
+        ({"objective": {"loss_agg_mode": "seq_mean_token_mean"}}, False),
+        ({"objective": {"correction": TokenTIS()}}, True),
+        ({"objective": {"correction": SequenceTIS()}}, False),
+        ({"objective": {"correction": MaskedIS(level="token")}}, True),
+        ({"objective": {"correction": MaskedIS()}}, True),
+        ({"objective": {"correction": MaskedIS(level="sequence")}}, False),
     ],
 )
 def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
@@ -83,7 +83,7 @@ def test_packed_micro_batches_fill_the_budget() -> None:
 
 def _padded_and_packed(impl: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     model = tiny_qwen(False)
-    policy = TorchPolicy(model, _cfg(3, packing=False))
+    policy = TorchPolicy(model, _cfg(3, batching={"packing": False}))
     seqs = sequences_from_groups(make_groups(seed=1))
     with torch.no_grad():
         padded = collate(seqs, 0)
@@ -107,7 +107,7 @@ def test_packed_logprobs_equal_padded_rows(impl: str) -> None:
 
 
 def _grads(packing: bool, checkpointing: bool) -> dict[str, torch.Tensor]:
-    cfg = _cfg(4, packing=packing, gradient_checkpointing=checkpointing)
+    cfg = _cfg(4, batching={"packing": packing, "gradient_checkpointing": checkpointing})
     policy = TorchPolicy(tiny_qwen(False), cfg)
     seqs = sequences_from_groups(make_groups(seed=2))
     recompute_old_logprobs(policy, seqs, cfg, 0, TEMPERATURE)

@@ -56,18 +56,18 @@ def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
         "shared.max_response_length": 16,
         "shared.overlong_buffer_length": 0,
         "learner.engine": "torch",
-        "learner.lr": 1e-2,
+        "learner.optimizer.lr": 1e-2,
         "learner.dtype": "float32",
         "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
+        "learner.batching.mini_batch_responses": 4,
+        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": STEPS,
     }
     config = load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
     for group in make_groups(n_groups=BATCH * STEPS, seed=11):
         client.xadd(RunKeys(run).train, {"group": encode_group(group)})
     learner = Learner(config, client)
-    learner.weights = SlowServicer(config.learner.weight_bucket_bytes)
+    learner.weights = SlowServicer(config.learner.publication.bucket_bytes)
     learner.publisher = BackgroundPublisher(learner.weights)
     return learner
 

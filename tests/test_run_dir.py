@@ -43,7 +43,7 @@ def test_run_directory_is_locked_reported_after_stop_and_readable_after_the_run(
         "--set",
         "controller.eval.enabled=false",
         "--set",
-        "learner.checkpoint_every=1000",  # only the checkpoint on stop
+        "learner.checkpoint.every=1000",  # only the checkpoint on stop
     ]
     proc = subprocess.Popen(
         up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env

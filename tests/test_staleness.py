@@ -88,15 +88,18 @@ def test_correction_is_on_by_default_exactly_when_stale_groups_can_be_trained() 
     assert settings(max_staleness=1).correction == TokenTIS(cap=2.0)
     assert settings(max_staleness=0, max_staleness_hard=1).correction == TokenTIS(cap=2.0)
     chosen = LearnerSettings.model_validate(
-        {"shared": {"max_staleness": 1}, "learner": {"correction": {"kind": "mis", "high": 3}}}
+        {
+            "shared": {"max_staleness": 1},
+            "learner": {"objective": {"correction": {"kind": "mis", "high": 3}}},
+        }
     )
     assert chosen.correction == MaskedIS(level="token", low=0.5, high=3.0)
     off = LearnerSettings.model_validate(
-        {"shared": {"max_staleness": 1}, "learner": {"correction": {"kind": "none"}}}
+        {"shared": {"max_staleness": 1}, "learner": {"objective": {"correction": {"kind": "none"}}}}
     )
     assert off.correction == NoCorrection()
     with pytest.raises(ValidationError):
-        LearnerSettings.model_validate({"learner": {"correction": {"kind": "tis"}}})
+        LearnerSettings.model_validate({"learner": {"objective": {"correction": {"kind": "tis"}}}})
 
 
 def test_ledger_and_report_count_informative_groups_dropped_as_stale() -> None:

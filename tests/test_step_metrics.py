@@ -18,7 +18,14 @@ import torch
 from learner_fixtures import hand_logprobs
 
 from learner.batch import sequences_from_groups
-from learner.config import LearnerConfig, MaskedIS
+from learner.config import (
+    BatchingConfig,
+    Correction,
+    LearnerConfig,
+    MaskedIS,
+    ObjectiveConfig,
+    OptimizerConfig,
+)
 from learner.correction import OffPolicySums
 from learner.dist import Single
 from learner.model_io import load_model
@@ -85,16 +92,14 @@ def _by_hand(model_path: Path):
     return model, rows
 
 
-def _cfg(**kw) -> LearnerConfig:
-    base = dict(
+def _cfg(correction: Correction | None = None) -> LearnerConfig:
+    return LearnerConfig(
         engine="torch",
         dtype="float32",
-        lr=1e-3,
-        micro_batch_tokens=16,
-        mini_batch_responses=8,
-        clip_ratio_c=C,
+        optimizer=OptimizerConfig(lr=1e-3),
+        batching=BatchingConfig(micro_batch_tokens=16, mini_batch_responses=8),
+        objective=ObjectiveConfig(clip_ratio_c=C, correction=correction),
     )
-    return LearnerConfig(**{**base, **kw})
 
 
 # Engine log-probs: log π_behav = log π_θ − δ, so the masked-IS weight ρ = e^δ is kept
@@ -141,7 +146,7 @@ def test_train_step_reports_every_metric_as_computed_by_hand(tiny_model: Path) -
     assert (m.clip_frac_high, m.clip_frac_low, m.clip_frac_dual) == (0.0, 0.0, 0.0)
     assert m.entropy == pytest.approx(sum(entropies) / n_loss, rel=REL)
     assert m.grad_norm == pytest.approx(grad_norm, rel=REL)
-    assert m.lr == pytest.approx(cfg.lr / cfg.warmup_steps)
+    assert m.lr == pytest.approx(cfg.optimizer.lr / cfg.optimizer.warmup_steps)
     assert m.tokens == sum(lengths) == 20
     assert m.response_length == pytest.approx(20 / 5)
     assert m.response_length_max == 6

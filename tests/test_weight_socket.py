@@ -210,7 +210,7 @@ def test_a_frame_over_the_limit_is_refused(plain: Learnerish) -> None:
 def test_without_a_socket_or_when_unreachable_the_grpc_stream_is_used(
     plain: Learnerish, caplog: pytest.LogCaptureFixture
 ) -> None:
-    plain.servicer.weight_socket = None  # learner.weight_transport=grpc
+    plain.servicer.weight_socket = None  # learner.publication.transport=grpc
     transport, tensors = pull(plain)
     assert transport == "FetchWeights stream" and tensors == as_tuples(PUBLISHED)
     plain.servicer.weight_socket = plain.socket

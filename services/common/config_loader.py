@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,9 +22,10 @@ from pydantic import BaseModel, ValidationError
 from services.common.errors import DapoError, describe_validation, one_line
 from services.common.presets import PRESETS
 from services.common.security import VERBATIM_FIELDS, redact_url
-from services.common.settings import SECTIONS
+from services.common.settings import SECTIONS, RoleSettings
 
 M = TypeVar("M", bound=BaseModel)
+S = TypeVar("S", bound=RoleSettings)
 
 ENV_PREFIX = "DAPO_"
 
@@ -80,7 +81,7 @@ def read_file(path: Path) -> dict[str, Any]:
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    """`DAPO_LEARNER__LR=1e-5` → `{"learner": {"lr": 1e-05}}`."""
+    """`DAPO_LEARNER__OPTIMIZER__LR=1e-5` → `{"learner": {"optimizer": {"lr": 1e-05}}}`."""
     out: dict[str, Any] = {}
     for key, value in env.items():
         if key.startswith(ENV_PREFIX) and "__" in key:
@@ -91,7 +92,7 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def cli_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """`["learner.lr=1e-5"]` → `{"learner": {"lr": 1e-05}}`."""
+    """`["learner.optimizer.lr=1e-5"]` → `{"learner": {"optimizer": {"lr": 1e-05}}}`."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -133,17 +134,26 @@ def resolve_data(
     preset: str | None = None,
     overrides: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    upgrade: Callable[[Mapping[str, Any]], dict[str, Any]] = RoleSettings.upgrade_layer,
 ) -> dict[str, Any]:
-    """Merge preset, file, environment and overrides (in that order) into one dict."""
-    data: dict[str, Any] = {}
+    """Merge preset, file, environment and overrides (in that order) into one dict, each
+    layer `upgrade`d (renamed keys moved to their new place) before it is merged."""
+    layers: list[tuple[str, Mapping[str, Any]]] = []
     if preset is not None:
         if preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-        data = deep_merge(data, PRESETS[preset])
+        layers.append((f"preset {preset}", PRESETS[preset]))
     if path is not None:
-        data = deep_merge(data, read_file(Path(path)))
-    data = deep_merge(data, env_overrides(os.environ if env is None else env))
-    return deep_merge(data, cli_overrides(overrides))
+        layers.append((str(path), read_file(Path(path))))
+    layers.append(("environment", env_overrides(os.environ if env is None else env)))
+    layers.append(("--set", cli_overrides(overrides)))
+    data: dict[str, Any] = {}
+    for source, layer in layers:
+        try:
+            data = deep_merge(data, upgrade(layer))
+        except ValueError as exc:
+            raise ConfigError(f"invalid config ({source}): {one_line(str(exc))}") from None
+    return data
 
 
 def build_settings(model: type[M], data: Mapping[str, Any]) -> M:
@@ -156,15 +166,18 @@ def build_settings(model: type[M], data: Mapping[str, Any]) -> M:
 
 
 def load_settings(
-    model: type[M],
+    model: type[S],
     path: str | Path | None = None,
     *,
     preset: str | None = None,
     overrides: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-) -> M:
+) -> S:
     """Resolve a config from preset, file, environment and overrides into `model`."""
-    return build_settings(model, resolve_data(path, preset=preset, overrides=overrides, env=env))
+    data = resolve_data(
+        path, preset=preset, overrides=overrides, env=env, upgrade=model.upgrade_layer
+    )
+    return build_settings(model, data)
 
 
 def dump_settings(config: BaseModel, fmt: str = "yaml") -> str:

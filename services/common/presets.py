@@ -39,23 +39,22 @@ TINY: dict[str, Any] = {
     "rollout": {"engine": {"kind": "torch", "device": "cpu", "dtype": "float32"}},
     "reward": {"num_workers": 1, "overlong_punishment": False},
     "learner": {
-        "lr": 1e-3,
-        "betas": [0.9, 0.99],
-        "warmup_steps": 0,
-        "weight_decay": 0.0,
-        "mini_batch_responses": 128,
-        "micro_batch_tokens": 4096,
-        "overlong_filtering": False,
+        "dtype": "float32",
         "total_steps": 100,
         # Bounded dynamic sampling (a departure from the paper's refill-until-full): once
         # max3 is nearly solved a full batch took ~250 groups generated per group trained
         # (steps 131-141 of a 150-step run); a step now waits for at most 4 x 16 groups
         # (docs/architecture.md).
         "generation_budget": 4,
-        "zero_stage": 0,
-        "dtype": "float32",
-        "checkpoint_every": 20,
-        "gradient_checkpointing": False,
+        "objective": {"overlong_filtering": False},
+        "optimizer": {"lr": 1e-3, "betas": [0.9, 0.99], "warmup_steps": 0, "weight_decay": 0.0},
+        "batching": {
+            "mini_batch_responses": 128,
+            "micro_batch_tokens": 4096,
+            "gradient_checkpointing": False,
+        },
+        "deepspeed": {"zero_stage": 0},
+        "checkpoint": {"every": 20},
     },
 }
 
@@ -83,10 +82,10 @@ TINY_RUNMAX: dict[str, Any] = {
     "reward": {**TINY["reward"], "overlong_punishment": True},
     "learner": {
         **TINY["learner"],
-        "overlong_filtering": True,
-        "mini_batch_responses": 64,
         "total_steps": 100,
         "generation_budget": None,
+        "objective": {**TINY["learner"]["objective"], "overlong_filtering": True},
+        "batching": {**TINY["learner"]["batching"], "mini_batch_responses": 64},
     },
 }
 
@@ -112,10 +111,13 @@ LONG: dict[str, Any] = {
     "reward": TINY["reward"],
     "learner": {
         **TINY["learner"],
-        "mini_batch_responses": 8,
-        "micro_batch_tokens": 8192,
         "total_steps": 4,
-        "checkpoint_every": 4,
+        "batching": {
+            **TINY["learner"]["batching"],
+            "mini_batch_responses": 8,
+            "micro_batch_tokens": 8192,
+        },
+        "checkpoint": {**TINY["learner"]["checkpoint"], "every": 4},
     },
 }
 

@@ -9,7 +9,8 @@ run's `DapoConfig` (services/tools/config.py) is every role's settings at once.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -125,3 +126,10 @@ class RoleSettings(StrictModel):
 
     shared: SharedConfig = Field(default_factory=SharedConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+
+    @classmethod
+    def upgrade_layer(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """One config layer (preset, file, environment, overrides) with renamed keys in their
+        new place (ValueError on a key given both ways). Layer by layer, so an old key in a
+        later layer still overrides the new one in an earlier layer. No renames here."""
+        return dict(data)

@@ -27,13 +27,16 @@ class Technique:
 # In the paper's order (Table 1); "on" is the base config's own value.
 TECHNIQUES: tuple[Technique, ...] = (
     Technique(
-        "overlong_filtering", "+ overlong filtering", "learner.overlong_filtering", lambda c: False
+        "overlong_filtering",
+        "+ overlong filtering",
+        "learner.objective.overlong_filtering",
+        lambda c: False,
     ),
     Technique(
         "clip_higher",
         "+ clip-higher",
-        "learner.clip_ratio_high",
-        lambda c: c.learner.clip_ratio_low,
+        "learner.objective.clip_ratio_high",
+        lambda c: c.learner.objective.clip_ratio_low,
     ),
     Technique(
         "soft_overlong", "+ soft overlong punishment", "reward.overlong_punishment", lambda c: False
@@ -41,7 +44,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique(
         "token_level_loss",
         "+ token-level loss",
-        "learner.loss_agg_mode",
+        "learner.objective.loss_agg_mode",
         lambda c: "seq_mean_token_mean",
     ),
     Technique(
@@ -84,7 +87,7 @@ MIXED: dict[str, Any] = {
 _LADDER: dict[str, Any] = {
     "controller.eval.enabled": False,
     "reward.overlong_punishment": True,
-    "learner.overlong_filtering": True,
+    "learner.objective.overlong_filtering": True,
     "learner.linger_s": 30,
     # The ladder measures the paper's dynamic sampling: every prompt every epoch, each
     # batch refilled until full (the `tiny` preset bounds it: docs/architecture.md).

@@ -289,7 +289,7 @@ def final_export(config: DapoConfig) -> Path:
     if out is None or not (out / "config.json").is_file():
         raise DapoError(
             "no learner registered and no final export: cannot evaluate the final weights "
-            "(keep learner.linger_s > 0, or set learner.checkpoint_dir / export_dir)"
+            "(keep learner.linger_s > 0, or set learner.checkpoint.dir or .export_dir)"
         )
     return out
 

@@ -139,7 +139,7 @@ class Launch:
         directory reused with a fresh Redis must not inherit an old model).
         """
         child.log_file.close()
-        resume = ("--set", "learner.resume=true") if child.role == "learner" else ()
+        resume = ("--set", "learner.checkpoint.resume=true") if child.role == "learner" else ()
         child.proc, child.log_file = self.spawn(child.role, child.name, child.extra + resume)
         child.restarts += 1
 
@@ -268,8 +268,8 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
         )
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
-    if data.learner.checkpoint_dir is None:  # a restarted learner resumes from here
-        data.learner.checkpoint_dir = str(run_dir / "checkpoints")
+    if data.learner.checkpoint.dir is None:  # a restarted learner resumes from here
+        data.learner.checkpoint.dir = str(run_dir / "checkpoints")
     for section in ROLES:
         server = getattr(data, section).server  # probe-ok: a role's config section by name
         server.grpc_port = server.http_port = 0

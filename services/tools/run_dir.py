@@ -76,8 +76,8 @@ def fresh_redis_dir(run_dir: Path) -> Path:
 
 
 def latest_checkpoint_step(config: DapoConfig) -> int | None:
-    """The step of the learner's latest checkpoint (`<checkpoint_dir>/latest` = `stepN`)."""
-    directory = config.learner.checkpoint_dir
+    """The step of the learner's latest checkpoint (`<checkpoint.dir>/latest` = `stepN`)."""
+    directory = config.learner.checkpoint.dir
     latest = Path(directory) / "latest" if directory else None
     if latest is None or not latest.is_file():
         return None

@@ -74,7 +74,7 @@ class WeightServiceServicer:
     def OpenWeightSocket(self, request, context):
         """The same buckets over a plain (or TLS) TCP socket, which a client reads at close
         to raw TCP speed: returns a ticket for them. UNIMPLEMENTED when the learner runs
-        with learner.weight_transport=grpc; clients then use FetchWeights.
+        with learner.publication.transport=grpc; clients then use FetchWeights.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
