@@ -35,9 +35,11 @@ def at_most(name: str, value: float, target: float, digits: int = 3) -> Check:
 
 def machine(load_start: tuple[float, float, float]) -> dict[str, Any]:
     """Where the numbers were measured: platform, Python, cores, and the load average at the
-    start (`os.getloadavg()` taken then) and now."""
+    start (`os.getloadavg()` taken then) and now. (`os.uname`, not `platform.platform()`,
+    which runs `uname -p` in a subprocess.)"""
+    system = os.uname()
     return {
-        "platform": platform.platform(),
+        "platform": f"{system.sysname}-{system.release}-{system.machine}",
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "load_average_start": [round(x, 2) for x in load_start],
