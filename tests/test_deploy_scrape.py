@@ -8,7 +8,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from dapo_cli import DAPO, up_args
 from test_deploy_tools import DEPLOY, ROOT, require_tool
 
 from scripts.prometheus_checks import api, dashboard_queries
@@ -65,24 +65,12 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30)
 def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
     """A `dapo up --preset tiny` that trains for longer than the test; role → HTTP port."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.tools.cli",
-        "up",
-        "--preset",
-        "tiny",
-        "--steps",
-        "10000",
-        "--run-dir",
-        str(run_dir),
-        "--set",
+    sets = [
         f"shared.model_path={tiny_model}",
-        "--set",
         "shared.run_name=scrape",
-        "--set",
         "controller.eval.enabled=false",
     ]
+    cmd = [*DAPO, *up_args("tiny", run_dir, "--steps", "10000", sets=sets)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     found: dict[str, int] = {}

@@ -4,8 +4,6 @@ and the learner training the short batch it holds, exactly, and saying so."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from dapo_cli import dapo_ok, up_args
 from learner_fixtures import make_groups
 
 from learner.server import Learner
@@ -147,25 +146,7 @@ def test_dapo_up_trains_short_batches_past_the_budget_and_says_so(
         "controller.eval.enabled=false",
         "learner.linger_s=0",
     ]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--steps",
-            "4",
-            "--run-dir",
-            str(run_dir),
-            *[a for s in sets for a in ("--set", s)],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = dapo_ok(*up_args("tiny", run_dir, "--steps", "4", sets=sets), timeout=240)
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]
     short = [s for s in steps if s["groups"] < 64]

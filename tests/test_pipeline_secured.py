@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import grpc
 import httpx
 import pytest
 import yaml
+from dapo_cli import DAPO, up_args
 from pki import Issued, make_node_cert
 
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
@@ -83,25 +83,9 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     config_path = tmp_path / "secured.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
+    sets = [f"shared.model_path={tiny_model}", "controller.eval.enabled=false"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--config",
-            str(config_path),
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            "3",
-            "--set",
-            f"shared.model_path={tiny_model}",
-            "--set",
-            "controller.eval.enabled=false",
-        ],
+        [*DAPO, *up_args("tiny", run_dir, "--config", str(config_path), "--steps", "3", sets=sets)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
