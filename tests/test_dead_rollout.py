@@ -30,14 +30,14 @@ import psutil
 import pytest
 import redis
 import torch
-from learner_fixtures import make_groups
+from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
 from test_faults import effective_steps
 from test_pipeline import children_of
 
 from dapo.v1 import learner_pb2
 from learner.server import LearnerServer
 from rollout.weights import WeightStub
-from services.common.adapters import decode_group, encode_group
+from services.common.adapters import decode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
@@ -128,23 +128,9 @@ def test_stalled_weight_readers_never_block_the_learner(
     tiny_model: Path, redis_client: redis.Redis
 ) -> None:
     run, steps = "stalled", 3
-    overrides = {
-        "shared.run_name": run,
-        "shared.model_path": str(tiny_model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch",
-        "learner.dtype": "float32",
-        "learner.lr": 1e-2,
-        "shared.train_batch_groups": BATCH,
-        "learner.mini_batch_responses": 4,
-        "learner.micro_batch_tokens": 64,
-        "learner.total_steps": steps,
-    }
-    config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
-    for group in make_groups(n_groups=BATCH * steps, seed=5):
-        redis_client.xadd(RunKeys(run).train, {"group": encode_group(group)})
+    sets = {**TORCH_FP32_STEP, "shared.train_batch_groups": BATCH, "learner.total_steps": steps}
+    config = learner_config(tiny_model, run, sets)
+    fill_train(redis_client, run, BATCH * steps, seed=5)
     server = LearnerServer(config, redis_client).start()
     address = f"127.0.0.1:{server.grpc_port}"
     stalled: list[StalledReader] = []

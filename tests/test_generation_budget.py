@@ -12,13 +12,12 @@ import pytest
 import redis
 import torch
 from dapo_cli import dapo_ok, up_args
-from learner_fixtures import make_groups
+from learner_fixtures import learner_config, make_groups
 
 from learner.server import Learner
 from services.common.adapters import encode_group
 from services.common.generation_budget import batch_ready, budget_spent, decided_groups
 from services.common.keys import RunKeys
-from services.tools.config import load_config
 
 
 def test_decided_counts_kept_and_every_filter_reason() -> None:
@@ -59,11 +58,6 @@ def test_a_step_never_trains_nothing() -> None:
 
 def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> Any:
     sets = {
-        "shared.run_name": run,
-        "shared.model_path": str(model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
         "shared.train_batch_groups": batch,
         "learner.engine": "torch",
         "learner.lr": 1e-2,
@@ -73,7 +67,7 @@ def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> 
         "learner.generation_budget": "null" if budget is None else budget,
         "learner.total_steps": 1,
     }
-    return load_config(None, env={}, overrides=[f"{k}={v}" for k, v in sets.items()])
+    return learner_config(model, run, sets, env={})
 
 
 def _stop_after(seconds: float) -> threading.Event:
