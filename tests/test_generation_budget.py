@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import redis
 import torch
-from dapo_cli import dapo_ok, up_args
+from dapo_cli import run_ok, set_args
 from learner_fixtures import learner_config, make_groups
 
 from learner.server import Learner
 from services.common.adapters import encode_group
 from services.common.generation_budget import batch_ready, budget_spent, decided_groups
 from services.common.keys import RunKeys
+from services.tools.cli import up_argv
 
 
 def test_decided_counts_kept_and_every_filter_reason() -> None:
@@ -133,14 +134,13 @@ def test_dapo_up_trains_short_batches_past_the_budget_and_says_so(
     step trains fewer than 64 groups."""
     run_dir = tmp_path / "run"
     sets = [
-        f"shared.model_path={tiny_model}",
         "shared.train_batch_groups=64",
         "shared.max_staleness=0",
         "learner.generation_budget=1",
         "controller.eval.enabled=false",
         "learner.linger_s=0",
     ]
-    result = dapo_ok(*up_args("tiny", run_dir, "--steps", "4", sets=sets), timeout=240)
+    result = run_ok([*up_argv(run_dir, tiny_model), "--steps", "4", *set_args(sets)], 240)
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]
     short = [s for s in steps if s["groups"] < 64]

@@ -11,7 +11,6 @@ import grpc
 import httpx
 import pytest
 import yaml
-from dapo_cli import DAPO, up_args
 from pki import Issued, make_node_cert
 
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
@@ -20,6 +19,7 @@ from services.common.keys import RunKeys
 from services.common.redis_server import connect
 from services.common.registry import discover
 from services.common.security import AuthConfig, RedisAuthConfig, SecurityConfig, TlsConfig
+from services.tools.cli import up_argv
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +83,9 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     config_path = tmp_path / "secured.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    sets = [f"shared.model_path={tiny_model}", "controller.eval.enabled=false"]
+    options = ["--config", str(config_path), "--steps", "3"]
     proc = subprocess.Popen(
-        [*DAPO, *up_args("tiny", run_dir, "--config", str(config_path), "--steps", "3", sets=sets)],
+        [*up_argv(run_dir, tiny_model), *options, "--set", "controller.eval.enabled=false"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

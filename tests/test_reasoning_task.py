@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from dapo_cli import dapo_ok, up_args
+from dapo_cli import run_ok, set_args
 
 from reward.verifiers import verify_dapo
 from services.common.data import SYNTHETIC_NAMES, iter_synthetic_corpus, synthetic_records
@@ -19,6 +19,7 @@ from services.common.reasoning import (
     parse_prompt,
     prompt_pool,
 )
+from services.tools.cli import up_argv
 from services.tools.task_probe import on_correct_path, profile
 
 TASKS = sorted(REASONING_TASKS)
@@ -135,13 +136,8 @@ def test_a_short_dapo_run_on_runmax(tmp_path: Path, tiny_model: Path) -> None:
     """`dapo up --preset tiny_runmax` for two small steps: real Redis and services, the
     `dapo` rule, dynamic sampling, and an L_max that cuts off part of the batch."""
     run_dir = tmp_path / "run"
-    sets = [
-        f"shared.model_path={tiny_model}",
-        "shared.train_batch_groups=4",
-        "shared.group_size=8",
-        "controller.eval.limit=20",
-    ]
-    dapo_ok(*up_args("tiny_runmax", run_dir, "--steps", "2", sets=sets), timeout=300)
+    sets = ["shared.train_batch_groups=4", "shared.group_size=8", "controller.eval.limit=20"]
+    run_ok([*up_argv(run_dir, tiny_model, "tiny_runmax"), "--steps", "2", *set_args(sets)], 300)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["ledger"]["ok"] and report["ledger"]["trained"] == 2 * 4
     steps = report["steps"]
