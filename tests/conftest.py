@@ -105,6 +105,16 @@ def killed_tree_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "TMPDIR": str(tmp)}
 
 
+@pytest.fixture
+def killed_run_dir(
+    tmp_path: Path, killed_tree_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """The run directory of a run launched in the test's process whose children it kills:
+    TMPDIR, which the launcher's children inherit, is `killed_tree_env`'s."""
+    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
+    return tmp_path / "run"
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     server = start_redis()
