@@ -34,10 +34,10 @@ from fuzzing import (
 )
 from hypothesis import given
 from hypothesis import strategies as st
+from reward_fixtures import reward_server
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
-from reward.server import RewardServer, create_server
-from services.tools.config import DapoConfig
+from reward.server import RewardServer
 
 MAX_ITEMS = 4
 VERIFIERS = ["dapo", "math_verify", "cascade", "first_integer"]
@@ -46,28 +46,15 @@ SCORE = "/dapo.v1.RewardService/Score"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RewardServer]:
-    config = DapoConfig.model_validate(
-        {
-            "shared": {
-                "max_response_length": 100,
-                "overlong_buffer_length": 20,
-                "rpc": {"max_score_items": MAX_ITEMS},
-            },
-            "reward": {
-                "num_workers": 2,
-                "timeout_s": 5.0,
-                "max_response_chars": TEXT_LIMIT,
-                "max_ground_truth_chars": TEXT_LIMIT,
-                "default_verifier": "dapo",  # cheap: 1000 requests must finish fast
-                "max_request_bytes": 64 * 1024,
-                "server": {"grpc_port": 0, "http_port": 0},
-            },
-        }
-    )
-    server = create_server(config).start()
-    assert server.scorer.pool.wait_ready(60)
-    yield server
-    server.stop()
+    with reward_server(
+        MAX_ITEMS,
+        timeout_s=5.0,
+        max_response_chars=TEXT_LIMIT,
+        max_ground_truth_chars=TEXT_LIMIT,
+        default_verifier="dapo",  # cheap: 1000 requests must finish fast
+        max_request_bytes=64 * 1024,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
