@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from tmpdirs import tmpdir_at
 
 from services.common.redis_server import RedisServer, start_redis
 
@@ -80,17 +81,11 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
     )
     private = Path(tempfile.mkdtemp(prefix="dapo-tests-"))
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = str(private), str(private)
     try:
-        yield private
-        left = sorted(p.name for p in private.iterdir())
+        with tmpdir_at(private):
+            yield private
+            left = sorted(p.name for p in private.iterdir())
     finally:
-        if saved[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[0]
-        tempfile.tempdir = saved[1]
         shutil.rmtree(private, ignore_errors=True)
     assert not left, f"the suite left {len(left)} entries in its temp dir: {left[:20]}"
 

@@ -18,7 +18,7 @@ def set_args(sets: Iterable[str]) -> list[str]:
     return [arg for pair in sets for arg in ("--set", pair)]
 
 
-def dapo(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run `dapo ARGS` to its end, stdout and stderr captured as text."""
     return subprocess.run([*DAPO, *args], capture_output=True, text=True, timeout=timeout)
 
