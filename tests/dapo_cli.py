@@ -18,15 +18,19 @@ def set_args(sets: Iterable[str]) -> list[str]:
     return [arg for pair in sets for arg in ("--set", pair)]
 
 
+def run(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `argv` to its end, stdout and stderr captured as text."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
 def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run `dapo ARGS` to its end, stdout and stderr captured as text."""
-    return subprocess.run([*DAPO, *args], capture_output=True, text=True, timeout=timeout)
+    return run([*DAPO, *args], timeout)
 
 
 def run_ok(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run `argv` to its end (output captured as text), failing the test with the end of
-    its stderr unless it exits 0."""
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    """`run(argv)`, failing the test with the end of its stderr unless it exits 0."""
+    result = run(argv, timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from dapo_cli import set_args
 from test_pipeline import children_of, role_process, wait_for
 
 from services.common.adapters import decode_group
@@ -121,33 +122,22 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "run"
+    options = ["--steps", str(STEPS), "--rollouts", "2"]
+    sets = [
+        f"shared.run_name={RUN}",
+        "controller.eval.enabled=false",
+        "learner.linger_s=0",
+        "learner.checkpoint_every=2",
+        # Full batches (the counts below): no generation budget.
+        "learner.generation_budget=null",
+        # Keep every acked entry: the audit below reads the whole `scored` stream,
+        # and a run that admits more than the default 1000 groups would be trimmed.
+        "buffer.stream_retain=1000000",
+    ]
     with RedisServer(appendonly=True) as server:
         client = redis.Redis.from_url(server.url)
         proc = subprocess.Popen(
-            [
-                *up_argv(run_dir, tiny_model),
-                "--steps",
-                str(STEPS),
-                "--rollouts",
-                "2",
-                "--redis-url",
-                server.url,
-                "--set",
-                f"shared.run_name={RUN}",
-                "--set",
-                "controller.eval.enabled=false",
-                "--set",
-                "learner.linger_s=0",
-                "--set",
-                "learner.checkpoint_every=2",
-                # Full batches (the counts below): no generation budget.
-                "--set",
-                "learner.generation_budget=null",
-                # Keep every acked entry: the audit below reads the whole `scored` stream,
-                # and a run that admits more than the default 1000 groups would be trimmed.
-                "--set",
-                "buffer.stream_retain=1000000",
-            ],
+            [*up_argv(run_dir, tiny_model), *options, "--redis-url", server.url, *set_args(sets)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
