@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import httpx
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dapo.v1 import learner_pb2, reward_pb2, rollout_pb2, tensor_pb2
@@ -75,6 +75,22 @@ class Counter:
 
     def __call__(self) -> None:
         self.n += 1
+
+
+def fuzz(check: Callable[..., None], **strategies: st.SearchStrategy[Any]) -> int:
+    """Run `check` on `EXAMPLES` generated cases (its keyword arguments drawn from
+    `strategies`; see `cases`), failing unless it really ran that many; how many it ran."""
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(**strategies)
+    def run(**case: Any) -> None:
+        seen()
+        check(**case)
+
+    run()
+    assert seen.n >= EXAMPLES
+    return seen.n
 
 
 def http_client(base_url: str) -> httpx.Client:

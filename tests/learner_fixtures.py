@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from services.tools.config import DapoConfig
 
 VOCAB = 14  # the tiny preset's character tokenizer
+EXACT = {"rtol": 0.0, "atol": 1e-12}  # `torch.testing.assert_close` on hand-computed fp64
 
 
 def make_groups(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Group]:
