@@ -38,27 +38,14 @@ ENGINES = {
 
 def build_model(out: Path) -> dict[str, int]:
     """A random Qwen2 with the Qwen2.5 vocabulary and a small body, plus a tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from benchmarks._models import BENCH_SHAPE, random_qwen2
     from learner.init_model import init_model
 
     init_model(out, preset="tiny", seed=0)  # its tokenizer; the model is replaced below
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=32768,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = random_qwen2(VOCAB, BENCH_SHAPE, seed=0)
     model.save_pretrained(out)
     total = sum(p.numel() for p in model.parameters())
-    return {"parameters": total, "embedding_parameters": VOCAB * config.hidden_size}
+    return {"parameters": total, "embedding_parameters": VOCAB * BENCH_SHAPE.hidden_size}
 
 
 def make_group(tokens: int, name: str) -> Any:

@@ -64,24 +64,14 @@ def make_groups(vocab: int, n_groups: int, group_size: int, seed: int = 0) -> li
 # ------------------------------------------------------------------ 1. throughput
 def bench_model_dir(root: Path) -> Path:
     """A Qwen2 of ~7M parameters with the tiny preset's tokenizer files."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from dataclasses import replace
 
+    from benchmarks._models import BENCH_SHAPE, random_qwen2
     from learner.init_model import init_model
 
     out = init_model(root / "bench", preset="tiny", seed=0)
-    config = Qwen2Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(out)
+    shape = replace(BENCH_SHAPE, max_position_embeddings=1024)
+    random_qwen2(4096, shape, seed=0).save_pretrained(out)
     return out
 
 

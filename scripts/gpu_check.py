@@ -19,16 +19,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-    max_position_embeddings=32768,
-)
 STEP_TOKENS = (4096, 16384, 32768)
 PROMPT = 256
 
@@ -50,13 +40,13 @@ def save_model(out: Path) -> int:
     """A random Qwen2.5-1.5B-shaped model in bf16 (the tiny preset's tokenizer is not
     needed: steps and generation take token ids)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from learner.init_model import PRESETS
+    from benchmarks._models import random_qwen2
+    from learner.init_model import PRESETS, ModelShape
 
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_15B)).to(torch.bfloat16)
+    with torch.device("cuda"):  # Qwen2.5-1.5B: vocabulary 151,936, 28 layers, hidden 1536
+        shape = ModelShape(1536, 8960, 28, 12, 2, 32768, True)
+        model = random_qwen2(151936, shape, seed=0).to(torch.bfloat16)
     model.save_pretrained(out)
     PRESETS["small"].build_tokenizer().save_pretrained(out)  # any tokenizer: ids only
     return sum(p.numel() for p in model.parameters())
@@ -169,6 +159,7 @@ def publication(model_dir: Path) -> dict[str, Any]:
 
 def import_parts() -> None:
     """Everything the parts import, before any needs CUDA: a missing wheel shows here."""
+    import benchmarks._models  # noqa: F401
     import benchmarks.weights  # noqa: F401
     import learner.step  # noqa: F401
     import learner.torch_policy  # noqa: F401

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from layers import ignore_collect, layer_breach, mark_layers, watch_test
+from tmpdirs import tmpdir_at
 
 from services.common.redis_server import RedisServer, start_redis
 
@@ -64,17 +65,11 @@ def private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
     )
     private = Path(tempfile.mkdtemp(prefix="dapo-tests-"))
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = str(private), str(private)
     try:
-        yield private
-        left = sorted(p.name for p in private.iterdir())
+        with tmpdir_at(private):
+            yield private
+            left = sorted(p.name for p in private.iterdir())
     finally:
-        if saved[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[0]
-        tempfile.tempdir = saved[1]
         shutil.rmtree(private, ignore_errors=True)
     assert not left, f"the suite left {len(left)} entries in its temp dir: {left[:20]}"
 
@@ -87,6 +82,16 @@ def killed_tree_env(tmp_path: Path) -> dict[str, str]:
     tmp = tmp_path / "tmpdir"
     tmp.mkdir()
     return {**os.environ, "TMPDIR": str(tmp)}
+
+
+@pytest.fixture
+def killed_run_dir(
+    tmp_path: Path, killed_tree_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """The run directory of a run launched in the test's process whose children it kills:
+    TMPDIR, which the launcher's children inherit, is `killed_tree_env`'s."""
+    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
+    return tmp_path / "run"
 
 
 @pytest.fixture(scope="session")

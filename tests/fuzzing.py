@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import httpx
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from dapo.v1 import learner_pb2, reward_pb2, rollout_pb2, tensor_pb2
@@ -75,6 +75,22 @@ class Counter:
 
     def __call__(self) -> None:
         self.n += 1
+
+
+def fuzz(check: Callable[..., None], **strategies: st.SearchStrategy[Any]) -> int:
+    """Run `check` on `EXAMPLES` generated cases (its keyword arguments drawn from
+    `strategies`; see `cases`), failing unless it really ran that many; how many it ran."""
+    seen = Counter()
+
+    @cases(EXAMPLES)
+    @given(**strategies)
+    def run(**case: Any) -> None:
+        seen()
+        check(**case)
+
+    run()
+    assert seen.n >= EXAMPLES
+    return seen.n
 
 
 def http_client(base_url: str) -> httpx.Client:
@@ -163,62 +179,49 @@ def serve_rollout(model: Path) -> Iterator[tuple[Any, grpc.Channel]]:
 # -- structure: well-formed bytes of the wrong shape ---------------------------------------
 
 _INT32 = st.integers(-(2**31), 2**31 - 1)
+_U32, _U64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+_TEXT, _BYTES = st.text(max_size=8), st.binary(max_size=16)
+
+
+def _up_to(n: int, message: Any, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Lists of at most `n` generated `message`s."""
+    return st.lists(st.builds(message, **fields), max_size=n)
+
+
 # A valid message of another RPC's type (or of this one's, for the other services).
 FOREIGN_MESSAGES = st.one_of(
     st.builds(
-        rollout_pb2.RolloutStatus,
-        version=st.integers(0, 2**64 - 1),
-        ready=st.booleans(),
-        engine=st.text(max_size=8),
-        model=st.text(max_size=8),
+        rollout_pb2.RolloutStatus, version=_U64, ready=st.booleans(), engine=_TEXT, model=_TEXT
     ),
     st.builds(
         rollout_pb2.GenerateGroupResponse,
-        request_id=st.text(max_size=8),
+        request_id=_TEXT,
         prompt_token_ids=st.lists(_INT32, max_size=8),
-        completions=st.lists(
-            st.builds(
-                rollout_pb2.Completion,
-                token_ids_i32=st.binary(max_size=16),
-                text=st.text(max_size=8),
-            ),
-            max_size=3,
-        ),
+        completions=_up_to(3, rollout_pb2.Completion, token_ids_i32=_BYTES, text=_TEXT),
     ),
     st.builds(
         tensor_pb2.WeightBucket,
-        version=st.integers(0, 2**64 - 1),
-        index=st.integers(0, 2**32 - 1),
+        version=_U64,
+        index=_U32,
         last=st.booleans(),
-        slices=st.lists(
-            st.builds(
-                tensor_pb2.TensorSlice,
-                name=st.text(max_size=8),
-                shape=st.lists(st.integers(-5, 5), max_size=3),
-                data=st.binary(max_size=16),
-            ),
-            max_size=2,
+        slices=_up_to(
+            2,
+            tensor_pb2.TensorSlice,
+            name=_TEXT,
+            shape=st.lists(st.integers(-5, 5), max_size=3),
+            data=_BYTES,
         ),
     ),
-    st.builds(
-        learner_pb2.FetchWeightsRequest,
-        version=st.integers(0, 2**64 - 1),
-        bucket_bytes=st.integers(0, 2**32 - 1),
-    ),
+    st.builds(learner_pb2.FetchWeightsRequest, version=_U64, bucket_bytes=_U32),
     st.builds(
         rollout_pb2.GenerateRequest,
-        prompt=st.text(max_size=8),
+        prompt=_TEXT,
         n=st.integers(0, 9),
         prompt_token_ids=st.lists(_INT32, max_size=8),
     ),
     st.builds(
         reward_pb2.ScoreRequest,
-        items=st.lists(
-            st.builds(
-                reward_pb2.ScoreItem, response=st.text(max_size=8), ground_truth=st.text(max_size=8)
-            ),
-            max_size=3,
-        ),
+        items=_up_to(3, reward_pb2.ScoreItem, response=_TEXT, ground_truth=_TEXT),
     ),
 )
 

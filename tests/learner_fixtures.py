@@ -17,10 +17,19 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.types import Group, Sample
 
+if TYPE_CHECKING:
+    import redis
+
+    from services.tools.config import DapoConfig
+
 VOCAB = 14  # the tiny preset's character tokenizer
+EXACT = {"rtol": 0.0, "atol": 1e-12}  # `torch.testing.assert_close` on hand-computed fp64
 
 
 def make_groups(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[Group]:
@@ -38,6 +47,45 @@ def make_groups(n_groups: int = 4, group_size: int = 4, seed: int = 0) -> list[G
             samples.append(Sample(tokens, logprobs, "", "stop", 0, reward, reward > 0))
         groups.append(Group(f"g{seed}-{g}", f"p{g}", "", prompt, "", samples=samples))
     return groups
+
+
+def fill_train(client: redis.Redis, run: str, n_groups: int, seed: int) -> list[str]:
+    """Add `make_groups(n_groups, seed=seed)` to `run`'s train stream; their entry ids."""
+    from services.common.adapters import encode_group
+    from services.common.keys import RunKeys
+
+    stream = RunKeys(run).train
+    groups = make_groups(n_groups=n_groups, seed=seed)
+    return [client.xadd(stream, {"group": encode_group(g)}).decode() for g in groups]
+
+
+# A torch learner's fp32 step over `make_groups` in pieces of 4 responses and 64 tokens.
+TORCH_FP32_STEP: dict[str, object] = {
+    "learner.engine": "torch",
+    "learner.dtype": "float32",
+    "learner.optimizer.lr": 1e-2,
+    "learner.batching.mini_batch_responses": 4,
+    "learner.batching.micro_batch_tokens": 64,
+}
+
+
+def learner_config(
+    model: Path, run: str, sets: Mapping[str, object], env: Mapping[str, str] | None = None
+) -> DapoConfig:
+    """The config of a learner on `model` that trains the `train` stream of `run` as
+    `make_groups` fills it (16-token responses, no overlong buffer, no staleness limit),
+    with the overrides `sets` (dotted keys) on top."""
+    from services.tools.config import load_config
+
+    base = {
+        "shared.run_name": run,
+        "shared.model_path": str(model),
+        "shared.max_staleness": 100,
+        "shared.max_response_length": 16,
+        "shared.overlong_buffer_length": 0,
+    }
+    overrides = [f"{k}={v}" for k, v in {**base, **sets}.items()]
+    return load_config(None, env=env, overrides=overrides)
 
 
 def hand_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0):

@@ -99,6 +99,13 @@ def serve(
     model: Path, config: DapoConfig, client: redis.Redis | None = None, wrap: Callable = lambda e: e
 ) -> Iterator[Served]:
     engine = wrap(TorchEngine(model, device="cpu", max_batch_size=8))
+    with serve_engine(engine, config, client) as served:
+        yield served
+
+
+@contextmanager
+def serve_engine(engine: Any, config: DapoConfig, client: redis.Redis | None) -> Iterator[Served]:
+    """A started RolloutServer around `engine` and a client of it; both closed at the end."""
     server = RolloutServer(config, client, engine).start()
     served = Served(server)
     try:

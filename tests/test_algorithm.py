@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from learner_fixtures import EXACT
 
 from learner.algorithm import (
     ClipStats,
@@ -21,7 +22,6 @@ from learner.algorithm import (
 )
 
 F64 = torch.float64
-EXACT = {"rtol": 0.0, "atol": 1e-12}
 
 # One token per branch, ε_low 0.2, ε_high 0.28, dual-clip c = 3 (ratio r, advantage Â):
 RATIOS = [1.1, 1.5, 0.5, 0.5, 1.5, 4.0, 0.9, 1.3]

@@ -5,11 +5,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dapo_cli import dapo
 
 from reward.config import RewardSettings
 from reward.shaping import overlong_penalty
@@ -18,15 +17,6 @@ from services.tools import checks
 from services.tools.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_overlong_buffer_as_long_as_the_response_is_refused() -> None:

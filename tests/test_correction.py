@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from learner_fixtures import EXACT
 
 from learner.algorithm import agg_loss, per_token_loss, policy_loss
 from learner.config import MaskedIS, NoCorrection, SequenceTIS, TokenTIS, TwoSidedMask
@@ -22,7 +23,6 @@ from learner.correction import (
 )
 
 F64 = torch.float64
-EXACT = {"rtol": 0.0, "atol": 1e-12}
 LN = math.log
 
 

@@ -4,13 +4,11 @@ on it (torch engine here; vLLM in tests/test_eval_vllm.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from dapo_cli import run_eval
 from dapo_math_data import SCHEMA, write_dapo_math
 
 from services.common.data import load_records
@@ -51,35 +49,8 @@ def test_evaluations_count_each_problem_once(tmp_path: Path, same_index: bool) -
 
 def test_dapo_eval_reports_avg_and_pass_at_k_on_it(tmp_path: Path, tiny_model: Path) -> None:
     data = write_dapo_math(tmp_path / "dapo-math-17k.parquet", problems=12, copies=3)
-    out = tmp_path / "eval.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "eval",
-            "--model",
-            str(tiny_model),
-            "--data",
-            str(data),
-            "--n",
-            "4",
-            "--max-tokens",
-            "4",
-            "--engine",
-            "torch",
-            "--verifier",
-            "first_integer",
-            "--no-chat-template",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    data_out = json.loads(out.read_text())
+    options = ["--n", "4", "--max-tokens", "4", "--engine", "torch"]
+    data_out = run_eval(tiny_model, data, tmp_path / "eval.json", *options)
     assert (data_out["prompts"], data_out["samples"], data_out["engine"]) == (12, 48, "torch")
     assert 0.0 <= data_out["avg@4"] <= data_out["pass@4"] <= 1.0
     rows = data_out["per_prompt"]

@@ -5,12 +5,11 @@ rollout server counts them) or empty skipped and counted, data with nothing left
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
+from dapo_cli import dapo
 from messy_data import OVERLONG, clean_rows, messy_rows, row, write_jsonl, write_parquet
 from transformers import AutoTokenizer
 
@@ -204,11 +203,6 @@ def test_aime_with_a_real_template_fits_the_papers_prompt_length(
     longer = sum(1 for r in data.records if count(r.prompt) > limit)
     assert longer == 0 and data.filtered["prompt_too_long"] > 0
     assert len(data.records) + data.filtered["prompt_too_long"] == data.rows == 960
-
-
-def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "services.tools.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
 def test_config_show_check_data(tmp_path: Path, tiny_model: Path) -> None:

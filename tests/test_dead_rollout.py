@@ -22,7 +22,6 @@ import re
 import signal
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -30,20 +29,20 @@ import psutil
 import pytest
 import redis
 import torch
-from learner_fixtures import make_groups
-from test_faults import effective_steps
+from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
+from test_faults import assert_trained_once
 from test_pipeline import children_of
 
 from dapo.v1 import learner_pb2
 from learner.server import LearnerServer
 from rollout.weights import WeightStub
-from services.common.adapters import decode_group, encode_group
+from services.common.adapters import decode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
-from services.tools.config import load_config
+from services.tools.config import DapoConfig, load_config
 from services.tools.launcher import Launch, launch
 from services.weight_transport.assembly import WeightAssembler
 from services.weight_transport.torch_codec import to_torch
@@ -128,23 +127,9 @@ def test_stalled_weight_readers_never_block_the_learner(
     tiny_model: Path, redis_client: redis.Redis
 ) -> None:
     run, steps = "stalled", 3
-    overrides = {
-        "shared.run_name": run,
-        "shared.model_path": str(tiny_model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch",
-        "learner.dtype": "float32",
-        "learner.optimizer.lr": 1e-2,
-        "shared.train_batch_groups": BATCH,
-        "learner.batching.mini_batch_responses": 4,
-        "learner.batching.micro_batch_tokens": 64,
-        "learner.total_steps": steps,
-    }
-    config = load_config(None, overrides=[f"{k}={v}" for k, v in overrides.items()])
-    for group in make_groups(n_groups=BATCH * steps, seed=5):
-        redis_client.xadd(RunKeys(run).train, {"group": encode_group(group)})
+    sets = {**TORCH_FP32_STEP, "shared.train_batch_groups": BATCH, "learner.total_steps": steps}
+    config = learner_config(tiny_model, run, sets)
+    fill_train(redis_client, run, BATCH * steps, seed=5)
     server = LearnerServer(config, redis_client).start()
     address = f"127.0.0.1:{server.grpc_port}"
     stalled: list[StalledReader] = []
@@ -187,8 +172,34 @@ def test_stalled_weight_readers_never_block_the_learner(
 
 # --------------------------------------------------------------------------- a dead server
 RUN, STEPS, KILL_AFTER = "deadroll", 12, 2
+# Responses long enough and weights polled often enough that the kill lands among responses
+# continued across a weight update.
+PARTIAL_ROLLOUTS = (
+    "shared.max_response_length=64",
+    "rollout.partial_rollouts=true",
+    "rollout.weight_poll_s=0.05",
+)
 KEYS = RunKeys(RUN)
 FAILED = re.compile(r"rollout for (\S+) failed, retrying")
+
+
+def audited_run(model: Path, run: str, redis_url: str, *overrides: str, preset: str = "tiny"):
+    """The config of a `launch`ed run on the test's Redis whose ledger the test audits
+    exactly: every stream entry kept (the audit reads all of `scored`), full batches (no
+    generation budget: the counts), no evaluation, no learner lingering at the end."""
+    return load_config(
+        preset=preset,
+        overrides=[
+            f"shared.model_path={model}",
+            f"shared.run_name={run}",
+            f"shared.redis_url={redis_url}",
+            "controller.eval.enabled=false",
+            "learner.linger_s=0",
+            "buffer.stream_retain=1000000",
+            "learner.generation_budget=null",
+            *overrides,
+        ],
+    )
 
 
 def listening_ports(pid: int) -> set[int]:
@@ -235,6 +246,14 @@ class KeepDead:
         self.problems_at_kill = read_ledger(self.client, RUN).problems()
 
 
+def launch_and_kill(config: DapoConfig, run_dir: Path, hook: KeepDead) -> None:
+    """`launch` the run with two rollout servers, `hook` killing one: the run ends well,
+    the victim died of SIGKILL, and the ledger held at the kill."""
+    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
+    assert code == 0 and hook.exit_code == -signal.SIGKILL
+    assert not hook.problems_at_kill, hook.problems_at_kill
+
+
 def failed_on(log: str, address: str) -> set[str]:
     """Groups whose Generate failed on the server at `address`: refused there, or cut off
     when it died (the calls it was serving end with "Socket closed" or a reset)."""
@@ -271,46 +290,22 @@ def assert_registry_dropped(hook: KeepDead, client: redis.Redis, ttl: float) -> 
 
 def assert_nothing_lost(client: redis.Redis, scored: int, batch_groups: int) -> None:
     """The ledger holds, every step committed once, no group trained twice."""
-    ledger = read_ledger(client, RUN)
-    assert not ledger.problems(), ledger.problems()
-    steps = effective_steps(client, KEYS)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    trained = Counter(g for groups in steps.values() for g in groups)
-    assert max(trained.values()) == 1
-    assert sum(trained.values()) == STEPS * batch_groups == ledger.trained
+    ledger, _ = assert_trained_once(client, RUN, STEPS, batch_groups)
+    assert ledger.trained == STEPS * batch_groups
     assert scored == ledger.scored and scored + ledger.in_flight == ledger.admitted
 
 
 @pytest.mark.slow
 def test_a_rollout_server_killed_and_kept_dead_never_blocks_the_run(
-    tmp_path: Path,
-    tiny_model: Path,
-    redis_server: RedisServer,
-    redis_client: redis.Redis,
-    killed_tree_env: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
+    killed_run_dir: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])  # the children's, one is killed
-    config = load_config(
-        preset="tiny",
-        overrides=[
-            f"shared.model_path={tiny_model}",
-            f"shared.run_name={RUN}",
-            f"shared.redis_url={redis_server.url}",
-            "controller.eval.enabled=false",
-            "learner.linger_s=0",
-            "buffer.stream_retain=1000000",  # the audit reads all `scored`
-            "learner.generation_budget=null",  # full batches: the counts below
-        ],
-    )
+    run_dir = killed_run_dir
+    config = audited_run(tiny_model, RUN, redis_server.url)
     hook = KeepDead(redis_client, "rollout-0", KILL_AFTER)
     started = time.monotonic()
-    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
+    launch_and_kill(config, run_dir, hook)
     wall = time.monotonic() - started
-    assert code == 0
-    assert hook.killed_at is not None and hook.exit_code == -signal.SIGKILL
-    assert not hook.problems_at_kill, hook.problems_at_kill
+    assert hook.killed_at is not None
 
     # The learner went on: every step committed, most of them after the kill.
     commits = [t for _, t in appended(redis_client, KEYS.steps, b"json")]
@@ -364,45 +359,34 @@ class KillMidResponse(KeepDead):
 
 @pytest.mark.slow
 def test_a_rollout_server_killed_mid_partial_rollout_loses_nothing(
-    tmp_path: Path,
-    tiny_model: Path,
-    redis_server: RedisServer,
-    redis_client: redis.Redis,
-    killed_tree_env: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
+    killed_run_dir: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
-    config = load_config(
-        preset="tiny",
-        overrides=[
-            f"shared.model_path={tiny_model}",
-            f"shared.run_name={RUN}",
-            f"shared.redis_url={redis_server.url}",
-            "controller.eval.enabled=false",
-            "learner.linger_s=0",
-            "buffer.stream_retain=1000000",
-            "shared.max_response_length=64",
-            "rollout.partial_rollouts=true",
-            "rollout.weight_poll_s=0.05",
-            "learner.generation_budget=null",  # full batches: the counts below
-        ],
-    )
+    run_dir = killed_run_dir
+    config = audited_run(tiny_model, RUN, redis_server.url, *PARTIAL_ROLLOUTS)
     hook = KillMidResponse(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
-    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
-    assert code == 0 and hook.exit_code == -signal.SIGKILL
-    assert not hook.problems_at_kill, hook.problems_at_kill
+    launch_and_kill(config, run_dir, hook)
+    batch = config.shared.train_batch_groups
+    spanning, failed = assert_cut_off_regenerated(redis_client, run_dir, hook, batch)
+    print(
+        f"\n{spanning} responses spanned versions; {failed} groups cut off on the "
+        f"dead server, all generated again or in flight"
+    )
 
-    scored = [decode_group(f[b"group"]) for _, f in redis_client.xrange(KEYS.scored)]
+
+def assert_cut_off_regenerated(
+    client: redis.Redis, run_dir: Path, hook: KeepDead, batch_groups: int
+) -> tuple[int, int]:
+    """After a kill among partial rollouts: some response was continued across a weight
+    update, every group cut off on the dead server was generated again or is in flight,
+    nothing was lost, and no process of the run is left. Returns (responses that spanned
+    versions, groups cut off)."""
+    scored = [decode_group(f[b"group"]) for _, f in client.xrange(KEYS.scored)]
     spanning = [s for g in scored for s in g.samples if len(set(s.versions())) > 1]
     assert spanning, "no response was continued across a weight update"
     log = (run_dir / "logs" / "controller.log").read_text()[hook.log_offset :]
     failed = failed_on(log, hook.dead["address"])
-    in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
+    in_flight = {g.decode() for g in client.hkeys(KEYS.inflight)}
     assert failed and failed <= {g.group_id for g in scored} | in_flight
-    print(
-        f"\n{len(spanning)} responses spanned versions; {len(failed)} groups cut off on the "
-        f"dead server, all generated again or in flight"
-    )
-    assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
+    assert_nothing_lost(client, len(scored), batch_groups)
     assert not children_of(run_dir)
+    return len(spanning), len(failed)

@@ -8,7 +8,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,10 +16,12 @@ from typing import Any
 
 import pytest
 import yaml
+from dapo_cli import set_args
 from test_deploy_tools import DEPLOY, ROOT, require_tool
 
 from scripts.prometheus_checks import api, dashboard_queries
 from services.common.net import free_port
+from services.tools.cli import up_argv
 
 pytestmark = pytest.mark.slow
 
@@ -65,24 +66,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 30)
 def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
     """A `dapo up --preset tiny` that trains for longer than the test; role → HTTP port."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.tools.cli",
-        "up",
-        "--preset",
-        "tiny",
-        "--steps",
-        "10000",
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        f"shared.model_path={tiny_model}",
-        "--set",
-        "shared.run_name=scrape",
-        "--set",
-        "controller.eval.enabled=false",
-    ]
+    sets = ["shared.run_name=scrape", "controller.eval.enabled=false"]
+    cmd = [*up_argv(run_dir, tiny_model), "--steps", "10000", *set_args(sets)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     found: dict[str, int] = {}

@@ -6,11 +6,10 @@ import importlib.util
 import itertools
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dapo_cli import dapo, run_eval
 
 from services.common.eval_stats import curve_point, pass_at_k, summarise
 from services.tools.config import load_config
@@ -59,56 +58,15 @@ def test_summary_averages_over_samples_and_prompts() -> None:
 
 
 def test_eval_runs_end_to_end(tmp_path: Path, tiny_model: Path) -> None:
-    out = tmp_path / "eval.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "eval",
-            "--model",
-            str(tiny_model),
-            "--data",
-            "synthetic:max3",
-            "--n",
-            "4",
-            "--max-tokens",
-            "4",
-            "--limit",
-            "20",
-            "--verifier",
-            "first_integer",
-            "--no-chat-template",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    data = json.loads(out.read_text())
+    options = ["--n", "4", "--max-tokens", "4", "--limit", "20"]
+    data = run_eval(tiny_model, "synthetic:max3", tmp_path / "eval.json", *options)
     assert data["prompts"] == 20 and data["samples"] == 80
     assert 0.0 <= data["avg@4"] <= data["pass@4"] <= 1.0
     assert len(data["per_prompt"]) == 20
 
 
 def test_eval_on_a_missing_model_is_one_clear_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "eval",
-            "--model",
-            str(tmp_path / "nope"),
-            "--data",
-            "synthetic:max3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = dapo("eval", "--model", str(tmp_path / "nope"), "--data", "synthetic:max3", timeout=60)
     assert result.returncode == 2 and "model directory not found" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -142,25 +100,8 @@ def test_in_run_eval_uses_the_rollout_servers_vllm_settings() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm installed")
 def test_eval_on_vllm_without_vllm_is_one_clear_line(tiny_model: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "eval",
-            "--model",
-            str(tiny_model),
-            "--data",
-            "synthetic:max3",
-            "--engine",
-            "vllm",
-            "--max-tokens",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    args = ["--model", str(tiny_model), "--data", "synthetic:max3", "--max-tokens", "8"]
+    result = dapo("eval", *args, "--engine", "vllm", timeout=60)
     assert result.returncode == 2 and "vllm is not installed" in result.stderr
     assert "Traceback" not in result.stderr
 

@@ -3,13 +3,11 @@ same numbers as the torch engine where both are deterministic (greedy decoding).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dapo_cli import run_eval
 from dapo_math_data import write_dapo_math
 from vllm_support import needs_vllm, own_tmpdir
 
@@ -56,7 +54,6 @@ def test_dapo_eval_on_vllm_reads_the_dapo_math_17k_layout(
     (the file repeats them), k samples each, pass@k from the unbiased estimator. vLLM's
     processes inherit the module's TMPDIR (`own_tmpdir`)."""
     data = write_dapo_math(tmp_path / "dapo-math-17k.parquet", problems=5, copies=3)
-    out = tmp_path / "eval.json"
     options = [
         f"--engine-option={k}={v}"
         for k, v in (
@@ -66,35 +63,8 @@ def test_dapo_eval_on_vllm_reads_the_dapo_math_17k_layout(
             ("kv_cache_memory_bytes", str(64 << 20)),
         )
     ]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "eval",
-            "--model",
-            str(small_model),
-            "--data",
-            str(data),
-            "--n",
-            "3",
-            "--max-tokens",
-            "8",
-            "--engine",
-            "vllm",
-            *options,
-            "--verifier",
-            "first_integer",
-            "--no-chat-template",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data_out = json.loads(out.read_text())
+    args = ["--n", "3", "--max-tokens", "8", "--engine", "vllm", *options]
+    data_out = run_eval(small_model, data, tmp_path / "eval.json", *args, timeout=600)
     assert (data_out["engine"], data_out["prompts"], data_out["samples"]) == ("vllm", 5, 15)
     rows = data_out["per_prompt"]
     assert data_out["avg@3"] == pytest.approx(sum(r["accuracy"] for r in rows) / 5)

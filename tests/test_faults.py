@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from dapo_cli import set_args
 from test_pipeline import children_of, role_process, wait_for
 
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
-from services.common.ledger import read_ledger
+from services.common.ledger import Ledger, read_ledger
 from services.common.redis_server import RedisServer, start_redis
 from services.common.registry import discover
 from services.tools.cli import up_argv
@@ -98,6 +99,21 @@ def effective_steps(client: redis.Redis, keys: RunKeys = KEYS) -> dict[int, list
     return steps
 
 
+def assert_trained_once(
+    client: redis.Redis, run: str, steps: int, batch_groups: int
+) -> tuple[Ledger, set[str]]:
+    """The ledger holds, steps 1 to `steps` are in the final model once each, and each of
+    their `batch_groups` groups was trained once; the ledger and the trained group ids."""
+    ledger = read_ledger(client, run)
+    assert not ledger.problems(), ledger.problems()
+    final = effective_steps(client, RunKeys(run))
+    assert sorted(final) == list(range(1, steps + 1))
+    trained = Counter(g for groups in final.values() for g in groups)
+    assert max(trained.values()) == 1  # no group trained twice
+    assert sum(trained.values()) == steps * batch_groups
+    return ledger, set(trained)
+
+
 def group_ids(client: redis.Redis, stream: str) -> Counter:
     return Counter(f[b"group_id"].decode() for _, f in client.xrange(stream))
 
@@ -106,33 +122,22 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "run"
+    options = ["--steps", str(STEPS), "--rollouts", "2"]
+    sets = [
+        f"shared.run_name={RUN}",
+        "controller.eval.enabled=false",
+        "learner.linger_s=0",
+        "learner.checkpoint.every=2",
+        # Full batches (the counts below): no generation budget.
+        "learner.generation_budget=null",
+        # Keep every acked entry: the audit below reads the whole `scored` stream,
+        # and a run that admits more than the default 1000 groups would be trimmed.
+        "buffer.stream_retain=1000000",
+    ]
     with RedisServer(appendonly=True) as server:
         client = redis.Redis.from_url(server.url)
         proc = subprocess.Popen(
-            [
-                *up_argv(run_dir, tiny_model),
-                "--steps",
-                str(STEPS),
-                "--rollouts",
-                "2",
-                "--redis-url",
-                server.url,
-                "--set",
-                f"shared.run_name={RUN}",
-                "--set",
-                "controller.eval.enabled=false",
-                "--set",
-                "learner.linger_s=0",
-                "--set",
-                "learner.checkpoint.every=2",
-                # Full batches (the counts below): no generation budget.
-                "--set",
-                "learner.generation_budget=null",
-                # Keep every acked entry: the audit below reads the whole `scored` stream,
-                # and a run that admits more than the default 1000 groups would be trimmed.
-                "--set",
-                "buffer.stream_retain=1000000",
-            ],
+            [*up_argv(run_dir, tiny_model), *options, "--redis-url", server.url, *set_args(sets)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -151,13 +156,8 @@ def test_every_process_killed_in_turn_loses_and_duplicates_nothing(
         assert successor is not None, "the restarted rollout server never accepted work"
         assert successor >= version_at_kill >= 1  # caught up before it served
 
-        ledger = read_ledger(client, RUN)
-        assert not ledger.problems(), ledger.problems()
-        steps = effective_steps(client)
-        assert sorted(steps) == list(range(1, STEPS + 1))
-        trained = Counter(g for groups in steps.values() for g in groups)
-        assert max(trained.values()) == 1  # no group trained twice
-        assert sum(trained.values()) == STEPS * BATCH == ledger.trained
+        ledger, trained = assert_trained_once(client, RUN, STEPS, BATCH)
+        assert ledger.trained == STEPS * BATCH
         # No group published or forwarded twice, none lost: every admitted group id is in
         # `scored` once or still in flight, and every trained one went through `train`.
         scored = group_ids(client, KEYS.scored)

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from fuzzing import EXAMPLES, Counter, cases
-from hypothesis import given
+from fuzzing import fuzz
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
@@ -163,44 +162,35 @@ def _floats(value: Any) -> list[float]:
 
 
 def test_fuzz_config_sources() -> None:
-    seen = Counter()
     with tempfile.TemporaryDirectory() as tmp:
 
-        @cases(EXAMPLES)
-        @given(
-            suffix=st.sampled_from([".yaml", ".toml", None]),
-            yaml_text=yaml_files(),
-            toml_text=toml_files(),
-            env=ENVS,
-            overrides=OVERRIDES,
-        )
-        def run(
+        def check(
             suffix: str | None, yaml_text: bytes, toml_text: bytes, env: dict, overrides: list
         ) -> None:
-            seen()
             path = None
             if suffix is not None:
                 path = Path(tmp) / f"c{suffix}"
                 path.write_bytes(toml_text if suffix == ".toml" else yaml_text)
             check_load(path, env, overrides)
 
-        run()
-    assert seen.n >= EXAMPLES
+        fuzz(
+            check,
+            suffix=st.sampled_from([".yaml", ".toml", None]),
+            yaml_text=yaml_files(),
+            toml_text=toml_files(),
+            env=ENVS,
+            overrides=OVERRIDES,
+        )
 
 
 def test_fuzz_one_override_per_known_field() -> None:
     """One `--set` on a real field: mostly a valid config, so bad values cannot hide
     behind an unrelated error (this is the case that found infinite lr accepted)."""
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(path=st.sampled_from(PATHS), value=SCALAR_TEXTS, via_env=st.booleans())
-    def run(path: tuple[str, ...], value: str, via_env: bool) -> None:
-        seen()
+    def check(path: tuple[str, ...], value: str, via_env: bool) -> None:
         if via_env:
             check_load(None, {"DAPO_" + "__".join(path).upper(): value}, [])
         else:
             check_load(None, {}, [".".join(path) + "=" + value])
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, path=st.sampled_from(PATHS), value=SCALAR_TEXTS, via_env=st.booleans())

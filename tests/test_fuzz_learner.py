@@ -25,12 +25,11 @@ from fuzzing import (
     STRUCTURE_BYTES,
     Counter,
     assert_clear_refusal,
-    cases,
     decodes,
+    fuzz,
     raw_call,
     wire_bytes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc, tensor_pb2
@@ -144,47 +143,33 @@ RAW_MESSAGES = {
 
 
 def test_fuzz_fetch_weights(channel: Any) -> None:
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(request=FETCH_REQUESTS)
-    def run(request: learner_pb2.FetchWeightsRequest) -> None:
-        seen()
+    def check(request: learner_pb2.FetchWeightsRequest) -> None:
         check_fetch(channel, request, request.SerializeToString())
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, request=FETCH_REQUESTS)
 
 
 def test_fuzz_open_weight_socket(channel: Any, servicer: WeightServicer) -> None:
     """Every ticket granted is redeemed over the socket."""
-    seen, port = Counter(), servicer.weight_socket.port
+    port = servicer.weight_socket.port
 
-    @cases(EXAMPLES)
-    @given(request=FETCH_REQUESTS)
-    def run(request: learner_pb2.FetchWeightsRequest) -> None:
-        seen()
+    def check(request: learner_pb2.FetchWeightsRequest) -> None:
         check_open(channel, port, request, request.SerializeToString())
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, request=FETCH_REQUESTS)
 
 
 def test_fuzz_get_version(channel: Any) -> None:
     """GetVersionRequest has no fields: generated ones carry unknown fields (other messages)."""
     stub = learner_pb2_grpc.WeightServiceStub(channel)
-    seen = Counter()
     unknown = st.one_of(FETCH_REQUESTS, st.builds(learner_pb2.GetVersionResponse))
 
-    @cases(EXAMPLES)
-    @given(other=unknown)
-    def run(other: Any) -> None:
-        seen()
+    def check(other: Any) -> None:
         request = learner_pb2.GetVersionRequest.FromString(other.SerializeToString())
         assert stub.GetVersion(request, timeout=30).version == VERSION
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, other=unknown)
 
 
 @pytest.mark.parametrize("kind", ["raw", "structure"])
@@ -192,16 +177,13 @@ def test_fuzz_get_version(channel: Any) -> None:
 def test_fuzz_raw_bytes(channel: Any, servicer: WeightServicer, method: str, kind: str) -> None:
     """Bytes that decode get the decoded request's verdict; others INVALID_ARGUMENT.
     `structure`: another RPC's message, nested unknown groups, a huge unknown field."""
-    seen, port = Counter(), servicer.weight_socket.port
+    port = servicer.weight_socket.port
     request_type = learner_pb2.GetVersionRequest
     if method != "GetVersion":
         request_type = learner_pb2.FetchWeightsRequest
     path = f"/dapo.v1.WeightService/{method}"
 
-    @cases(EXAMPLES)
-    @given(data=wire_bytes(RAW_MESSAGES[method]) if kind == "raw" else STRUCTURE_BYTES)
-    def run(data: bytes) -> None:
-        seen()
+    def check(data: bytes) -> None:
         if method != "GetVersion" and decodes(request_type, data):
             request = request_type.FromString(data)
             if method == "FetchWeights":
@@ -220,8 +202,7 @@ def test_fuzz_raw_bytes(channel: Any, servicer: WeightServicer, method: str, kin
         assert method == "GetVersion" and decodes(request_type, data)
         assert learner_pb2.GetVersionResponse.FromString(reply).version == VERSION
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, data=wire_bytes(RAW_MESSAGES[method]) if kind == "raw" else STRUCTURE_BYTES)
 
 
 # ------------------------------------------------------------------ the raw weight socket
@@ -288,12 +269,9 @@ def test_fuzz_weight_socket_first_bytes(servicer: WeightServicer) -> None:
     connection's thread and slot: all 16 slots serve at once afterwards, a 17th is shut."""
     sock_server = servicer.weight_socket
     port, frames = sock_server.port, servicer._buckets(learner_pb2.FetchWeightsRequest(), None)
-    seen, kinds = Counter(), Counter()
+    kinds = Counter()
 
-    @cases(EXAMPLES)
-    @given(case=FIRST_BYTES)
-    def run(case: tuple[str, Any]) -> None:
-        seen()
+    def check(case: tuple[str, Any]) -> None:
         kind, arg = case
         ticket = sock_server.issue(frames)
         if kind == "used":
@@ -303,8 +281,8 @@ def test_fuzz_weight_socket_first_bytes(servicer: WeightServicer) -> None:
         kinds.n += rightful
         assert send_and_read(port, data) == (stream_bytes(frames) if rightful else b"")
 
-    run()
-    assert seen.n >= EXAMPLES and kinds.n > EXAMPLES // 20
+    fuzz(check, case=FIRST_BYTES)
+    assert kinds.n > EXAMPLES // 20
     assert wait_idle() == 0
     # Every slot is free: SOCKET_SLOTS connections held open at once all get served.
     held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(SOCKET_SLOTS)]

@@ -20,24 +20,22 @@ import grpc
 import httpx
 import pytest
 from fuzzing import (
-    EXAMPLES,
     PROTO_TEXTS,
     STRUCTURE_BYTES,
     TEXT_LIMIT,
     TEXTS,
     Counter,
     assert_clear_refusal,
-    cases,
     decodes,
+    fuzz,
     http_client,
     raw_call,
 )
-from hypothesis import given
 from hypothesis import strategies as st
+from reward_fixtures import reward_server
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
-from reward.server import RewardServer, create_server
-from services.tools.config import DapoConfig
+from reward.server import RewardServer
 
 MAX_ITEMS = 4
 VERIFIERS = ["dapo", "math_verify", "cascade", "first_integer"]
@@ -46,28 +44,15 @@ SCORE = "/dapo.v1.RewardService/Score"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RewardServer]:
-    config = DapoConfig.model_validate(
-        {
-            "shared": {
-                "max_response_length": 100,
-                "overlong_buffer_length": 20,
-                "rpc": {"max_score_items": MAX_ITEMS},
-            },
-            "reward": {
-                "num_workers": 2,
-                "timeout_s": 5.0,
-                "max_response_chars": TEXT_LIMIT,
-                "max_ground_truth_chars": TEXT_LIMIT,
-                "default_verifier": "dapo",  # cheap: 1000 requests must finish fast
-                "max_request_bytes": 64 * 1024,
-                "server": {"grpc_port": 0, "http_port": 0},
-            },
-        }
-    )
-    server = create_server(config).start()
-    assert server.scorer.pool.wait_ready(60)
-    yield server
-    server.stop()
+    with reward_server(
+        MAX_ITEMS,
+        timeout_s=5.0,
+        max_response_chars=TEXT_LIMIT,
+        max_ground_truth_chars=TEXT_LIMIT,
+        default_verifier="dapo",  # cheap: 1000 requests must finish fast
+        max_request_bytes=64 * 1024,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -155,17 +140,12 @@ def check_score_reply(reply: httpx.Response, body: bytes) -> None:
 
 
 def test_fuzz_http_score(http: httpx.Client) -> None:
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(body=SCORE_BODIES)
-    def run(body: bytes) -> None:
-        seen()
+    def check(body: bytes) -> None:
         reply = http.post("/v1/score", content=body, headers={"content-type": "application/json"})
         check_score_reply(reply, body)
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, body=SCORE_BODIES)
 
 
 # Structure: JSON text built directly, so it can hold what json.dumps never writes
@@ -233,18 +213,14 @@ def _high(data: bytes) -> bytes:
 
 
 def test_fuzz_http_score_structure(http: httpx.Client) -> None:
-    seen, codes = Counter(), {}
+    codes = {}
 
-    @cases(EXAMPLES)
-    @given(body=structured_bodies())
-    def run(body: bytes) -> None:
-        seen()
+    def check(body: bytes) -> None:
         reply = http.post("/v1/score", content=body, headers={"content-type": "application/json"})
         check_score_reply(reply, body)
         codes[reply.status_code] = codes.get(reply.status_code, 0) + 1
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, body=structured_bodies())
     assert set(codes) >= {200, 413, 422}, codes  # not vacuous: every outcome was reached
 
 
@@ -255,12 +231,8 @@ QUERY = st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), ma
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_fuzz_http_other_routes(http: httpx.Client, route: str) -> None:
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(method=st.sampled_from(METHODS), params=QUERY, body=st.binary(max_size=32))
-    def run(method: str, params: dict[str, str], body: bytes) -> None:
-        seen()
+    def check(method: str, params: dict[str, str], body: bytes) -> None:
         reply = http.request(method, route, params=params, content=body)
         assert reply.status_code < 500, reply.text
         if method == "GET":
@@ -269,8 +241,7 @@ def test_fuzz_http_other_routes(http: httpx.Client, route: str) -> None:
             assert reply.status_code == 405
             assert "not allowed" in reply.json()["detail"].lower()
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, method=st.sampled_from(METHODS), params=QUERY, body=st.binary(max_size=32))
 
 
 # -- gRPC -------------------------------------------------------------------------------
@@ -288,12 +259,8 @@ PROTO_ITEMS = st.builds(
 
 def test_fuzz_grpc_score(channel: grpc.Channel) -> None:
     stub = reward_pb2_grpc.RewardServiceStub(channel)
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(items=st.lists(PROTO_ITEMS, max_size=MAX_ITEMS + 1))
-    def run(items: list[reward_pb2.ScoreItem]) -> None:
-        seen()
+    def check(items: list[reward_pb2.ScoreItem]) -> None:
         try:
             reply = stub.Score(reward_pb2.ScoreRequest(items=items), timeout=60)
         except grpc.RpcError as exc:
@@ -307,17 +274,12 @@ def test_fuzz_grpc_score(channel: grpc.Channel) -> None:
         assert len(items) <= MAX_ITEMS
         assert [r.id for r in reply.results] == [i.id for i in items]
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, items=st.lists(PROTO_ITEMS, max_size=MAX_ITEMS + 1))
 
 
 def test_fuzz_grpc_score_raw_bytes(channel: grpc.Channel) -> None:
-    seen = Counter()
 
-    @cases(EXAMPLES)
-    @given(data=st.binary(max_size=96))
-    def run(data: bytes) -> None:
-        seen()
+    def check(data: bytes) -> None:
         try:
             reply = reward_pb2.ScoreResponse.FromString(raw_call(channel, SCORE, data))
         except grpc.RpcError as exc:
@@ -326,8 +288,7 @@ def test_fuzz_grpc_score_raw_bytes(channel: grpc.Channel) -> None:
         request = reward_pb2.ScoreRequest.FromString(data)  # the server decoded it too
         assert len(reply.results) == len(request.items)
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, data=st.binary(max_size=96))
 
 
 def oversized_score_requests() -> st.SearchStrategy[bytes]:
@@ -344,12 +305,9 @@ def test_fuzz_grpc_score_structure(channel: grpc.Channel) -> None:
     """Another RPC's message, repeated items or texts far over the limits, unknown groups
     nested past protobuf's recursion limit: answered as the decoded request deserves, or
     refused with INVALID_ARGUMENT naming the problem."""
-    seen, refused = Counter(), Counter()
+    refused = Counter()
 
-    @cases(EXAMPLES)
-    @given(data=st.one_of(STRUCTURE_BYTES, oversized_score_requests()))
-    def run(data: bytes) -> None:
-        seen()
+    def check(data: bytes) -> None:
         try:
             reply = reward_pb2.ScoreResponse.FromString(raw_call(channel, SCORE, data))
         except grpc.RpcError as exc:
@@ -369,5 +327,5 @@ def test_fuzz_grpc_score_structure(channel: grpc.Channel) -> None:
         assert len(request.items) <= MAX_ITEMS
         assert [r.id for r in reply.results] == [i.id for i in request.items]
 
-    run()
-    assert seen.n >= EXAMPLES and 0 < refused.n < seen.n, refused.n
+    seen = fuzz(check, data=st.one_of(STRUCTURE_BYTES, oversized_score_requests()))
+    assert 0 < refused.n < seen, refused.n

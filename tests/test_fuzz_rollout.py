@@ -28,15 +28,13 @@ from fuzzing import (
     ROLLOUT_MAX_REQUEST_BYTES,
     ROLLOUT_MAX_RESPONSE,
     STRUCTURE_BYTES,
-    Counter,
     assert_clear_refusal,
-    cases,
     decodes,
+    fuzz,
     raw_call,
     serve_rollout,
     wire_bytes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 from dapo.v1 import rollout_pb2
@@ -231,16 +229,12 @@ def generate_requests(draw: st.DrawFn) -> rollout_pb2.GenerateRequest:
 
 def test_fuzz_generate_group(served: tuple[RolloutServer, Any]) -> None:
     server, channel = served
-    verdicts, seen = Verdicts(server, channel), Counter()
+    verdicts = Verdicts(server, channel)
 
-    @cases(EXAMPLES)
-    @given(request=generate_requests())
-    def run(request: rollout_pb2.GenerateRequest) -> None:
-        seen()
+    def check(request: rollout_pb2.GenerateRequest) -> None:
         verdicts.check(request, request.SerializeToString())
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, request=generate_requests())
     # Not vacuous: the generator keeps about half the requests within limits, and every
     # one of those was answered in full (a refusal of one fails the case above).
     assert verdicts.accepted >= EXAMPLES // 4, (verdicts.accepted, verdicts.refused)
@@ -311,12 +305,9 @@ def test_fuzz_raw_bytes(served: tuple[RolloutServer, Any], method: str) -> None:
     structure: they decode and get the verdict the decoded request deserves, or they
     don't and get INVALID_ARGUMENT."""
     server, channel = served
-    verdicts, seen = Verdicts(server, channel), Counter()
+    verdicts = Verdicts(server, channel)
 
-    @cases(EXAMPLES)
-    @given(data=RAW_MESSAGES[method])
-    def run(data: bytes) -> None:
-        seen()
+    def check(data: bytes) -> None:
         if method.startswith("GetStatus"):
             raw_status(server, channel, data)
         elif decodes(rollout_pb2.GenerateRequest, data):
@@ -328,8 +319,7 @@ def test_fuzz_raw_bytes(served: tuple[RolloutServer, Any], method: str) -> None:
             assert "cannot decode" in caught.value.details()
             verdicts.refused["cannot decode"] = verdicts.refused.get("cannot decode", 0) + 1
 
-    run()
-    assert seen.n >= EXAMPLES
+    fuzz(check, data=RAW_MESSAGES[method])
     assert server.servicer.in_flight == 0
     if method == "GenerateGroup/structure":  # not vacuous: the limits were reached
         assert {"rollout.max_request_bytes", "shared.max_prompt_length"} <= set(verdicts.refused)

@@ -23,12 +23,11 @@ import torch
 from fuzzing import (
     EXAMPLES,
     Counter,
-    cases,
     decodes,
+    fuzz,
     serve_rollout,
     wire_bytes,
 )
-from hypothesis import given
 from hypothesis import strategies as st
 
 from dapo.v1 import rollout_pb2, tensor_pb2
@@ -200,12 +199,9 @@ def test_fuzz_update_weights(served: tuple[RolloutServer, Any]) -> None:
     server, channel = served
     engine: TorchEngine = server.engine  # type: ignore[assignment]
     names = sorted(dict(engine.model.named_parameters()))
-    seen, applied = Counter(), Counter()
+    applied = Counter()
 
-    @cases(EXAMPLES)
-    @given(kind=st.sampled_from(list(EXPECTED)), at=st.integers(0, 2**20))
-    def run(kind: str, at: int) -> None:
-        seen()
+    def check(kind: str, at: int) -> None:
         before, version = served_weights(engine), engine.version
         params = {n: before[n] for n in names}
         buckets = build_update(params, kind, at, version + 1)
@@ -222,8 +218,8 @@ def test_fuzz_update_weights(served: tuple[RolloutServer, Any]) -> None:
         assert served_version == version == engine.version
         assert all(torch.equal(after[n], before[n]) for n in before), f"{kind} changed weights"
 
-    run()
-    assert seen.n >= EXAMPLES and applied.n >= EXAMPLES // 40, applied.n  # ~1 in 20 is whole
+    fuzz(check, kind=st.sampled_from(list(EXPECTED)), at=st.integers(0, 2**20))
+    assert applied.n >= EXAMPLES // 40, applied.n  # ~1 in 20 is whole
     generated = generate_one(channel)  # the server still samples
     assert generated.completions[0].policy_version == engine.version
 
@@ -266,12 +262,9 @@ def test_fuzz_update_weights_raw_bytes(served: tuple[RolloutServer, Any]) -> Non
     named."""
     server, channel = served
     engine: TorchEngine = server.engine  # type: ignore[assignment]
-    seen, refused = Counter(), Counter()
+    refused = Counter()
 
-    @cases(EXAMPLES)
-    @given(stream=st.lists(st.one_of(WHOLE, wire_bytes(BUCKETS)), min_size=1, max_size=3))
-    def run(stream: list[bytes]) -> None:
-        seen()
+    def check(stream: list[bytes]) -> None:
         before, version = served_weights(engine), engine.version
         served_version, error = load(server, stream)
         after = served_weights(engine)
@@ -285,5 +278,5 @@ def test_fuzz_update_weights_raw_bytes(served: tuple[RolloutServer, Any]) -> Non
         named = {s.name for m in stream for s in tensor_pb2.WeightBucket.FromString(m).slices}
         assert all(torch.equal(after[n], before[n]) for n in before if n not in named)
 
-    run()
-    assert seen.n >= EXAMPLES and refused.n >= EXAMPLES * 9 // 10, refused.n
+    fuzz(check, stream=st.lists(st.one_of(WHOLE, wire_bytes(BUCKETS)), min_size=1, max_size=3))
+    assert refused.n >= EXAMPLES * 9 // 10, refused.n

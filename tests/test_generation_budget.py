@@ -4,8 +4,6 @@ and the learner training the short batch it holds, exactly, and saying so."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,13 +11,14 @@ from typing import Any
 import pytest
 import redis
 import torch
-from learner_fixtures import make_groups
+from dapo_cli import run_ok, set_args
+from learner_fixtures import learner_config, make_groups
 
 from learner.server import Learner
 from services.common.adapters import encode_group
 from services.common.generation_budget import batch_ready, budget_spent, decided_groups
 from services.common.keys import RunKeys
-from services.tools.config import load_config
+from services.tools.cli import up_argv
 
 
 def test_decided_counts_kept_and_every_filter_reason() -> None:
@@ -60,11 +59,6 @@ def test_a_step_never_trains_nothing() -> None:
 
 def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> Any:
     sets = {
-        "shared.run_name": run,
-        "shared.model_path": str(model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
         "shared.train_batch_groups": batch,
         "learner.engine": "torch",
         "learner.optimizer.lr": 1e-2,
@@ -74,7 +68,7 @@ def _learner_config(model: Path, run: str, batch: int, budget: float | None) -> 
         "learner.generation_budget": "null" if budget is None else budget,
         "learner.total_steps": 1,
     }
-    return load_config(None, env={}, overrides=[f"{k}={v}" for k, v in sets.items()])
+    return learner_config(model, run, sets, env={})
 
 
 def _stop_after(seconds: float) -> threading.Event:
@@ -140,32 +134,13 @@ def test_dapo_up_trains_short_batches_past_the_budget_and_says_so(
     step trains fewer than 64 groups."""
     run_dir = tmp_path / "run"
     sets = [
-        f"shared.model_path={tiny_model}",
         "shared.train_batch_groups=64",
         "shared.max_staleness=0",
         "learner.generation_budget=1",
         "controller.eval.enabled=false",
         "learner.linger_s=0",
     ]
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--steps",
-            "4",
-            "--run-dir",
-            str(run_dir),
-            *[a for s in sets for a in ("--set", s)],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_ok([*up_argv(run_dir, tiny_model), "--steps", "4", *set_args(sets)], 240)
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]
     short = [s for s in steps if s["groups"] < 64]

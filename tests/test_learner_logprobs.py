@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from learner_fixtures import make_groups
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from benchmarks._models import random_qwen2
 from learner.algorithm import token_logprobs
 from learner.batch import collate, sequences_from_groups
 from learner.config import LearnerConfig
+from learner.init_model import ModelShape
 from learner.logprobs import head_logprobs, sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs
 from learner.torch_policy import TorchPolicy
@@ -27,18 +29,7 @@ VOCAB, TEMPERATURE = 257, 0.7
 
 
 def tiny_qwen(tied: bool, seed: int = 0) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = random_qwen2(VOCAB, ModelShape(32, 64, 2, 4, 2, 64, tied), seed)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     return model
 

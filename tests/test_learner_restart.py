@@ -21,34 +21,24 @@ from pathlib import Path
 
 import redis
 import torch
-from learner_fixtures import make_groups
+from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
 from safetensors.torch import load_file
 from test_dead_rollout import fetch, listening_ports
 
-from services.common.adapters import encode_group
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
-from services.tools.config import dump_config, load_config
+from services.tools.config import dump_config
 
 BATCH = 2
 
 
 def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) -> Path:
     sets = {
-        "shared.run_name": run,
-        "shared.model_path": str(model),
+        **TORCH_FP32_STEP,
         "shared.redis_url": url,
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch",
-        "learner.dtype": "float32",
-        "learner.optimizer.lr": 1e-2,
         "shared.train_batch_groups": BATCH,
-        "learner.batching.mini_batch_responses": 4,
-        "learner.batching.micro_batch_tokens": 64,
         "learner.total_steps": steps,
         "learner.checkpoint.dir": str(tmp_path / "ckpt"),
         "learner.checkpoint.every": 100,
@@ -57,13 +47,8 @@ def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) ->
         "learner.server.http_port": 0,
     }
     path = tmp_path / "run.yaml"
-    path.write_text(dump_config(load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])))
+    path.write_text(dump_config(learner_config(model, run, sets)))
     return path
-
-
-def _fill(client: redis.Redis, run: str, steps: int, seed: int) -> None:
-    for group in make_groups(n_groups=BATCH * steps, seed=seed):
-        client.xadd(RunKeys(run).train, {"group": encode_group(group)})
 
 
 def _learner(config: Path, log: Path, *sets: str) -> subprocess.Popen:
@@ -103,7 +88,7 @@ def test_a_finished_run_restarted_publishes_no_new_version(
 ) -> None:
     run, keys = "restart-done", RunKeys("restart-done")
     config = _config_file(tmp_path, tiny_model, redis_server.url, run, steps=2)
-    _fill(redis_client, run, 2, seed=3)
+    fill_train(redis_client, run, BATCH * 2, seed=3)
     log = tmp_path / "learner.log"
     assert _learner(config, log).wait(timeout=180) == 0, log.read_text()[-3000:]
     assert int(redis_client.get(keys.version)) == 2 and redis_client.exists(keys.done)
@@ -131,7 +116,7 @@ def test_sigterm_checkpoints_and_a_restart_resumes(
 ) -> None:
     run, keys = "restart-drain", RunKeys("restart-drain")
     config = _config_file(tmp_path, tiny_model, redis_server.url, run, steps=4)
-    _fill(redis_client, run, 2, seed=4)  # half the run: the learner then waits for more
+    fill_train(redis_client, run, BATCH * 2, seed=4)  # half the run: then it waits for more
     log = tmp_path / "learner.log"
     first = _learner(config, log)
     try:
@@ -143,7 +128,7 @@ def test_sigterm_checkpoints_and_a_restart_resumes(
     assert (tmp_path / "ckpt" / "latest").read_text() == "step2"
     assert read_ledger(redis_client, run).trained == 2 * BATCH  # acked with the checkpoint
 
-    _fill(redis_client, run, 2, seed=5)
+    fill_train(redis_client, run, BATCH * 2, seed=5)
     assert _learner(config, log).wait(timeout=180) == 0, log.read_text()[-3000:]
     assert int(redis_client.get(keys.version)) == 4  # resumed at 2: no base model as 3
     assert _steps(redis_client, run) == [1, 2, 3, 4]

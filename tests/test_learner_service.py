@@ -15,7 +15,7 @@ import grpc
 import pytest
 import redis
 import torch
-from learner_fixtures import make_groups
+from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config, make_groups
 
 from dapo.v1 import learner_pb2, learner_pb2_grpc
 from learner.server import Learner
@@ -24,7 +24,7 @@ from services.common.adapters import decode_group, encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.server_config import ServerConfig
-from services.tools.config import DapoConfig, load_config
+from services.tools.config import DapoConfig
 from services.weight_transport.assembly import WeightAssembler
 from services.weight_transport.torch_codec import to_torch
 
@@ -34,31 +34,18 @@ BATCH = 2  # groups per step
 
 def _config(model: Path, run: str, ckpt: Path | None, **learner) -> DapoConfig:
     sets = {
-        "shared.run_name": run,
-        "shared.model_path": str(model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
-        "learner.engine": "deepspeed",
+        **TORCH_FP32_STEP,
+        "learner.engine": "deepspeed",  # the same step on DeepSpeed ZeRO-0
         "learner.deepspeed.zero_stage": 0,
-        "learner.dtype": "float32",
-        "learner.optimizer.lr": 1e-2,
         "learner.optimizer.warmup_steps": 2,
         "shared.train_batch_groups": BATCH,
-        "learner.batching.mini_batch_responses": 4,
-        "learner.batching.micro_batch_tokens": 64,
         "learner.checkpoint.every": 2,
         "learner.total_steps": 4,
         **{f"learner.{k}": v for k, v in learner.items()},
     }
     if ckpt is not None:
         sets["learner.checkpoint.dir"] = str(ckpt)
-    return load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
-
-
-def _fill(client: redis.Redis, run: str, steps: int) -> list[str]:
-    groups = make_groups(n_groups=BATCH * steps, seed=11)
-    return [client.xadd(RunKeys(run).train, {"group": encode_group(g)}).decode() for g in groups]
+    return learner_config(model, run, sets)
 
 
 def _counts(client: redis.Redis, run: str) -> tuple[int, int, int]:
@@ -89,7 +76,7 @@ def test_checkpoint_crash_resume_equals_uninterrupted_run(
     tiny_model: Path, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     # Uninterrupted: 4 steps, checkpoints at 2 and 4, then the final export.
-    _fill(redis_client, "a", 4)
+    fill_train(redis_client, "a", BATCH * 4, seed=11)
     ref = Learner(_config(tiny_model, "a", tmp_path / "a"), redis_client)
     ref.run(threading.Event())
     assert _counts(redis_client, "a") == (4 * BATCH, 0, 4)
@@ -97,7 +84,7 @@ def test_checkpoint_crash_resume_equals_uninterrupted_run(
 
     # Interrupted: the checkpoint at step 2 is written but the learner dies before its acks,
     # then it trains step 3 and dies again (nothing acked at all).
-    ids = _fill(redis_client, "b", 4)
+    ids = fill_train(redis_client, "b", BATCH * 4, seed=11)
     config = _config(tiny_model, "b", tmp_path / "b")
     first = Learner(config, redis_client)
     first.stream.ack_trained = lambda ids: None  # the crash window between checkpoint and XACK
@@ -126,7 +113,7 @@ def test_final_export_loads_in_transformers(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _fill(redis_client, "x", 2)
+    fill_train(redis_client, "x", BATCH * 2, seed=11)
     learner = Learner(
         _config(tiny_model, "x", tmp_path / "ck", **{"total_steps": 2, "deepspeed.zero_stage": 3}),
         redis_client,
@@ -144,7 +131,7 @@ def test_final_export_loads_in_transformers(
 def test_stop_checkpoints_and_acks_what_was_trained(
     tiny_model: Path, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    _fill(redis_client, "s", 3)
+    fill_train(redis_client, "s", BATCH * 3, seed=11)
     learner = Learner(
         _config(tiny_model, "s", tmp_path / "s", **{"total_steps": 50, "checkpoint.every": 50}),
         redis_client,
@@ -166,7 +153,7 @@ def test_stop_checkpoints_and_acks_what_was_trained(
 def test_without_checkpoints_each_step_acks_its_entries(
     tiny_model: Path, redis_client: redis.Redis
 ) -> None:
-    _fill(redis_client, "n", 1)
+    fill_train(redis_client, "n", BATCH * 1, seed=11)
     learner = Learner(_config(tiny_model, "n", None, engine="torch"), redis_client)
     _steps(learner, 1)
     assert _counts(redis_client, "n") == (BATCH, 0, 1)
@@ -215,7 +202,7 @@ def test_published_weights_reach_a_rollout_engine_bitwise(
 ) -> None:
     from rollout.torch_engine import TorchEngine
 
-    _fill(redis_client, "w", 1)
+    fill_train(redis_client, "w", BATCH * 1, seed=11)
     learner = Learner(
         _config(tiny_model, "w", None, **{"deepspeed.zero_stage": zero_stage}), redis_client
     )
@@ -274,7 +261,7 @@ def test_two_rank_zero3_service_trains_and_serves_gathered_weights(
     from services.common.registry import discover
 
     run, keys, port = "dp2", RunKeys("dp2"), str(free_port())
-    _fill(redis_client, run, 3)
+    fill_train(redis_client, run, BATCH * 3, seed=11)
     sets = {
         "shared.run_name": run,
         "shared.model_path": str(tiny_model),

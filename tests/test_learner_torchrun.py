@@ -16,17 +16,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import psutil
 import pytest
 import redis
-from test_faults import effective_steps
+from test_faults import assert_trained_once
 from test_pipeline import wait_for
 
 from services.common.keys import RunKeys
-from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
@@ -80,13 +78,8 @@ def committed(client: redis.Redis, keys: RunKeys) -> int:
 def check_finished_exactly(client: redis.Redis, run: str) -> None:
     """Every step once in the final model, every group trained once, versions unique."""
     keys = RunKeys(run)
-    ledger = read_ledger(client, run)
-    assert not ledger.problems(), ledger.problems()
-    steps = effective_steps(client, keys)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    trained = Counter(g for groups in steps.values() for g in groups)
-    assert max(trained.values()) == 1
-    assert sum(trained.values()) == STEPS * BATCH == ledger.trained
+    ledger, _ = assert_trained_once(client, run, STEPS, BATCH)
+    assert ledger.trained == STEPS * BATCH
     versions = [json.loads(f[b"json"])["version"] for _, f in client.xrange(keys.steps)]
     assert len(versions) == len(set(versions)), versions  # no version published twice
 

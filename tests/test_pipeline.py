@@ -10,6 +10,7 @@ import psutil
 import pytest
 import redis
 import yaml
+from dapo_cli import run, set_args
 
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
@@ -22,15 +23,7 @@ RETAIN = 4  # acked entries kept at the tail of each stream
 
 
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
-    return subprocess.run(
-        [
-            *up_argv(run_dir, model),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run([*up_argv(run_dir, model), *extra], timeout)
 
 
 def children_of(run_dir: Path) -> list[psutil.Process]:
@@ -138,18 +131,9 @@ def test_run_survives_a_killed_rollout_server_and_reward_service(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "run"
+    sets = ["controller.eval.enabled=false", "learner.linger_s=0"]
     proc = subprocess.Popen(
-        [
-            *up_argv(run_dir, tiny_model),
-            "--steps",
-            "6",
-            "--rollouts",
-            "2",
-            "--set",
-            "controller.eval.enabled=false",
-            "--set",
-            "learner.linger_s=0",
-        ],
+        [*up_argv(run_dir, tiny_model), "--steps", "6", "--rollouts", "2", *set_args(sets)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -177,13 +161,7 @@ def test_killing_the_launcher_leaves_no_orphans(
 ) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [
-            *up_argv(run_dir, tiny_model),
-            "--steps",
-            "50",
-            "--set",
-            "controller.eval.enabled=false",
-        ],
+        [*up_argv(run_dir, tiny_model), "--steps", "50", "--set", "controller.eval.enabled=false"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=killed_tree_env,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from services.common.keys import RunKeys
 from services.common.redis_server import connect
 from services.common.registry import discover
 from services.common.security import AuthConfig, RedisAuthConfig, SecurityConfig, TlsConfig
+from services.tools.cli import up_argv
 
 pytestmark = pytest.mark.slow
 
@@ -83,25 +83,9 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     config_path = tmp_path / "secured.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
+    options = ["--config", str(config_path), "--steps", "3"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny",
-            "--config",
-            str(config_path),
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            "3",
-            "--set",
-            f"shared.model_path={tiny_model}",
-            "--set",
-            "controller.eval.enabled=false",
-        ],
+        [*up_argv(run_dir, tiny_model), *options, "--set", "controller.eval.enabled=false"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

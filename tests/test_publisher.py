@@ -20,18 +20,16 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from learner_fixtures import make_groups
+from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
 from rollout_fixtures import make_config, serve, wait_for
 
 from learner.publisher import BackgroundPublisher
 from learner.server import Learner
 from learner.weights import WeightServicer, add_weight_service
-from services.common.adapters import encode_group
 from services.common.grpc_server import start_grpc_server
 from services.common.keys import RunKeys
 from services.common.registry import Registration
 from services.common.server_config import ServerConfig
-from services.tools.config import load_config
 
 STEPS, BATCH, PUBLISH_S = 3, 2, 1.0
 
@@ -49,23 +47,9 @@ class SlowServicer(WeightServicer):
 
 
 def _learner(model: Path, client: redis.Redis, run: str) -> Learner:
-    sets = {
-        "shared.run_name": run,
-        "shared.model_path": str(model),
-        "shared.max_staleness": 100,
-        "shared.max_response_length": 16,
-        "shared.overlong_buffer_length": 0,
-        "learner.engine": "torch",
-        "learner.optimizer.lr": 1e-2,
-        "learner.dtype": "float32",
-        "shared.train_batch_groups": BATCH,
-        "learner.batching.mini_batch_responses": 4,
-        "learner.batching.micro_batch_tokens": 64,
-        "learner.total_steps": STEPS,
-    }
-    config = load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()])
-    for group in make_groups(n_groups=BATCH * STEPS, seed=11):
-        client.xadd(RunKeys(run).train, {"group": encode_group(group)})
+    sets = {**TORCH_FP32_STEP, "shared.train_batch_groups": BATCH, "learner.total_steps": STEPS}
+    config = learner_config(model, run, sets)
+    fill_train(client, run, BATCH * STEPS, seed=11)
     learner = Learner(config, client)
     learner.weights = SlowServicer(config.learner.publication.bucket_bytes)
     learner.publisher = BackgroundPublisher(learner.weights)

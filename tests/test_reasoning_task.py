@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from dapo_cli import run_ok, set_args
 
 from reward.verifiers import verify_dapo
 from services.common.data import SYNTHETIC_NAMES, iter_synthetic_corpus, synthetic_records
@@ -20,6 +19,7 @@ from services.common.reasoning import (
     parse_prompt,
     prompt_pool,
 )
+from services.tools.cli import up_argv
 from services.tools.task_probe import on_correct_path, profile
 
 TASKS = sorted(REASONING_TASKS)
@@ -136,32 +136,8 @@ def test_a_short_dapo_run_on_runmax(tmp_path: Path, tiny_model: Path) -> None:
     """`dapo up --preset tiny_runmax` for two small steps: real Redis and services, the
     `dapo` rule, dynamic sampling, and an L_max that cuts off part of the batch."""
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.tools.cli",
-            "up",
-            "--preset",
-            "tiny_runmax",
-            "--run-dir",
-            str(run_dir),
-            "--steps",
-            "2",
-            "--set",
-            f"shared.model_path={tiny_model}",
-            "--set",
-            "shared.train_batch_groups=4",
-            "--set",
-            "shared.group_size=8",
-            "--set",
-            "controller.eval.limit=20",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    sets = ["shared.train_batch_groups=4", "shared.group_size=8", "controller.eval.limit=20"]
+    run_ok([*up_argv(run_dir, tiny_model, "tiny_runmax"), "--steps", "2", *set_args(sets)], 300)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["ledger"]["ok"] and report["ledger"]["trained"] == 2 * 4
     steps = report["steps"]

@@ -14,11 +14,11 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from reward_fixtures import reward_server
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.metrics import sample_value
-from reward.server import RewardServer, create_server
-from services.tools.config import DapoConfig
+from reward.server import RewardServer
 
 TIMEOUT_S = 2.0
 MAX_ITEMS = 64
@@ -29,26 +29,13 @@ FIRST_INTEGER = reward_pb2.VERIFIER_FIRST_INTEGER
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RewardServer]:
-    config = DapoConfig.model_validate(
-        {
-            "shared": {
-                "max_response_length": 100,
-                "overlong_buffer_length": 20,
-                "rpc": {"max_score_items": MAX_ITEMS},
-            },
-            "reward": {
-                "num_workers": 2,
-                "timeout_s": TIMEOUT_S,
-                "soft_timeout_s": 0,  # only the hard kill: deterministic timings below
-                "max_request_bytes": MAX_REQUEST_BYTES,
-                "server": {"grpc_port": 0, "http_port": 0},
-            },
-        }
-    )
-    server = create_server(config).start()
-    assert server.scorer.pool.wait_ready(60), "verifier workers did not start"
-    yield server
-    server.stop()
+    with reward_server(
+        MAX_ITEMS,
+        timeout_s=TIMEOUT_S,
+        soft_timeout_s=0,  # only the hard kill: deterministic timings below
+        max_request_bytes=MAX_REQUEST_BYTES,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

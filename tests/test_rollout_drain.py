@@ -14,21 +14,18 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from test_dead_rollout import appended, listening_ports
-from test_faults import effective_steps
+from test_dead_rollout import appended, audited_run, listening_ports
+from test_faults import assert_trained_once
 from test_pipeline import children_of
 
 from services.common.keys import RunKeys
-from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer
 from services.common.registry import discover
-from services.tools.config import load_config
 from services.tools.launcher import Child, Launch, launch
 
 RUN, STEPS, TERM_AFTER, DRAIN_S = "drain", 10, 3, 20.0
@@ -93,15 +90,22 @@ class Drain:
                 self.exits[child.name] = (child.proc.returncode, now)
                 child.log_file.close()
 
+    def assert_drained(self, wait_s: float, within_s: float) -> None:
+        """Every victim exited 0 within `within_s` of SIGTERM (waiting up to `wait_s` for
+        those still running when the run ended) and stopped accepting within 1 s."""
+        assert self.termed_at is not None
+        for child in self.victims:
+            if child.name not in self.exits:
+                code = child.proc.wait(timeout=wait_s)
+                self.exits[child.name] = (code, time.monotonic() - self.termed_at)
+        assert {c for c, _ in self.exits.values()} == {0}, self.exits
+        assert max(s for _, s in self.exits.values()) < within_s, self.exits
+        assert not [s for s in self.accepting_seen if s > 1.0], self.accepting_seen
+
 
 def assert_exact(client: redis.Redis, batch_groups: int) -> tuple[int, int]:
     """The ledger holds; every step committed once; no group scored or trained twice."""
-    ledger = read_ledger(client, RUN)
-    assert not ledger.problems(), ledger.problems()
-    steps = effective_steps(client, KEYS)
-    assert sorted(steps) == list(range(1, STEPS + 1))
-    trained = Counter(g for groups in steps.values() for g in groups)
-    assert max(trained.values()) == 1 and sum(trained.values()) == STEPS * batch_groups
+    ledger, _ = assert_trained_once(client, RUN, STEPS, batch_groups)
     scored = [g for g, _ in appended(client, KEYS.scored, b"group_id")]
     assert len(scored) == len(set(scored)) == ledger.scored
     assert ledger.scored + ledger.in_flight == ledger.admitted
@@ -113,33 +117,20 @@ def test_two_of_four_rollout_servers_drain_and_the_run_finishes(
     tmp_path: Path, tiny_model: Path, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
     run_dir = tmp_path / "run"
-    config = load_config(
-        preset="tiny",
-        overrides=[
-            f"shared.model_path={tiny_model}",
-            f"shared.run_name={RUN}",
-            f"shared.redis_url={redis_server.url}",
-            "controller.eval.enabled=false",
-            "learner.linger_s=0",
-            "buffer.stream_retain=1000000",
-            "rollout.engine.num_threads=1",
-            f"rollout.drain_timeout_s={DRAIN_S}",
-            "shared.max_response_length=96",
-            "learner.generation_budget=null",  # full batches: the counts below
-        ],
+    config = audited_run(
+        tiny_model,
+        RUN,
+        redis_server.url,
+        "rollout.engine.num_threads=1",
+        f"rollout.drain_timeout_s={DRAIN_S}",
+        "shared.max_response_length=96",
     )
     hook = Drain(redis_client)
     started = time.monotonic()
     code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=4, on_step=hook)
     wall = time.monotonic() - started
     assert code == 0 and hook.termed_at is not None
-    for child in hook.victims:  # the run may end first: then wait for them here
-        if child.name not in hook.exits:
-            code_ = child.proc.wait(timeout=DRAIN_S + 10)
-            hook.exits[child.name] = (code_, time.monotonic() - hook.termed_at)
-    assert {c for c, _ in hook.exits.values()} == {0}, hook.exits
-    assert max(s for _, s in hook.exits.values()) < DRAIN_S + 5, hook.exits
-    assert not [s for s in hook.accepting_seen if s > 1.0], hook.accepting_seen
+    hook.assert_drained(wait_s=DRAIN_S + 10, within_s=DRAIN_S + 5)
 
     drains = [DRAINED.search((run_dir / "logs" / f"{v}.log").read_text()) for v in VICTIMS]
     assert all(drains), "each victim logs its drain"

@@ -8,24 +8,15 @@ import json
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from dapo_cli import dapo
 from test_pipeline import children_of, wait_for
 
 from services.tools.cli import up_argv
 
 pytestmark = pytest.mark.slow
-
-
-def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.tools.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def logged_steps(learner_log: Path) -> list[int]:

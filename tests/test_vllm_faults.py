@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -21,21 +20,19 @@ import pytest
 import redis
 import test_rollout_drain as drain
 from test_dead_rollout import (
-    KEYS,
     KILL_AFTER,
+    PARTIAL_ROLLOUTS,
     RUN,
-    STEPS,
     KillMidResponse,
-    assert_nothing_lost,
-    failed_on,
+    assert_cut_off_regenerated,
+    audited_run,
+    launch_and_kill,
 )
 from test_pipeline import children_of
 from test_vllm_pipeline import PYTHON, VLLM_PYTHON, interpreters
 from vllm_support import needs_vllm
 
-from services.common.adapters import decode_group
 from services.common.redis_server import RedisServer
-from services.tools.config import load_config
 from services.tools.launcher import Launch, launch
 
 OTHER_ROLES = ("reward", "learner", "buffer", "controller")
@@ -88,22 +85,9 @@ def vllm_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_run(model: Path, run: str, redis_url: str, *overrides: str):
     """`tiny_vllm` with every role's interpreter named, against the test's Redis."""
     interpreters()
-    return load_config(
-        preset="tiny_vllm",
-        overrides=[
-            f"shared.model_path={model}",
-            f"shared.run_name={run}",
-            f"shared.redis_url={redis_url}",
-            "controller.eval.enabled=false",
-            "learner.linger_s=0",
-            "buffer.stream_retain=1000000",
-            "learner.generation_budget=null",  # full batches: the ledger checks count them
-            f"rollout.server.python={VLLM_PYTHON}",
-            "rollout.engine.max_model_len=160",
-            *(f"{role}.server.python={PYTHON}" for role in OTHER_ROLES),
-            *overrides,
-        ],
-    )
+    roles = [f"{role}.server.python={PYTHON}" for role in OTHER_ROLES]
+    vllm = [f"rollout.server.python={VLLM_PYTHON}", "rollout.engine.max_model_len=160", *roles]
+    return audited_run(model, run, redis_url, *vllm, *overrides, preset="tiny_vllm")
 
 
 @pytest.mark.vllm
@@ -111,43 +95,24 @@ def vllm_run(model: Path, run: str, redis_url: str, *overrides: str):
 @pytest.mark.timeout(1500)
 @needs_vllm
 def test_a_vllm_rollout_server_killed_mid_partial_rollout_loses_nothing(
-    tmp_path: Path,
+    killed_run_dir: Path,
     vllm_tiny_model: Path,
     redis_server: RedisServer,
     redis_client: redis.Redis,
-    killed_tree_env: dict[str, str],
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    run_dir = tmp_path / "run"
-    monkeypatch.setenv("TMPDIR", killed_tree_env["TMPDIR"])
-    config = vllm_run(
-        vllm_tiny_model,
-        RUN,
-        redis_server.url,
-        "shared.max_response_length=64",
-        "rollout.partial_rollouts=true",
-        "rollout.weight_poll_s=0.05",
-    )
+    run_dir = killed_run_dir
+    config = vllm_run(vllm_tiny_model, RUN, redis_server.url, *PARTIAL_ROLLOUTS)
     hook = KillVllmServer(redis_client, "rollout-0", KILL_AFTER, delay_s=0.3)
-    code = launch(config, run_dir=str(run_dir), steps=STEPS, rollouts=2, on_step=hook)
-    assert code == 0 and hook.exit_code == -signal.SIGKILL
-    assert not hook.problems_at_kill, hook.problems_at_kill
+    launch_and_kill(config, run_dir, hook)
     assert "AsyncLLM" in (run_dir / "logs" / "rollout-1.log").read_text()  # vLLM served
     assert_own_cores(run_dir)
 
-    scored = [decode_group(f[b"group"]) for _, f in redis_client.xrange(KEYS.scored)]
-    spanning = [s for g in scored for s in g.samples if len(set(s.versions())) > 1]
-    assert spanning, "no response was continued across a weight update"
-    log = (run_dir / "logs" / "controller.log").read_text()[hook.log_offset :]
-    failed = failed_on(log, hook.dead["address"])
-    in_flight = {g.decode() for g in redis_client.hkeys(KEYS.inflight)}
-    assert failed and failed <= {g.group_id for g in scored} | in_flight
+    batch = config.shared.train_batch_groups
+    spanning, failed = assert_cut_off_regenerated(redis_client, run_dir, hook, batch)
     print(
-        f"\n{len(spanning)} responses spanned versions on vLLM; {len(failed)} groups cut "
+        f"\n{spanning} responses spanned versions on vLLM; {failed} groups cut "
         f"off on the dead server, all generated again or in flight"
     )
-    assert_nothing_lost(redis_client, len(scored), config.shared.train_batch_groups)
-    assert not children_of(run_dir)
     assert hook.engine_procs, "the victim had no vLLM processes"
     assert not still_running(hook.engine_procs, wait_s=30), "vLLM outlived its server"
 
@@ -183,14 +148,8 @@ def test_a_vllm_rollout_server_drains_on_sigterm_and_the_run_finishes(
     hook = drain.Drain(redis_client)
     code = launch(config, run_dir=str(run_dir), steps=drain.STEPS, rollouts=2, on_step=hook)
     assert code == 0 and hook.termed_at is not None
-    for child in hook.victims:  # the run may end first: then wait for it here
-        if child.name not in hook.exits:
-            code_ = child.proc.wait(timeout=VLLM_DRAIN_S + 30)
-            hook.exits[child.name] = (code_, time.monotonic() - hook.termed_at)
-    assert {c for c, _ in hook.exits.values()} == {0}, hook.exits
     # vLLM's shutdown takes seconds beyond the drain itself
-    assert max(s for _, s in hook.exits.values()) < VLLM_DRAIN_S + 20, hook.exits
-    assert not [s for s in hook.accepting_seen if s > 1.0], hook.accepting_seen
+    hook.assert_drained(wait_s=VLLM_DRAIN_S + 30, within_s=VLLM_DRAIN_S + 20)
 
     assert_own_cores(run_dir)
     found = drain.DRAINED.search((run_dir / "logs" / "rollout-0.log").read_text())

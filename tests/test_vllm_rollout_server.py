@@ -16,12 +16,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from rollout_fixtures import HTTP, Served, make_config, metric
+from rollout_fixtures import HTTP, Served, make_config, metric, serve_engine
 from vllm_support import needs_vllm, own_tmpdir
 
 from dapo.v1 import rollout_pb2
 from rollout.config import VllmEngineConfig
-from rollout.server import RolloutServer
 
 LONG, SHORT = 200, 4
 CONFIG = VllmEngineConfig(
@@ -49,13 +48,10 @@ def served(engine: Any, calls: int) -> Iterator[Served]:
     engine.config = CONFIG.model_copy(update={"max_concurrent_calls": calls})
     config = make_config("vllm-svc", engine={"kind": "vllm"}, max_n=8)
     config.shared.max_response_length = LONG
-    server = RolloutServer(config, None, engine).start()
-    s = Served(server)
     try:
-        yield s
+        with serve_engine(engine, config, None) as s:
+            yield s
     finally:
-        s.channel.close()
-        server.stop()
         engine.config = CONFIG
 
 

@@ -1,0 +1,44 @@
+"""`dapo` as users run it: a child process of `python -m services.tools.cli` (the head of
+a `dapo up` command line is `services.tools.cli.up_argv`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+DAPO = [sys.executable, "-m", "services.tools.cli"]
+
+
+def set_args(sets: Iterable[str]) -> list[str]:
+    """`--set KEY=VALUE` for each override."""
+    return [arg for pair in sets for arg in ("--set", pair)]
+
+
+def run(argv: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `argv` to its end, stdout and stderr captured as text."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def dapo(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `dapo ARGS` to its end, stdout and stderr captured as text."""
+    return run([*DAPO, *args], timeout)
+
+
+def run_ok(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """`run(argv)`, failing the test with the end of its stderr unless it exits 0."""
+    result = run(argv, timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def run_eval(model: Path, data: str | Path, out: Path, *options: str, timeout: float = 120) -> Any:
+    """`dapo eval` of `model` on `data` (first-integer verifier, no chat template) with
+    `options`; the report it wrote to `out`."""
+    args = ["--model", str(model), "--data", str(data), *options, "--out", str(out)]
+    verify = ["--verifier", "first_integer", "--no-chat-template"]
+    run_ok([*DAPO, "eval", *args, *verify], timeout=timeout)
+    return json.loads(out.read_text())
