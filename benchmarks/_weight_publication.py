@@ -18,23 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def big_model_tensors() -> tuple[list[Any], int]:
     """A random Qwen2 of ≥ 100 MB (fp32): views of its weights, as the learner publishes."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
+    from benchmarks._models import random_qwen2
+    from learner.init_model import ModelShape
     from learner.weights import live_views
 
-    config = Qwen2Config(
-        vocab_size=12000,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model = Qwen2ForCausalLM(config)
+    model = random_qwen2(12000, ModelShape(512, 1536, 6, 8, 4, 32768, False), seed=0)
     tensors = live_views(model.state_dict().items())
     return tensors, sum(len(t.data) for t in tensors)
 
