@@ -134,7 +134,7 @@ def test_paper_example_evaluates_aime_with_vllm() -> None:
 
 def rollout_pod(objects: list[dict]) -> tuple[int, str]:
     """(GPUs one rollout container gets, the ConfigMap's run.yaml) of rendered manifests."""
-    from test_deploy_tools import by_key
+    from deploy_tools import by_key
 
     found = by_key(objects)
     container = found[("StatefulSet", "rollout")]["spec"]["template"]["spec"]["containers"][0]
@@ -143,7 +143,7 @@ def rollout_pod(objects: list[dict]) -> tuple[int, str]:
 
 
 def test_k8s_rollout_pods_get_the_gpus_their_run_config_shards_over(tmp_path: Path) -> None:
-    from test_deploy_tools import kustomize
+    from deploy_tools import kustomize
 
     k8s = ROOT / "deploy" / "k8s"
     for target in [k8s / "base", *sorted((k8s / "overlays").iterdir())]:
@@ -158,7 +158,7 @@ def test_the_documented_overlay_fits_the_paper_example(tmp_path: Path) -> None:
     import re
 
     import yaml
-    from test_deploy_tools import kustomize
+    from deploy_tools import kustomize
 
     doc = (ROOT / "docs" / "deploy.md").read_text()
     section = doc.split("### Tensor parallelism")[1]

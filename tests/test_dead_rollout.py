@@ -30,8 +30,7 @@ import pytest
 import redis
 import torch
 from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
-from test_faults import assert_trained_once
-from test_pipeline import children_of
+from run_audit import assert_trained_once, children_of
 
 from dapo.v1 import learner_pb2
 from learner.server import LearnerServer

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deploy_tools import ROOT, by_key
 from test_deploy_k8s import (
     SECRET,
     TARGETS,
@@ -22,7 +23,6 @@ from test_deploy_k8s import (
     workloads,
 )
 from test_deploy_monitoring import metrics_in_registry, metrics_in_source
-from test_deploy_tools import ROOT, by_key
 
 from services.common.keys import RunKeys
 

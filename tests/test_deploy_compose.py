@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_deploy_tools import DEPLOY, ROOT, require_tool, run_tool
+from deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 
 from services.tools.config import load_config
 

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-from test_deploy_tools import DEPLOY, K8S_VERSION, by_key, kustomize
+from deploy_tools import DEPLOY, K8S_VERSION, by_key, kustomize
 
 _str = {"type": "string", "minLength": 1}
 _int = {"type": "integer", "minimum": 0}

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_deploy_tools import DEPLOY
+from deploy_tools import DEPLOY
 
 GRAFANA = DEPLOY / "grafana"
 UID = re.compile(r"^[A-Za-z0-9_-]{1,40}$")

@@ -16,10 +16,10 @@ import tomllib
 from importlib import metadata
 
 import pytest
+from deploy_tools import DEPLOY, ROOT
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from test_deploy_compose import image_extras, instructions, requirements, stages
-from test_deploy_tools import DEPLOY, ROOT
 
 DOCKERFILES = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
 TORCH_PIN = "2.13.0"  # Makefile, constraints-cpu.txt, Dockerfile.cpu; vllm 0.32 pins it

@@ -19,8 +19,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from deploy_tools import CLUSTER_SCOPED, DEPLOY, K8S_VERSION, ROOT, by_key, kustomize
 from test_deploy_crds import validate_crd
-from test_deploy_tools import CLUSTER_SCOPED, DEPLOY, K8S_VERSION, ROOT, by_key, kustomize
 
 from services.tools.config import load_config
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 import yaml
+from deploy_tools import DEPLOY, ROOT, by_key
 from test_deploy_k8s import (
     K8S,
     SECRET_MOUNT,
@@ -25,7 +26,6 @@ from test_deploy_k8s import (
     render,
     template_of,
 )
-from test_deploy_tools import DEPLOY, ROOT, by_key
 
 from services.common.net import free_port
 from services.common.redis_server import find_redis_server

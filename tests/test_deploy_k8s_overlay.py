@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_tools import CLUSTER_SCOPED, ROOT, by_key, kustomize
 from test_deploy_autoscaling import pdb_problems
 from test_deploy_k8s import NAMESPACE, container_of, learner_parts, pod_templates, template_of
-from test_deploy_tools import CLUSTER_SCOPED, ROOT, by_key, kustomize
 
 from scripts import k8s_overlay
 

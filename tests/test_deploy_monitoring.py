@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 from prometheus_client import REGISTRY
-from test_deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 
 PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "dapo.json"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from dapo_cli import set_args
-from test_deploy_tools import DEPLOY, ROOT, require_tool
+from deploy_tools import DEPLOY, ROOT, require_tool
 
 from scripts.prometheus_checks import api, dashboard_queries
 from services.common.net import free_port

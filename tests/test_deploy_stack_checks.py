@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from test_deploy_tools import DEPLOY
+from deploy_tools import DEPLOY
 
 from scripts import prometheus_checks as pc
 

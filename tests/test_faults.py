@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import redis
 from dapo_cli import set_args
-from test_pipeline import children_of, role_process, wait_for
+from run_audit import assert_trained_once, children_of, role_process, wait_for
 
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
-from services.common.ledger import Ledger, read_ledger
+from services.common.ledger import read_ledger
 from services.common.redis_server import RedisServer, start_redis
 from services.common.registry import discover
 from services.tools.cli import up_argv
@@ -87,31 +87,6 @@ class SuccessorWatch(threading.Thread):
             )
             if new and new[0]["accepting"]:
                 self.ready_version = new[0]["version"]
-
-
-def effective_steps(client: redis.Redis, keys: RunKeys = KEYS) -> dict[int, list[str]]:
-    """Group ids per step as in the final model: a step redone after a restart replaces
-    the record of the lost one."""
-    steps: dict[int, list[str]] = {}
-    for _, fields in client.xrange(keys.steps):
-        record = json.loads(fields[b"json"])
-        steps[record["step"]] = record["groups"]
-    return steps
-
-
-def assert_trained_once(
-    client: redis.Redis, run: str, steps: int, batch_groups: int
-) -> tuple[Ledger, set[str]]:
-    """The ledger holds, steps 1 to `steps` are in the final model once each, and each of
-    their `batch_groups` groups was trained once; the ledger and the trained group ids."""
-    ledger = read_ledger(client, run)
-    assert not ledger.problems(), ledger.problems()
-    final = effective_steps(client, RunKeys(run))
-    assert sorted(final) == list(range(1, steps + 1))
-    trained = Counter(g for groups in final.values() for g in groups)
-    assert max(trained.values()) == 1  # no group trained twice
-    assert sum(trained.values()) == steps * batch_groups
-    return ledger, set(trained)
 
 
 def group_ids(client: redis.Redis, stream: str) -> Counter:

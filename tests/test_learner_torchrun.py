@@ -21,8 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from test_faults import assert_trained_once
-from test_pipeline import wait_for
+from run_audit import assert_trained_once, wait_for
 
 from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer

@@ -6,11 +6,11 @@ import json
 import subprocess
 from pathlib import Path
 
-import psutil
 import pytest
 import redis
 import yaml
 from dapo_cli import run, set_args
+from run_audit import children_of, role_process, wait_for
 
 from services.common.adapters import decode_group
 from services.common.keys import RunKeys
@@ -24,16 +24,6 @@ RETAIN = 4  # acked entries kept at the tail of each stream
 
 def dapo_up(run_dir: Path, model: Path, *extra: str, timeout: float = 240):
     return run([*up_argv(run_dir, model), *extra], timeout)
-
-
-def children_of(run_dir: Path) -> list[psutil.Process]:
-    """Processes still running with this run's config (there must be none)."""
-    marker = str(run_dir / "config.yaml")
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        if marker in " ".join(proc.info["cmdline"] or []):
-            found.append(proc)
-    return found
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
@@ -110,21 +100,6 @@ def test_launcher_stops_its_own_redis_and_every_child(tmp_path: Path, tiny_model
     assert not children_of(run_dir)
     for role in ("controller", "rollout", "reward", "buffer", "learner"):
         assert "ready" in (run_dir / "logs" / f"{role}.log").read_text()
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def role_process(run_dir: Path, role: str) -> psutil.Process:
-    return next(p for p in children_of(run_dir) if p.info["cmdline"][3] == role)
 
 
 def test_run_survives_a_killed_rollout_server_and_reward_service(

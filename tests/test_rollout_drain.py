@@ -19,9 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from run_audit import assert_trained_once, children_of
 from test_dead_rollout import appended, audited_run, listening_ports
-from test_faults import assert_trained_once
-from test_pipeline import children_of
 
 from services.common.keys import RunKeys
 from services.common.redis_server import RedisServer

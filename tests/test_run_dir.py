@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from dapo_cli import dapo
-from test_pipeline import children_of, wait_for
+from run_audit import children_of, wait_for
 
 from services.tools.cli import up_argv
 

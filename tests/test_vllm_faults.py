@@ -19,6 +19,7 @@ import psutil
 import pytest
 import redis
 import test_rollout_drain as drain
+from run_audit import children_of
 from test_dead_rollout import (
     KILL_AFTER,
     PARTIAL_ROLLOUTS,
@@ -28,7 +29,6 @@ from test_dead_rollout import (
     audited_run,
     launch_and_kill,
 )
-from test_pipeline import children_of
 from test_vllm_pipeline import PYTHON, VLLM_PYTHON, interpreters
 from vllm_support import needs_vllm
 
