@@ -131,12 +131,19 @@ class ProcessWatch:
 
 
 def misplaced(layer: str, started: list[list[str]]) -> str | None:
-    """Why a test of `layer` that started these processes belongs elsewhere, or None."""
-    if layer == "unit" and started:
-        return f"a unit test started a process ({' '.join(started[0])[:200]})"
+    """Why a test of `layer` that started these processes belongs elsewhere, and where it
+    belongs; None where it stayed in its layer."""
     roles = [argv for argv in started if starts_a_role(argv)]
-    if layer == "integration" and roles:
-        return f"an integration test started a role as users do ({' '.join(roles[0])[:200]})"
+    if roles and layer != "system":
+        return (
+            f"this {layer} test started a role as users do ({' '.join(roles[0])[:200]}): "
+            "its module belongs in SYSTEM_MODULES"
+        )
+    if started and layer == "unit":
+        return (
+            f"this unit test started a process ({' '.join(started[0])[:200]}): "
+            "its module belongs in the integration layer"
+        )
     return None
 
 
@@ -152,8 +159,11 @@ def ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     return None
 
 
-MARKS = {"unit": pytest.mark.unit, "integration": pytest.mark.integration}
-MARKS["system"] = pytest.mark.system
+MARKS = {
+    "unit": pytest.mark.unit,
+    "integration": pytest.mark.integration,
+    "system": pytest.mark.system,
+}
 
 
 def mark_layers(items: list[pytest.Item]) -> None:
@@ -169,7 +179,4 @@ def watch_test() -> None:
 def layer_breach(item: pytest.Item) -> str | None:
     """At a test's teardown report: why it left its layer (None: it did not)."""
     reason = misplaced(layer_of(item.path.name), _WATCH.stop())
-    if reason is None:
-        return None
-    move = "SYSTEM_MODULES" if "role" in reason else "the integration layer"
-    return f"{reason}: move {item.path.name} to {move} (tests/layers.py)"
+    return None if reason is None else f"{item.path.name}: {reason} (tests/layers.py)"

@@ -48,6 +48,7 @@ def test_each_layer_refuses_what_belongs_to_the_next() -> None:
     assert misplaced("integration", redis_) is None
     assert "role" in (misplaced("integration", role) or "")
     assert misplaced("system", role) is None
+    assert "SYSTEM_MODULES" in (misplaced("unit", role) or "")  # not "integration"
     assert (layer_of("test_algorithm.py"), layer_of("test_pipeline.py")) == ("unit", "system")
     assert layer_of("test_new_module.py") == "integration"
 
