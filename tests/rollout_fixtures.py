@@ -24,7 +24,7 @@ from services.common.registry import Registration, discover
 from services.common.server_config import ServerConfig
 from services.tools.config import DapoConfig
 from services.weight_transport.assembly import Assembling
-from services.weight_transport.tensor_codec import RawTensor, encode_bucket_bytes, parse_bucket
+from services.weight_transport.tensor_codec import RawTensor, encode_bucket_bytes
 from services.weight_transport.torch_codec import from_torch
 
 MAX_N, MAX_PROMPT, MAX_RESPONSE, MAX_REQUEST_BYTES = 4, 12, 8, 2048
@@ -86,7 +86,7 @@ class Served:
 
     def load(self, frames: list[bytes]) -> int:
         """Apply serialized buckets as the weight sync applies pulled ones: the new version."""
-        return self.server.updater.apply(Assembling(map(parse_bucket, frames)))
+        return self.server.updater.apply(Assembling.of_frames(frames))
 
 
 def frames(tensors: list[RawTensor], version: int) -> list[bytes]:

@@ -115,7 +115,7 @@ def test_the_data_land_in_their_tensor_while_the_frame_arrives() -> None:
 
 
 def _copying(frames: list[bytes]) -> list[tuple[str, bytes]]:
-    items = Assembling(map(parse_bucket, frames))
+    items = Assembling.of_frames(frames)
     list(items)
     return [(r.name, bytes(r.data)) for r in items.assembler.result()]
 

@@ -39,7 +39,7 @@ from services.common.security import TlsConfig
 from services.common.server_config import ServerConfig
 from services.weight_transport import weight_socket
 from services.weight_transport.assembly import Assembling, assemble_update
-from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.tensor_codec import RawTensor
 from services.weight_transport.weight_socket import (
     CONNECTION_THREAD,
     FRAME,
@@ -110,7 +110,7 @@ def check_fetch(channel: Any, request: learner_pb2.FetchWeightsRequest, data: by
 def redeem(port: int, ticket: bytes) -> tuple[int, list[RawTensor]]:
     """(version, tensors) a ticket gets on the weight socket, read as rollout servers do."""
     sock = weight_socket.connect("127.0.0.1", port, ticket, TlsConfig(), 30)
-    return assemble_update(Assembling(map(parse_bucket, weight_socket.read_frames(sock, 1 << 20))))
+    return assemble_update(Assembling.of_frames(weight_socket.read_frames(sock, 1 << 20)))
 
 
 def check_open(
@@ -296,7 +296,7 @@ def test_fuzz_weight_socket_first_bytes(servicer: WeightServicer) -> None:
             sock.sendall(sock_server.issue(frames))
         for sock in held:
             version, tensors = assemble_update(
-                Assembling(map(parse_bucket, weight_socket.read_frames(sock, 1 << 20)))
+                Assembling.of_frames(weight_socket.read_frames(sock, 1 << 20))
             )
             assert version == VERSION and len(tensors) == len(PUBLISHED)
     finally:

@@ -34,7 +34,7 @@ from dapo.v1 import rollout_pb2, tensor_pb2
 from rollout.server import RolloutServer
 from rollout.torch_engine import TorchEngine
 from services.weight_transport.assembly import Assembling
-from services.weight_transport.tensor_codec import RawTensor, encode_buckets, parse_bucket
+from services.weight_transport.tensor_codec import RawTensor, encode_buckets
 from services.weight_transport.torch_codec import from_torch
 
 BUCKET_BYTES = [8192, 16384, 65536]  # the tiny model's ~500 KB: 62, 31 or 8 buckets
@@ -180,7 +180,7 @@ def served_weights(engine: TorchEngine) -> dict[str, torch.Tensor]:
 def load(server: RolloutServer, frames: list[bytes]) -> tuple[int, str]:
     """(version served, error or ""): the frames parsed and applied as the sync does."""
     try:
-        return server.updater.apply(Assembling(map(parse_bucket, frames))), ""
+        return server.updater.apply(Assembling.of_frames(frames)), ""
     except ValueError as exc:  # TensorWireError and StaleUpdate included
         assert str(exc).strip(), f"{type(exc).__name__} without a message"
         return server.engine.version, str(exc)

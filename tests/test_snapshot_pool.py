@@ -28,7 +28,7 @@ from services.common.server_config import ServerConfig
 from services.tools.config import DapoConfig
 from services.weight_transport import weight_socket
 from services.weight_transport.assembly import Assembling, assemble_update
-from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.tensor_codec import RawTensor
 from services.weight_transport.weight_socket import WeightSocketServer
 
 TENSORS, TENSOR_BYTES = 6, 8 << 20  # 48 MiB: far more than loopback socket buffers hold
@@ -130,7 +130,7 @@ def test_a_stream_in_progress_keeps_its_version_while_newer_ones_are_published(
         learner.train(version)
         learner.servicer.publish(version, learner.views())
     rest = [bytes(frame) for frame in frames]
-    assert contents(assemble_update(Assembling(map(parse_bucket, first + rest)))) == (1, expected)
+    assert contents(assemble_update(Assembling.of_frames(first + rest))) == (1, expected)
     assert contents(assemble_update(Assembling(grpc_first + list(messages)))) == (1, expected)
     assert learner.servicer.pool.allocated == 3
     assert readers_gone()

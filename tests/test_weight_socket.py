@@ -27,7 +27,7 @@ from services.common.server_config import ServerConfig
 from services.tools.config import DapoConfig
 from services.weight_transport import weight_socket
 from services.weight_transport.assembly import Assembling, assemble_update
-from services.weight_transport.tensor_codec import RawTensor, parse_bucket
+from services.weight_transport.tensor_codec import RawTensor
 from services.weight_transport.weight_socket import WeightSocketError, WeightSocketServer
 
 VERSION = 5
@@ -141,9 +141,7 @@ def test_a_fetch_streams_while_the_version_is_still_being_serialized(plain: Lear
     first = [bytes(next(frames))]  # streamed before the publication finished
     assert publishing.is_alive()
     last.set()
-    version, tensors = assemble_update(
-        Assembling(map(parse_bucket, first + [bytes(f) for f in frames]))
-    )
+    version, tensors = assemble_update(Assembling.of_frames(first + [bytes(f) for f in frames]))
     publishing.join(10)
     assert version == VERSION + 1 and as_tuples(tensors) == as_tuples(PUBLISHED)
 
@@ -180,7 +178,7 @@ def test_a_ticket_serves_the_version_it_was_issued_for(plain: Learnerish) -> Non
     granted = ticket(plain)
     plain.servicer.publish(VERSION + 1, PUBLISHED)  # the next step lands in between
     sock = weight_socket.connect("127.0.0.1", granted.port, granted.ticket, TlsConfig(), 10)
-    version, _ = assemble_update(Assembling(map(parse_bucket, read_all(sock))))
+    version, _ = assemble_update(Assembling.of_frames(read_all(sock)))
     assert version == VERSION
 
 

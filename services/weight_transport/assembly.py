@@ -25,6 +25,7 @@ from services.weight_transport.tensor_codec import (
     WireBucket,
     WireSlice,
     expected_nbytes,
+    parse_bucket,
 )
 
 Bucket: TypeAlias = tensor_pb2.WeightBucket | WireBucket
@@ -194,6 +195,13 @@ class Assembling(AssembledBuckets):
     def __init__(self, buckets: Iterable[Bucket], assembler: WeightAssembler | None = None) -> None:
         self.assembler = assembler or WeightAssembler()
         self._buckets = buckets
+
+    @classmethod
+    def of_frames(
+        cls, frames: Iterable[bytes | memoryview], assembler: WeightAssembler | None = None
+    ) -> Assembling:
+        """Serialized buckets (socket frames, a relay's log) parsed as they are iterated."""
+        return cls(map(parse_bucket, frames), assembler)
 
     def __iter__(self) -> Iterator[Assembled]:
         for bucket in self._buckets:

@@ -27,7 +27,7 @@ from services.weight_transport.assembly import (
     WeightAssembler,
 )
 from services.weight_transport.frame_reader import PlacedBuckets
-from services.weight_transport.tensor_codec import parse_bucket, wire_bucket_parts
+from services.weight_transport.tensor_codec import wire_bucket_parts
 from services.weight_transport.weight_socket import (
     FRAME,
     Frame,
@@ -78,7 +78,7 @@ class Reception:
 
     def start_frames(self, frames: Iterable[bytes]) -> Reception:
         """Receive frames read elsewhere (the FetchWeights stream's messages)."""
-        return self._spawn(Assembling(map(parse_bucket, frames), self.assembler))
+        return self._spawn(Assembling.of_frames(frames, self.assembler))
 
     def _spawn(self, items: AssembledBuckets) -> Reception:
         thread = threading.Thread(target=self._run, args=(items,), daemon=True, name="relay-recv")
