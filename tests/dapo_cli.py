@@ -1,16 +1,17 @@
-"""`dapo` as users run it: a child process of `python -m services.tools.cli` (the head of
-a `dapo up` command line is `services.tools.cli.up_argv`)."""
+"""`dapo` as users run it: a child process of `python -m services.tools.cli`
+(`services.tools.cli.DAPO_ARGV`; a `dapo up` command line starts with `up_argv`)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-DAPO = [sys.executable, "-m", "services.tools.cli"]
+from services.tools.cli import DAPO_ARGV
+
+DAPO = list(DAPO_ARGV)
 
 
 def set_args(sets: Iterable[str]) -> list[str]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 import torch
+from dapo_cli import DAPO, set_args
 from learner_fixtures import TORCH_FP32_STEP, fill_train, learner_config
 from safetensors.torch import load_file
 from test_dead_rollout import fetch, listening_ports
@@ -53,9 +53,8 @@ def _config_file(tmp_path: Path, model: Path, url: str, run: str, steps: int) ->
 
 def _learner(config: Path, log: Path, *sets: str) -> subprocess.Popen:
     """`dapo learner` as compose and Kubernetes run it: no resume flag."""
-    extra = [a for s in sets for a in ("--set", s)]
     return subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "learner", "--config", str(config), *extra],
+        [*DAPO, "learner", "--config", str(config), *set_args(sets)],
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
     )

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import redis
+from dapo_cli import DAPO, set_args
 from run_audit import assert_trained_once, wait_for
 
 from services.common.keys import RunKeys
@@ -44,10 +44,10 @@ def start_run(
         "learner.checkpoint.every": checkpoint_every,
         "learner.launch.shutdown_timeout_s": SHUTDOWN_TIMEOUT_S,
     }
-    cmd = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny"]
+    cmd = [*DAPO, "up", "--preset", "tiny"]
     cmd += ["--run-dir", str(run_dir), "--steps", str(STEPS), "--learner-ranks", "2"]
     cmd += ["--redis-url", server.url]
-    cmd += [arg for k, v in sets.items() for arg in ("--set", f"{k}={v}")]
+    cmd += set_args(f"{k}={v}" for k, v in sets.items())
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

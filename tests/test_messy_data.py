@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from dapo_cli import DAPO, set_args
 from messy_data import (
     HUGE_GROUND_TRUTH,
     OVERLONG,
@@ -43,8 +43,8 @@ def dapo_up(
         "controller.dataset.kind": kind,
         "controller.dataset.path": data,
     }
-    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
-    command = [sys.executable, "-m", "services.tools.cli", "up", "--preset", "tiny"]
+    sets = set_args(f"{key}={value}" for key, value in settings.items())
+    command = [*DAPO, "up", "--preset", "tiny"]
     command += ["--run-dir", str(run_dir), *sets, *extra]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     return result, time.monotonic() - started

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dapo_cli import DAPO
 from learner_fixtures import make_groups
 from pki import Pki, make_pki
 from tls_proxy import TlsProxy
@@ -171,7 +171,7 @@ def test_buffer_service_and_ledger_over_mtls(
         client.hincrby(keys.ledger, "scored", 1)
         client.xadd(keys.scored, {"group": encode_group(group)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", "buffer", "--config", str(config)],
+        [*DAPO, "buffer", "--config", str(config)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

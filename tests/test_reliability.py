@@ -7,6 +7,7 @@ import threading
 import grpc
 import pytest
 import redis
+from dapo_cli import DAPO
 
 from services.common.atomic import ack_then, admit_inflight, commit_step, publish_inflight
 from services.common.keys import RunKeys
@@ -198,10 +199,9 @@ def _serve_then_sigterm(role: str, args: list[str]) -> tuple[int, str]:
     """Start `dapo ROLE`, wait for its ready line, SIGTERM it; its exit code and output."""
     import signal
     import subprocess
-    import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.tools.cli", role, "--http-port", "0", *args],
+        [*DAPO, role, "--http-port", "0", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

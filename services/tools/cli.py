@@ -26,10 +26,14 @@ ROLES: dict[str, str] = {
 }
 
 
+# `dapo` as this interpreter runs it: the head of every command line of a child `dapo`.
+DAPO_ARGV = (sys.executable, "-m", "services.tools.cli")
+
+
 def up_argv(run_dir: str | Path, model: str | Path, preset: str = "tiny") -> list[str]:
-    """`dapo up` as a user starts it (this interpreter, the CLI module) on `model`: the
-    head of the command line for the tests and benchmarks that run it whole."""
-    cli = [sys.executable, "-m", "services.tools.cli", "up", "--preset", preset]
+    """`dapo up` as a user starts it on `model`: the head of the command line for the
+    tests and benchmarks that run it whole."""
+    cli = [*DAPO_ARGV, "up", "--preset", preset]
     return [*cli, "--run-dir", str(run_dir), "--set", f"shared.model_path={model}"]
 
 
