@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import grpc
@@ -9,7 +10,13 @@ import pytest
 import redis
 from dapo_cli import DAPO
 
-from services.common.atomic import ack_then, admit_inflight, commit_step, publish_inflight
+from services.common.atomic import (
+    PassRate,
+    ack_then,
+    admit_inflight,
+    commit_step,
+    publish_inflight,
+)
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry, retryable_rpc
@@ -92,9 +99,11 @@ def test_a_replayed_publish_does_not_duplicate_the_group(redis_client: redis.Red
     assert admit_inflight(redis_client, k.inflight, k.cursor, k.ledger, "e0-0", "{}", "0:1")
     assert not admit_inflight(redis_client, k.inflight, k.cursor, k.ledger, "e0-0", "{}", "0:1")
     fields = {"group": b"bytes", "group_id": "e0-0"}
-    assert publish_inflight(redis_client, k.inflight, k.scored, k.ledger, "e0-0", fields)
-    assert not publish_inflight(redis_client, k.inflight, k.scored, k.ledger, "e0-0", fields)
+    rate = PassRate("p0", 0.25, keep=4)
+    assert publish_inflight(redis_client, k, "e0-0", fields, rate)
+    assert not publish_inflight(redis_client, k, "e0-0", fields, rate)
     assert redis_client.xlen(k.scored) == 1
+    assert json.loads(redis_client.hget(k.pass_rates, "p0")) == [0.25]  # recorded once
     ledger = read_ledger(redis_client, "idem")
     assert (ledger.admitted, ledger.in_flight, ledger.scored) == (1, 0, 1)
     assert not ledger.problems()

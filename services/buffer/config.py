@@ -18,7 +18,6 @@ class BufferConfig(StrictModel):
         "acc", description="Keep a group iff this metric varies within it (std > 0)."
     )
     dynamic_sampling: bool = Field(True, description="Off = forward every group (naive GRPO).")
-    history_size: int = Field(8, ge=1, description="Pass rates remembered per prompt.")
     read_count: int = Field(64, ge=1, description="Entries read from `scored` per call.")
     rate_window: int = Field(200, ge=1, description="Recent groups the kept ratio is over.")
     low_rate_warning: float = Field(

@@ -5,12 +5,12 @@ Forwarding, acking and the ledger counter of an entry happen in one Redis script
 does nothing if the entry was already acked, so every scored group is counted exactly
 once as kept or filtered (by reason), even if this process dies at any point or a write
 is replayed. A whole read goes in one pipelined round trip. Malformed entries are acked
-and counted, never retried.
+and counted, never retried. A pure filter: pass rates are recorded by the controller's
+publish, where the scores are known.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -53,12 +53,12 @@ class Buffer:
     def current_version(self) -> int:
         return int(self.client.get(self.keys.version) or 0)
 
-    def classify(self, entry: Entry, version: int) -> tuple[FilterDecision, Any]:
+    def classify(self, entry: Entry, version: int) -> FilterDecision:
         try:
             group = decode_group(entry.fields["group"])
         except (KeyError, ValueError):
-            return FilterDecision(False, "malformed"), None
-        decision = decide(
+            return FilterDecision(False, "malformed")
+        return decide(
             group,
             group_size=self.config.shared.group_size,
             current_version=version,
@@ -67,7 +67,6 @@ class Buffer:
             dynamic_sampling=self.config.buffer.dynamic_sampling,
             max_staleness_hard=self.config.shared.staleness_hard_bound,
         )
-        return decision, group
 
     def handle(self, entries: list[Entry]) -> None:
         """Decide every entry of a read, then forward+count+ack them in one round trip."""
@@ -75,20 +74,16 @@ class Buffer:
             return
         version = self.current_version()
         moves: list[tuple[str, str, dict[str, bytes] | None]] = []
-        rates: list[tuple[str, float]] = []
         for entry in entries:
-            decision, group = self.classify(entry, version)
+            decision = self.classify(entry, version)
             counter = "kept" if decision.keep else f"filtered:{decision.reason}"
             moves.append(
                 (entry.id, counter, {"group": entry.fields["group"]} if decision.keep else None)
             )
-            if group is not None:
-                rates.append((group.prompt_id, group.accuracy))
             DECISIONS.labels(decision.reason).inc()
             self.counts[decision.reason] = self.counts.get(decision.reason, 0) + 1
             self.recent.append(decision.keep)
         forward_and_ack(self.consumer, moves, self.keys.train, self.keys.ledger)
-        self.record_pass_rates(rates)
         self.watch_rate()
         self.trim()
 
@@ -121,19 +116,6 @@ class Buffer:
                 dict(self.counts),
                 1 / max(ratio, 1e-9),
             )
-
-    def record_pass_rates(self, rates: list[tuple[str, float]]) -> None:
-        """Keep the last history_size pass rates per prompt for the controller."""
-        if not rates:
-            return
-        ids = list(dict.fromkeys(prompt_id for prompt_id, _ in rates))
-        raw = self.client.hmget(self.keys.pass_rates, ids)
-        histories = {i: json.loads(r) if r else [] for i, r in zip(ids, raw, strict=True)}
-        for prompt_id, accuracy in rates:
-            histories[prompt_id].append(round(accuracy, 4))
-        size = self.config.buffer.history_size
-        mapping = {i: json.dumps(h[-size:]) for i, h in histories.items()}
-        self.client.hset(self.keys.pass_rates, mapping=mapping)
 
     def run(self, stop: threading.Event) -> None:
         """Process own pending entries first (after a crash), then new ones."""

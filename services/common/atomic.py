@@ -9,6 +9,7 @@ are acked in chunks: docs/reliability.md, "Idempotent moves".
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -24,13 +25,21 @@ if acked == 0 then return 0 end
 local at, m = 3 + n, tonumber(ARGV[3 + n])
 for i = at + 1, at + m do redis.call('HINCRBY', KEYS[3], ARGV[i], acked) end
 if #ARGV > at + m then redis.call('XADD', KEYS[2], '*', unpack(ARGV, at + m + 1)) end
+if m > 0 then redis.call('XADD', KEYS[4], 'MAXLEN', '~', 64, '*', 'n', acked) end
 return acked
 """
 
+# ARGV: group id, prompt id, pass rate, history length, then the stream entry's fields.
+# The pass-rate history (a JSON list per prompt) is kept where the scores are known.
 _PUBLISH = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 5))
 redis.call('HINCRBY', KEYS[3], 'scored', 1)
+local raw = redis.call('HGET', KEYS[4], ARGV[2])
+local history = raw and cjson.decode(raw) or {}
+table.insert(history, tonumber(ARGV[3]))
+while #history > tonumber(ARGV[4]) do table.remove(history, 1) end
+redis.call('HSET', KEYS[4], ARGV[2], cjson.encode(history))
 return 1
 """
 
@@ -56,6 +65,7 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('HINCRBY', KEYS[2], 'stepped', ARGV[2])
 redis.call('XADD', KEYS[3], '*', 'json', ARGV[3])
 redis.call('XADD', KEYS[4], '*', 'json', ARGV[4])
+redis.call('XADD', KEYS[6], 'MAXLEN', '~', 64, '*', 'n', ARGV[2])
 if #ARGV > 5 then
   local acked = redis.call('XACK', KEYS[5], ARGV[5], unpack(ARGV, 6))
   redis.call('HINCRBY', KEYS[2], 'trained', acked)
@@ -64,6 +74,12 @@ return 1
 """
 
 CHUNK = 1000
+
+
+def ledger_changes(ledger_key: str) -> str:
+    """The capped stream every move that frees admission appends to (a buffer decision, a
+    learner ack or step): the controller blocks on it instead of polling the ledger."""
+    return f"{ledger_key}:changes"
 
 
 def _flat(fields: Fields) -> list[bytes | str | int | float]:
@@ -123,16 +139,28 @@ def _ack_then(
     args = [group, len(ids), *ids, len(names), *names]
     if out_stream is not None and fields:
         args += _flat(fields)
-    keys = [stream, out_stream or stream, ledger_key]
+    keys = [stream, out_stream or stream, ledger_key, ledger_changes(ledger_key)]
     return client.register_script(_ACK_THEN)(keys=keys, args=args)
 
 
+@dataclass(frozen=True)
+class PassRate:
+    """A published group's pass rate, appended to its prompt's history (the last `keep`)."""
+
+    prompt_id: str
+    rate: float
+    keep: int
+
+
 def publish_inflight(
-    client: redis.Redis, inflight: str, stream: str, ledger_key: str, group_id: str, fields: Fields
+    client: redis.Redis, keys: RunKeys, group_id: str, fields: Fields, pass_rate: PassRate
 ) -> bool:
-    """Move a group from `inflight` to `stream` (+1 `scored`); False if already moved."""
+    """Move a group from `inflight` to `scored` (+1 `scored`) and record its pass rate;
+    False if already moved (then nothing is recorded twice)."""
     script = client.register_script(_PUBLISH)
-    return bool(script(keys=[inflight, stream, ledger_key], args=[group_id, *_flat(fields)]))
+    names = [keys.inflight, keys.scored, keys.ledger, keys.pass_rates]
+    rate = pass_rate.prompt_id, round(pass_rate.rate, 4), pass_rate.keep
+    return bool(script(keys=names, args=[group_id, *rate, *_flat(fields)]))
 
 
 def reject_inflight(
@@ -179,4 +207,5 @@ def commit_step(
         args += [ack[0], *ack[1]]
     script = client.register_script(_COMMIT_STEP)
     names = [keys.version, keys.ledger, keys.metrics, keys.steps, keys.train]
+    names.append(ledger_changes(keys.ledger))
     return bool(script(keys=names, args=args))

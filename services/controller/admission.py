@@ -1,15 +1,19 @@
-"""Admission control: how many prompts may be in the pipeline at once.
+"""Admission control: how many prompts may be in the pipeline at once, and which.
 
 Three independent limits, each a small pure function of counters: concurrency (groups
 being generated or scored), back-pressure (informative groups queued for the learner)
 and staleness (the informative work expected from what is queued and in flight stays
-below (max_staleness + 1) · N, with a running estimate of the informative rate). Why
-that bound: docs/architecture.md, "Staleness and admission".
+below (max_staleness + 1) · N, with a running estimate of the informative rate); then
+difficulty skipping. `Admission` combines them over injected sources (as AReaL's
+staleness manager): no Redis here. Why that bound: docs/architecture.md.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from services.common.ledger import prefixed
 
@@ -111,3 +115,98 @@ def sit_out(history: list[float], window: int, max_epochs: int) -> tuple[str | N
     if window <= 0 or kind is None or length < window:
         return None, 0
     return kind, min(2 ** (length - window), max_epochs)
+
+
+def history_length(window: int, max_epochs: int) -> int:
+    """Pass rates per prompt that `sit_out` can use: the window, plus the streak that
+    doubles the sit-out up to `max_epochs` (a longer history changes no verdict)."""
+    return max(1, window + (max_epochs - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The run as admission sees it: ledger counts, policy version, whether it is done."""
+
+    counts: PipelineCounts
+    version: int
+    done: bool
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The admission settings (controller and shared config)."""
+
+    max_in_flight: int
+    max_backlog: int
+    batch_groups: int
+    max_staleness: int
+    difficulty_window: int
+    max_skip_epochs: int
+
+
+class PipelineSource(Protocol):
+    """Where the ledger counts, version and done flag come from (Redis, or a test's fake)."""
+
+    def snapshot(self) -> Snapshot: ...
+
+
+class PassRateSource(Protocol):
+    """A prompt's recent pass rates, oldest first."""
+
+    def history(self, prompt_id: str) -> Sequence[float]: ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether one more group may be admitted now, at which version; `done`: stop."""
+
+    admit: bool
+    version: int
+    done: bool
+
+
+class Admission:
+    """The concurrency, back-pressure, staleness and difficulty limits over injected
+    sources. Not thread-safe: one admission loop asks it."""
+
+    def __init__(self, limits: Limits, pipeline: PipelineSource, rates: PassRateSource) -> None:
+        self.limits, self.pipeline, self.rates = limits, pipeline, rates
+        self.estimator = RateEstimator()
+        self._skips: Counter[str] = Counter()
+
+    @property
+    def informative_rate(self) -> float:
+        return self.estimator.rate
+
+    def check(self, in_flight: int) -> Verdict:
+        """Whether a group may start now (given `in_flight` groups running here).
+
+        No rollout lag enters the staleness limit: every group asks its rollout server
+        for at least the version current at admission (GenerateRequest.min_version).
+        """
+        snap = self.pipeline.snapshot()
+        lim = self.limits
+        rate = self.estimator.update(snap.counts.kept, snap.counts.filtered)
+        admit = (
+            in_flight < lim.max_in_flight
+            and backlog_allows(snap.counts, lim.max_backlog)
+            and staleness_allows(snap.counts, rate, lim.batch_groups, lim.max_staleness)
+        )
+        return Verdict(admit and not snap.done, snap.version, snap.done)
+
+    def skip_reason(self, prompt_id: str) -> str | None:
+        """Difficulty-aware admission: 'easy'/'hard' prompts sit out epochs (sit_out).
+
+        A prompt is admitted again after the epochs its streak of uniform groups earns
+        (1, doubling per further uniform group, at most `max_skip_epochs`).
+        """
+        window = self.limits.difficulty_window
+        if window == 0:
+            return None
+        history = list(self.rates.history(prompt_id))
+        reason, epochs = sit_out(history, window, self.limits.max_skip_epochs)
+        if reason is None or self._skips[prompt_id] >= epochs:
+            self._skips[prompt_id] = 0
+            return None
+        self._skips[prompt_id] += 1
+        return reason

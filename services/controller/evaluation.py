@@ -26,9 +26,10 @@ from services.common.eval_stats import curve_point
 from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
 from services.common.types import Sample
-from services.controller import adapter
 from services.controller.config import ControllerSettings
 from services.controller.dataset import counter_or_none, eval_data_spec, load_eval_records
+from services.controller.episode import Generator, Scorer
+from services.controller.failures import Stopped
 from services.controller.routing import Router
 
 log = logging.getLogger(__name__)
@@ -51,27 +52,21 @@ def due(version: int, every: int, last: int | None) -> bool:
 
 
 class Controller(Protocol):
-    """What an evaluation uses of the controller (services/controller/server.py)."""
+    """What an evaluation uses of the controller (services/controller/server.py): the
+    same typed clients as the training groups."""
 
     config: ControllerSettings
     client: redis.Redis
     keys: RunKeys
     router: Router
 
+    @property
+    def rollouts(self) -> Generator: ...
+
+    @property
+    def rewards(self) -> Scorer: ...
+
     def version(self) -> int: ...
-
-    def generate(
-        self,
-        group_id: str,
-        record: PromptRecord,
-        version: int,
-        stop: threading.Event,
-        request: Any = None,
-    ) -> Any: ...
-
-    def score(
-        self, group_id: str, record: PromptRecord, samples: list, stop: threading.Event
-    ) -> Any: ...
 
 
 class Evaluator:
@@ -139,23 +134,14 @@ class Evaluator:
         self, record: PromptRecord, version: int, stop: threading.Event
     ) -> list[Sample] | None:
         """n scored responses to one held-out prompt (None when stopping)."""
-        shared, cfg = self.controller.config.shared, self.cfg
+        cfg, c = self.cfg, self.controller
         eval_id = f"eval-v{version}-{record.prompt_id}"
         sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
-        request = adapter.generate_request(
-            eval_id,
-            record.prompt,
-            cfg.n,
-            sampling,
-            shared.max_response_length,
-            self.controller.config.controller.apply_chat_template,
-            min_version=version,
-        )
-        generated = self.controller.generate(eval_id, record, version, stop, request)
-        if generated is None:
+        try:
+            generated = c.rollouts.generate(eval_id, record, cfg.n, sampling, version, stop)
+            return c.rewards.score(eval_id, generated.samples, record.ground_truth, stop)
+        except Stopped:
             return None
-        scored: list[Sample] | None = self.controller.score(eval_id, record, generated[1], stop)
-        return scored
 
     def record(self, point: dict[str, Any]) -> None:
         n = point["n"]

@@ -116,3 +116,17 @@ class RejectionStreak:
                 f"the last {n} groups were all rejected ({reasons}), none scored; "
                 f"e.g. {self._example}"
             )
+
+
+class Stopped(Exception):
+    """Raised out of a group's work when the controller stops: the group stays in flight,
+    and the next controller re-runs it."""
+
+
+CONTROLLER_ERROR = "controller_error"
+
+
+def unexpected(exc: BaseException) -> Rejection:
+    """An exception nobody classified (a bug, a malformed record): the group is rejected
+    with its type and text rather than left in flight."""
+    return Rejection(CONTROLLER_ERROR, _detail(f"{type(exc).__name__}: {exc}"))

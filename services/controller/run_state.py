@@ -1,0 +1,160 @@
+"""The controller's Redis side: admission's snapshot, the in-flight moves, the pass rates.
+
+Each move is one idempotent script (services/common/atomic.py). Pass rates are recorded
+by the publish script and mirrored here in memory (loaded once at start), so admission
+reads no Redis per prompt. `wait_for_change` blocks on the ledger-changes stream that
+the buffer's and the learner's moves append to, instead of polling the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+
+import redis
+from prometheus_client import Counter
+
+from services.common.adapters import encode_group
+from services.common.atomic import (
+    PassRate,
+    admit_inflight,
+    ledger_changes,
+    publish_inflight,
+    reject_inflight,
+)
+from services.common.keys import RunKeys
+from services.common.types import Group
+from services.controller.admission import Snapshot, pipeline_counts
+from services.controller.dataset import Cursor
+from services.controller.episode import Ticket, Timing
+from services.controller.failures import Rejection
+
+SCORED = Counter("dapo_controller_groups_scored_total", "Groups written to `scored`")
+REJECTED = Counter(
+    "dapo_controller_groups_rejected_total", "Groups refused for good, not retried", ["reason"]
+)
+
+
+class RunState:
+    """One run's keys, as the controller reads and moves them (thread-safe)."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, history: int) -> None:
+        self.client, self.keys, self.keep = client, keys, history
+        self._lock = threading.Lock()
+        self._rates: dict[str, list[float]] = {}
+        self._seen = "0-0"  # the last ledger change waited past
+
+    # -- admission's sources
+    def snapshot(self) -> Snapshot:
+        """Ledger counts, policy version and whether the run is done: one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hgetall(self.keys.ledger)
+        pipe.get(self.keys.version)
+        pipe.exists(self.keys.done)
+        raw, version, done = pipe.execute()
+        return Snapshot(pipeline_counts(raw), int(version or 0), bool(done))
+
+    def load_pass_rates(self) -> int:
+        """Read the recorded histories (a restarted controller goes on from them)."""
+        raw = self.client.hgetall(self.keys.pass_rates)
+        with self._lock:
+            self._rates = {k.decode(): [float(x) for x in json.loads(v)] for k, v in raw.items()}
+            return len(self._rates)
+
+    def history(self, prompt_id: str) -> Sequence[float]:
+        with self._lock:
+            return tuple(self._rates.get(prompt_id, ()))
+
+    def wait_for_change(self, timeout_s: float) -> bool:
+        """Block until the buffer or the learner moved the ledger (True), or timeout."""
+        stream = ledger_changes(self.keys.ledger)
+        with suppress(redis.RedisError):
+            reply = self.client.xread({stream: self._seen}, count=64, block=int(timeout_s * 1000))
+            if reply:
+                self._seen = reply[0][1][-1][0].decode()
+                return True
+        return False
+
+    # -- the moves
+    def admit(self, ticket: Ticket, cursor: Cursor) -> bool:
+        """Record the group in flight, with the cursor and the ledger, atomically."""
+        meta = json.dumps(
+            {"prompt_id": ticket.prompt_id, "epoch": ticket.epoch, "v": ticket.version}
+        )
+        k = self.keys
+        return admit_inflight(
+            self.client, k.inflight, k.cursor, k.ledger, ticket.group_id, meta, cursor.encode()
+        )
+
+    def skip(self, cursor: Cursor) -> None:
+        self.client.set(self.keys.cursor, cursor.encode())
+
+    def cursor(self) -> Cursor:
+        return Cursor.decode(self.client.get(self.keys.cursor))
+
+    def in_flight(self) -> list[Ticket]:
+        """The groups a previous controller admitted but never published."""
+        tickets = []
+        for raw_id, raw_meta in self.client.hgetall(self.keys.inflight).items():
+            meta = json.loads(raw_meta)
+            tickets.append(Ticket(raw_id.decode(), meta["prompt_id"], meta["epoch"], meta["v"]))
+        return tickets
+
+    @contextmanager
+    def generating(self, group_id: str) -> Iterator[None]:
+        """An entry in the `generating` stream while the group waits for or is in
+        generation (KEDA's backlog); best effort: a Redis blip never fails the group."""
+        entry = None
+        with suppress(redis.RedisError):
+            entry = self.client.xadd(self.keys.generating, {"group_id": group_id})
+        try:
+            yield
+        finally:
+            if entry is not None:
+                with suppress(redis.RedisError):
+                    self.client.xdel(self.keys.generating, entry)
+
+    def publish(self, group: Group, timing: Timing) -> bool:
+        """Leave `inflight` for `scored`, recording the pass rate (once per group id).
+
+        `timing` rides beside the group as a plain stream field, for the run report's time
+        accounting (`services/tools/report.py`).
+        """
+        fields: dict[str, bytes | str] = {
+            "group": encode_group(group),
+            "group_id": group.group_id,
+            "timing": json.dumps({"generate_s": timing.generate_s, "score_s": timing.score_s}),
+        }
+        rate = PassRate(group.prompt_id, group.accuracy, self.keep)
+        if not publish_inflight(self.client, self.keys, group.group_id, fields, rate):
+            return False
+        SCORED.inc()
+        with self._lock:
+            history = self._rates.setdefault(group.prompt_id, [])
+            history.append(round(group.accuracy, 4))
+            del history[: -self.keep]
+        return True
+
+    def reject(self, group_id: str, prompt_id: str, rejection: Rejection) -> bool:
+        """Leave `inflight` for the `rejected` stream with the reason (once per group id)."""
+        fields = {"prompt_id": prompt_id, "detail": rejection.detail}
+        if not reject_inflight(self.client, self.keys, group_id, rejection.reason, fields):
+            return False
+        REJECTED.labels(rejection.reason).inc()
+        return True
+
+    def fail(self, reason: str) -> None:
+        """The run cannot make progress: say why in `failed` (`dapo up` stops the run)."""
+        self.client.set(self.keys.failed, reason)
+
+    def reset_generating(self) -> None:
+        self.client.delete(self.keys.generating)  # a previous controller's entries
+
+    def publish_dataset(self, counts: dict[str, int]) -> None:
+        """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.dataset)
+        pipe.hset(self.keys.dataset, mapping=counts)
+        pipe.execute()
