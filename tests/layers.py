@@ -29,6 +29,7 @@ UNIT_MODULES = frozenset(
         "test_bench_results.py",
         "test_buffer_filters.py",
         "test_config.py",
+        "test_controller_parts.py",
         "test_correction.py",
         "test_deploy_grafana.py",
         "test_deploy_stack_checks.py",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -14,14 +15,20 @@ import redis
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
+from services.common.atomic import commit_step
 from services.common.keys import RunKeys
+from services.common.ledger import read_ledger
 from services.common.net import free_port
 from services.common.registry import Registration
-from services.controller import adapter
+from services.common.types import Group, Sample
+from services.controller import adapter, server
+from services.controller.clients import Generated
 from services.controller.dataset import Cursor
+from services.controller.episode import Timing
+from services.controller.failures import Stopped
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher, split
-from services.controller.server import Controller
+from services.controller.server import REJECTED, Controller
 from services.tools.config import DapoConfig, load_config
 
 
@@ -30,44 +37,10 @@ def controller(client: redis.Redis, *overrides: str) -> Controller:
     return Controller(config, client)
 
 
-def test_difficulty_skip_expires_so_prompts_are_retried(redis_client: redis.Redis) -> None:
-    c = controller(redis_client, "controller.difficulty_window=2")
-    record = c.records[0]
-    redis_client.hset(RunKeys("c").pass_rates, record.prompt_id, json.dumps([0.0, 0.0]))
-    assert c.skip_reason(record) == "hard"  # sits out one epoch
-    assert c.skip_reason(record) is None  # then is tried again
-    assert c.skip_reason(record) == "hard"
-    redis_client.hset(RunKeys("c").pass_rates, record.prompt_id, json.dumps([0.5, 1.0]))
-    assert c.skip_reason(record) is None  # informative recently: never skipped
-
-
-def test_a_prompt_that_stays_easy_sits_out_longer_each_time(redis_client: redis.Redis) -> None:
-    c = controller(redis_client)  # difficulty-aware admission is on by default
-    record = c.records[0]
-    rates = RunKeys("c").pass_rates
-
-    def visits(history: list[float], n: int) -> list[str | None]:
-        redis_client.hset(rates, record.prompt_id, json.dumps(history))
-        return [c.skip_reason(record) for _ in range(n)]
-
-    assert visits([1.0, 1.0], 2) == ["easy", None]  # one epoch out, then admitted
-    assert visits([1.0, 1.0, 1.0], 3) == ["easy", "easy", None]  # easy again: two
-    assert visits([1.0] * 8, 9) == ["easy"] * 8 + [None]  # at most difficulty_skip_epochs
-    assert visits([1.0] * 8 + [0.5], 1) == [None]
-
-
-def test_the_ablation_base_samples_every_prompt_as_the_paper(redis_client: redis.Redis) -> None:
-    config = load_config(preset="tiny_runmax", env={}, overrides=["shared.run_name=c"])
-    c = Controller(config, redis_client)
-    record = c.records[0]
-    redis_client.hset(RunKeys("c").pass_rates, record.prompt_id, json.dumps([1.0, 1.0]))
-    assert c.skip_reason(record) is None
-
-
 def test_pacing_counts_stepped_groups_before_they_are_acked(redis_client: redis.Redis) -> None:
     c = controller(redis_client)
     redis_client.hset(RunKeys("c").ledger, mapping={"admitted": 40, "kept": 32, "stepped": 16})
-    counts = c.counts()
+    counts = c.state.snapshot().counts
     assert counts.trained == 16 and counts.queued_informative == 16
 
 
@@ -188,10 +161,10 @@ def test_split_refuses_a_short_response() -> None:
 def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Redis) -> None:
     c = controller(redis_client)
     redis_client.set(RunKeys("c").version, 7)
-    counts, version, done = c.snapshot()
-    assert (version, done) == (7, False) and counts.admitted == 0
+    snap = c.state.snapshot()
+    assert (snap.version, snap.done) == (7, False) and snap.counts.admitted == 0
     record = c.records[0]
-    group_id = c.admit(Cursor(0, 1), record, version)
+    group_id = c.admit(Cursor(0, 1), record, snap.version)
     meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
     assert meta["v"] == 7  # a restarted controller asks for the same min_version
     request = adapter.generate_request(
@@ -222,7 +195,13 @@ def test_a_rollout_server_that_answered_unavailable_is_routed_around(
     router._load[live] += 3  # the live one is busy: load alone would pick the dead one
     assert pick(router) == dead
     stop = threading.Event()
-    worker = threading.Thread(target=c.generate, args=("g", c.records[0], 0, stop))
+    sampling = c.config.shared.sampling
+
+    def generate() -> None:
+        with contextlib.suppress(Stopped):
+            c.rollouts.generate("g", c.records[0], 2, sampling, 0, stop)
+
+    worker = threading.Thread(target=generate)
     worker.start()  # its first call goes to the dead server and fails with UNAVAILABLE
     deadline = time.monotonic() + 20
     while dead not in router._shunned and time.monotonic() < deadline:
@@ -237,3 +216,106 @@ def test_a_rollout_server_that_answered_unavailable_is_routed_around(
     router._shunned[live] = time.monotonic() + 60  # every server shunned: still route somewhere
     assert pick(router) in (dead, live)
     assert router._load == {live: 3, dead: 0}  # every pick was released
+
+
+# -- the loop on a real Redis, its clients replaced by fakes of our own protocols ---------
+
+
+class Failing:
+    """A Generator with a bug: every call raises."""
+
+    def generate(self, request_id, record, n, sampling, min_version, stop) -> Generated:
+        raise RuntimeError("a bug in generation")
+
+
+class Stalling:
+    """A Generator that never answers before the controller stops."""
+
+    def generate(self, request_id, record, n, sampling, min_version, stop) -> Generated:
+        stop.wait()
+        raise Stopped(request_id)
+
+
+@contextlib.contextmanager
+def running(c: Controller) -> Iterator[threading.Thread]:
+    stop = threading.Event()
+    thread = threading.Thread(target=c.run, args=(stop,))
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the controller did not stop"
+
+
+def test_an_unexpected_failure_rejects_the_group_and_clears_it_from_inflight(
+    redis_client: redis.Redis,
+) -> None:
+    c = controller(
+        redis_client,
+        "controller.max_groups_in_flight=2",
+        "controller.max_rejected_in_a_row=0",
+        "controller.eval.enabled=false",
+    )
+    c.episode.generator = Failing()
+    with running(c):
+        wait_until(lambda: read_ledger(redis_client, "c").rejected.get("controller_error", 0) >= 4)
+    ledger = read_ledger(redis_client, "c")
+    assert not ledger.problems(), ledger.problems()
+    assert ledger.in_flight == 0 and ledger.rejected == {"controller_error": ledger.admitted}
+    _, fields = redis_client.xrange(RunKeys("c").rejected, count=1)[0]
+    assert fields[b"reason"] == b"controller_error"
+    assert fields[b"detail"] == b"RuntimeError: a bug in generation"
+    assert REJECTED.labels("controller_error")._value.get() >= ledger.admitted
+
+
+def hgetall_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+
+
+def test_blocked_admission_waits_for_the_ledger_to_move_instead_of_polling(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "WAKE_S", 30.0)  # only a notification can wake it in time
+    c = controller(redis_client, "controller.max_train_backlog=2", "controller.eval.enabled=false")
+    c.episode.generator = Stalling()
+    keys = c.keys
+    redis_client.hset(keys.ledger, mapping={"admitted": 2, "kept": 2})  # the backlog is full
+    with running(c):
+        time.sleep(1.0)  # starting up
+        before = hgetall_calls(redis_client)
+        time.sleep(1.5)
+        assert hgetall_calls(redis_client) - before < 5  # a 10 ms poll: about 150
+        assert read_ledger(redis_client, "c").admitted == 2
+        started = time.monotonic()
+        commit_step(redis_client, keys, 1, 2, "{}", "{}")  # the learner stepped on both
+        wait_until(lambda: read_ledger(redis_client, "c").admitted > 2, timeout=10)
+        assert time.monotonic() - started < 5
+
+
+def scored_group(record, group_id: str, correct: list[bool]) -> Group:
+    samples = [Sample([1], [-0.1], "x", "stop", 0, correct=ok) for ok in correct]
+    return Group(group_id, record.prompt_id, record.prompt, [1], record.ground_truth, samples)
+
+
+def test_pass_rates_are_recorded_where_groups_are_published_and_survive_a_restart(
+    redis_client: redis.Redis,
+) -> None:
+    c = controller(redis_client)  # difficulty window 2, at most 8 epochs: 5 kept
+    record = c.records[0]
+    rates = [0.5, 1.0, 0.25, 0.75, 0.0, 0.0]
+    for i, rate in enumerate(rates):
+        group_id = c.admit(Cursor(0, i + 1), record, 0)
+        group = scored_group(record, group_id, [True] * int(4 * rate) + [False] * int(4 - 4 * rate))
+        assert c.state.publish(group, Timing(0.1, 0.2))
+    assert not c.state.publish(group, Timing(0.1, 0.2))  # a replay records nothing twice
+    stored = json.loads(redis_client.hget(RunKeys("c").pass_rates, record.prompt_id))
+    assert stored == rates[1:] == list(c.state.history(record.prompt_id))
+    assert c.admission.skip_reason(record.prompt_id) == "hard"
+    restarted = controller(redis_client)
+    assert restarted.admission.skip_reason(record.prompt_id) is None  # not loaded yet
+    assert restarted.state.load_pass_rates() == 1
+    assert restarted.admission.skip_reason(record.prompt_id) == "hard"
+    ledger = read_ledger(redis_client, "c")
+    assert (ledger.scored, ledger.in_flight) == (6, 0) and not ledger.problems()

@@ -62,6 +62,7 @@ for _reason in (*REFUSALS.values(), "unknown_prompt", CONTROLLER_ERROR):  # at 0
     REJECTED.labels(_reason)  # start: a panel shows 0 rejections, not "No data"
 
 WAKE_S = 1.0  # the longest admission sleeps without a notification (a lost one, `done`)
+WATCH_S = 1.0  # one blocking read of the ledger changes (stopping waits at most this)
 
 
 class Controller:
@@ -188,7 +189,7 @@ class Controller:
     def _watch_ledger(self, stop: threading.Event) -> None:
         """Wake admission whenever the buffer or the learner moves the ledger."""
         while not stop.is_set():
-            if self.state.wait_for_change(WAKE_S):
+            if self.state.wait_for_change(WATCH_S):
                 self._wake.set()
 
     def run(self, stop: threading.Event) -> None:
@@ -215,7 +216,7 @@ class Controller:
             if evaluation is not None:
                 evaluation.join(timeout=10)
             self.rewards.close()
-            watcher.join(timeout=2 * WAKE_S)
+            watcher.join(timeout=2 * WATCH_S)
 
     def _admit_until_done(
         self,
