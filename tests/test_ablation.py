@@ -244,6 +244,8 @@ def test_dynamic_sampling_switch_changes_what_is_trained(
         buffer = Buffer(config, redis_client)
         buffer.handle(buffer.consumer.read(10))
         forwarded[name] = redis_client.xlen(keys.train)
+        assert not redis_client.exists(keys.pass_rates)  # a pure filter: the controller
+        # records pass rates when it publishes
     assert forwarded == {"token_level_loss": 3, "dynamic_sampling": 1}
 
 
