@@ -56,6 +56,9 @@ class RunState:
         raw, version, done = pipe.execute()
         return Snapshot(pipeline_counts(raw), int(version or 0), bool(done))
 
+    def version(self) -> int:
+        return int(self.client.get(self.keys.version) or 0)
+
     def load_pass_rates(self) -> int:
         """Read the recorded histories (a restarted controller goes on from them)."""
         raw = self.client.hgetall(self.keys.pass_rates)

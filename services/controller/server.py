@@ -85,18 +85,7 @@ class Controller:
         self.state = RunState(
             client, self.keys, history_length(cfg.difficulty_window, cfg.difficulty_skip_epochs)
         )
-        self.admission = Admission(
-            Limits(
-                max_in_flight=cfg.max_groups_in_flight,
-                max_backlog=cfg.max_train_backlog,
-                batch_groups=shared.train_batch_groups,
-                max_staleness=shared.max_staleness,
-                difficulty_window=cfg.difficulty_window,
-                max_skip_epochs=cfg.difficulty_skip_epochs,
-            ),
-            self.state,
-            self.state,
-        )
+        self.admission = Admission(limits(config), self.state, self.state)
         self.router = Router(client, self.keys, shared.registry_ttl_s)
         self.calls = Calls(config.security, shared.rpc.max_message_bytes)
         retrier = Retrier(shared.rpc, self.errors)
@@ -121,16 +110,15 @@ class Controller:
         self._wake = threading.Event()  # a slot freed, or the ledger moved
 
     def version(self) -> int:
-        return self.state.snapshot().version
+        return self.state.version()
 
-    def admit(self, cursor: Cursor, record: PromptRecord, version: int) -> str:
+    def admit(self, cursor: Cursor, record: PromptRecord, version: int) -> Ticket:
         """Record the group as in flight (atomically with the cursor and the ledger)."""
-        ticket = Ticket(
-            f"e{cursor.epoch}-{cursor.index - 1}", record.prompt_id, cursor.epoch, version
-        )
+        group_id = f"e{cursor.epoch}-{cursor.index - 1}"
+        ticket = Ticket(group_id, record.prompt_id, cursor.epoch, version)
         self.state.admit(ticket, cursor)
         ADMITTED.inc()
-        return ticket.group_id
+        return ticket
 
     def _rejected(self, rejection: Rejection) -> None:
         self.errors.record(f"rejected {rejection.reason}", rejection.detail)
@@ -242,9 +230,7 @@ class Controller:
                 SKIPPED.labels(reason).inc()
                 self.state.skip(cursor)
                 continue
-            group_id = self.admit(cursor, record, verdict.version)
-            ticket = Ticket(group_id, record.prompt_id, cursor.epoch, verdict.version)
-            self._submit(pool, stop, ticket, record)
+            self._submit(pool, stop, self.admit(cursor, record, verdict.version), record)
 
     def status(self) -> dict[str, Any]:
         ledger = read_ledger(self.client, self.config.shared.run_name)
@@ -256,6 +242,18 @@ class Controller:
             "ledger": ledger.as_dict(),
             "last_error": self.errors.snapshot(),
         }
+
+
+def limits(config: ControllerSettings) -> Limits:
+    cfg, shared = config.controller, config.shared
+    return Limits(
+        max_in_flight=cfg.max_groups_in_flight,
+        max_backlog=cfg.max_train_backlog,
+        batch_groups=shared.train_batch_groups,
+        max_staleness=shared.max_staleness,
+        difficulty_window=cfg.difficulty_window,
+        max_skip_epochs=cfg.difficulty_skip_epochs,
+    )
 
 
 def create_server(config: ControllerSettings, client: redis.Redis | None = None) -> LoopServer:
