@@ -15,7 +15,7 @@ import redis
 
 from dapo.v1 import reward_pb2, reward_pb2_grpc
 from reward.server import RewardServer, create_server
-from services.common.atomic import commit_step
+from services.common.atomic import ack_then, commit_step
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.net import free_port
@@ -27,6 +27,7 @@ from services.controller.dataset import Cursor
 from services.controller.episode import Timing
 from services.controller.failures import Stopped
 from services.controller.routing import Router
+from services.controller.run_state import RunState
 from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import REJECTED, Controller
 from services.tools.config import DapoConfig, load_config
@@ -319,3 +320,20 @@ def test_pass_rates_are_recorded_where_groups_are_published_and_survive_a_restar
     assert restarted.admission.skip_reason(record.prompt_id) == "hard"
     ledger = read_ledger(redis_client, "c")
     assert (ledger.scored, ledger.in_flight) == (6, 0) and not ledger.problems()
+
+
+def test_a_buffer_decision_or_a_learner_ack_wakes_admission(redis_client: redis.Redis) -> None:
+    """The moves that can free admission append to the ledger-changes stream; a blocked
+    controller's read returns at once, and times out when nothing moved."""
+    keys = RunKeys("c")
+    state = RunState(redis_client, keys, history=5)
+    assert not state.wait_for_change(0.2)
+    redis_client.xgroup_create(keys.scored, "buffer", id="0", mkstream=True)
+    entry = redis_client.xadd(keys.scored, {"group": b"x"})
+    redis_client.xreadgroup("buffer", "b", {keys.scored: ">"})
+    started = time.monotonic()
+    ack_then(redis_client, keys.scored, "buffer", [entry.decode()], keys.ledger, ["filtered:x"])
+    assert state.wait_for_change(10) and time.monotonic() - started < 5
+    assert not state.wait_for_change(0.2)  # seen: no second wake for the same move
+    ack_then(redis_client, keys.scored, "buffer", [entry.decode()], keys.ledger, ["filtered:x"])
+    assert not state.wait_for_change(0.2)  # a replayed ack moved nothing
