@@ -22,9 +22,8 @@ from services.common.net import free_port
 from services.common.registry import Registration
 from services.common.types import Group, Sample
 from services.controller import adapter, server
-from services.controller.clients import Generated
 from services.controller.dataset import Cursor
-from services.controller.episode import Timing
+from services.controller.episode import Generated, Timing
 from services.controller.failures import Stopped
 from services.controller.routing import Router
 from services.controller.run_state import RunState

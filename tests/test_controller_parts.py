@@ -23,9 +23,16 @@ from services.controller.admission import (
     history_length,
     sit_out,
 )
-from services.controller.clients import Generated, Retrier
+from services.controller.clients import Retrier
 from services.controller.config import ControllerSettings
-from services.controller.episode import Episode, EpisodeSettings, Outcome, Ticket, Timing
+from services.controller.episode import (
+    Episode,
+    EpisodeSettings,
+    Generated,
+    Outcome,
+    Ticket,
+    Timing,
+)
 from services.controller.evaluation import Evaluator
 from services.controller.failures import (
     CONTROLLER_ERROR,

@@ -30,6 +30,7 @@ from services.common.server_config import RpcConfig
 from services.common.settings import SamplingConfig
 from services.common.types import Sample
 from services.controller import adapter
+from services.controller.episode import Generated
 from services.controller.failures import GroupRejected, Stopped, classify
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
@@ -39,14 +40,6 @@ log = logging.getLogger(__name__)
 RETRIES = Counter("dapo_controller_retries_total", "Failed calls retried", ["target"])
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Generated:
-    """A rollout server's answer: the prompt as it tokenized it, and the samples."""
-
-    prompt_token_ids: list[int]
-    samples: list[Sample]
 
 
 class Calls:

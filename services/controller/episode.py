@@ -21,7 +21,6 @@ from typing import Protocol
 from services.common.data import PromptRecord
 from services.common.settings import SamplingConfig
 from services.common.types import Group, Sample
-from services.controller.clients import Generated
 from services.controller.failures import (
     GroupRejected,
     Rejection,
@@ -41,6 +40,14 @@ class Ticket:
     prompt_id: str
     epoch: int
     version: int  # the policy version at admission: the least its samples may come from
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A rollout server's answer: the prompt as it tokenized it, and the samples."""
+
+    prompt_token_ids: list[int]
+    samples: list[Sample]
 
 
 @dataclass(frozen=True)
