@@ -169,7 +169,7 @@ def kustomization(args: argparse.Namespace, values: dict[str, Any], out: Path) -
                 "name": "dapo-run-config",
                 "behavior": "replace",
                 "files": ["run.yaml"],
-                "options": {"disableNameSuffixHash": True, "labels": LABELS},
+                "options": {"labels": LABELS},  # hashed: an edit rolls the pods
             }
         ],
     }
