@@ -1,8 +1,9 @@
 """Custom resources in deploy/k8s: JobSet (the learner gang), KEDA's ScaledObject and
 TriggerAuthentication, Kueue's LocalQueue, the Prometheus Operator's PodMonitor and
-PrometheusRule. kubernetes-validate has no schemas for them, so each is checked
-against the minimal schema below (the fields these manifests use, their types and enums,
-nothing unknown), and a JobSet's Job template is validated strictly as a batch/v1 Job."""
+PrometheusRule, cert-manager's Issuer and Certificate. kubernetes-validate has no schemas
+for them, so each is checked against the minimal schema below (the fields these manifests
+use, their types and enums, nothing unknown), and a JobSet's Job template is validated
+strictly as a batch/v1 Job."""
 
 from __future__ import annotations
 
@@ -217,7 +218,58 @@ PROMETHEUS_RULE = _resource(
         },
     ),
 )
+_issuer_ref = _object(["name"], {"name": _str, "kind": {"enum": ["Issuer", "ClusterIssuer"]}})
+CERTIFICATE = _resource(  # cert-manager.io/v1
+    "cert-manager.io/v1",
+    _object(
+        ["secretName", "issuerRef"],
+        {
+            "secretName": _str,
+            "issuerRef": _issuer_ref,
+            "isCA": {"type": "boolean"},
+            "commonName": _str,
+            "dnsNames": _strings,
+            "usages": {
+                "type": "array",
+                "items": {
+                    "enum": [
+                        "server auth",
+                        "client auth",
+                        "digital signature",
+                        "key encipherment",
+                        "cert sign",
+                    ]
+                },
+            },
+            "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+            "renewBefore": {"type": "string", "pattern": "^[0-9]+h$"},
+            "privateKey": _object(
+                [],
+                {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "size": _int,
+                    "rotationPolicy": {"enum": ["Never", "Always"]},
+                },
+            ),
+        },
+    ),
+)
+ISSUER = _resource(
+    "cert-manager.io/v1",
+    {
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "additionalProperties": False,
+        "properties": {
+            "selfSigned": {"type": "object"},
+            "ca": _object(["secretName"], {"secretName": _str}),
+        },
+    },
+)
 SCHEMAS = {
+    "Certificate": CERTIFICATE,
+    "Issuer": ISSUER,
     "ScaledObject": SCALED_OBJECT,
     "TriggerAuthentication": TRIGGER_AUTH,
     "JobSet": JOBSET,

@@ -525,6 +525,11 @@ def test_volumes_and_config_resolve(rendered) -> None:
         for kind in ("ConfigMap", "PersistentVolumeClaim")
     }
     secrets = {SECRET["metadata"]["name"]: set(SECRET["stringData"])}
+    secrets |= {  # cert-manager writes a Certificate's Secret (components/mtls)
+        o["spec"]["secretName"]: {"ca.crt", "tls.crt", "tls.key"}
+        for o in objects
+        if o["kind"] == "Certificate"
+    }
     for obj in objects:
         for template in pod_templates(obj):
             pod = template["spec"]

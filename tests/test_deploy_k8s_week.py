@@ -22,13 +22,16 @@ from test_deploy_k8s import (
     GPU_ROLES,
     K8S,
     NAMESPACE,
+    SECRET,
     TARGETS,
     container_of,
+    dapo_env,
     every_container,
     learner_parts,
     pod_templates,
     probe_budget_s,
     render,
+    run_config_of,
     selects,
     template_of,
     workloads,
@@ -353,6 +356,42 @@ def test_dns_egress_works_with_any_cluster_dns(rendered) -> None:
     assert dns_allowed(objects, "kube-system", "10.96.0.10", 53), name
     assert dns_allowed(objects, None, "169.254.20.10", 53), name
     assert dns_allowed(objects, "openshift-dns", "10.128.0.5", 5353), name
+
+
+def mounted_files(spec: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """path in the container → (Secret, key) of every projected Secret item it mounts."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    out = {}
+    for mount in container["volumeMounts"]:
+        for source in volumes[mount["name"]].get("projected", {}).get("sources", []):
+            for item in source["secret"]["items"]:
+                out[f"{mount['mountPath']}/{item['path']}"] = (
+                    source["secret"]["name"],
+                    item["key"],
+                )
+    return out
+
+
+def test_the_production_services_talk_mtls_with_a_token(tmp_path: Path) -> None:
+    """components/mtls: every dapo pod loads a config with TLS, mTLS and a token file on,
+    and every file it names is mounted from the Secret that holds it: the certificate's
+    (issued by cert-manager for the name clients verify) or dapo-secrets' token."""
+    objects = render(PRODUCTION)
+    found = by_key(objects)
+    certificate = found[("Certificate", "dapo-tls")]["spec"]
+    assert {"server auth", "client auth"} <= set(certificate["usages"])
+    issuer = found[("Issuer", certificate["issuerRef"]["name"])]["spec"]
+    assert found[("Certificate", issuer["ca"]["secretName"])]["spec"]["isCA"] is True
+    for role in DAPO_ROLES:
+        config = run_config_of(objects, tmp_path, dapo_env(objects, role))
+        tls, auth = config.security.tls, config.security.auth
+        assert tls.enabled and tls.mtls and tls.server_name in certificate["dnsNames"], role
+        files = mounted_files(template_of(objects, role)["spec"], container_of(objects, role))
+        secret = certificate["secretName"]
+        assert files[tls.ca] == (secret, "ca.crt") and files[tls.cert] == (secret, "tls.crt")
+        assert files[tls.key] == (secret, "tls.key"), role
+        assert files[auth.token_file] == ("dapo-secrets", "auth-token"), role
+    assert "auth-token" in SECRET["stringData"]
 
 
 # ---------------------------------------------------------------- the small ones
