@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_tools import DEPLOY, ROOT, by_key, generated_name
+from deploy_tools import DEPLOY, ROOT, by_key, generated_name, kustomize
 from test_deploy_k8s import (
     DAPO_ROLES,
     GPU_ROLES,
@@ -41,6 +41,7 @@ PRODUCTION = "multi-node-production"
 KUEUE = K8S / "components" / "kueue"
 LOAD_32B_S = 1800  # a 32B model and its ZeRO states from the shared volume (docs/deploy.md)
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+EXCLUSIVE = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -141,13 +142,29 @@ def test_each_learner_job_owns_its_topology_domain(rendered) -> None:
     anti-affinity forbids sharing), and the pods must be placed within that label."""
     name, objects = rendered
     jobset, _, job, env = learner_parts(objects)
-    key = jobset["metadata"]["annotations"]["alpha.jobset.sigs.k8s.io/exclusive-topology"]
+    key = jobset["metadata"]["annotations"][EXCLUSIVE]
     spec = job["template"]["spec"]
     if int(env["NNODES"]) > 1:
         assert key != "kubernetes.io/hostname", name
         assert key in spec["nodeSelector"], name
     else:
         assert key == "kubernetes.io/hostname", name
+
+
+@pytest.mark.parametrize("pools", [True, False])
+def test_written_overlays_keep_the_gang_schedulable(pools: bool, tmp_path: Path) -> None:
+    """scripts/k8s_overlay.py with several learner nodes: their Job's domain is the
+    learner pool (with --node-pools) or none, never one host."""
+    from test_deploy_k8s_overlay import run_config
+
+    from scripts import k8s_overlay
+
+    out, flags = tmp_path / "overlay", ["--learner-nodes", "2"] + ["--node-pools"] * pools
+    argv = ["--config", str(run_config(tmp_path, 4)), "--out", str(out), *flags]
+    assert k8s_overlay.main(argv) == 0
+    jobset = by_key(kustomize(out))[("JobSet", "learner")]
+    key = jobset["metadata"].get("annotations", {}).get(EXCLUSIVE)
+    assert key == ("dapo.io/pool" if pools else None)
 
 
 def test_the_production_overlay_queues_the_gang_in_kueue() -> None:
