@@ -72,7 +72,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self.metrics.cache_usage(lambda: self.engine.kv_cache_usage() or 0.0)
 
     def ready(self) -> bool:
-        return self.sync is None or self.sync.ready()
+        """Can serve: loaded a version and not draining (/readyz, the registry)."""
+        return not self.draining.is_set() and (self.sync is None or self.sync.ready())
 
     def accepting(self) -> bool:
         """Takes GenerateGroup calls: caught up with the learner at least once, not draining."""

@@ -372,11 +372,11 @@ class WeightSync:
         return int(self.client.get(self.keys.version) or 0)
 
     def ready(self) -> bool:
-        """Serving the published version; False while lagging or when Redis is away."""
-        try:
-            return self.served >= self.published()
-        except redis.RedisError:
-            return False
+        """Caught up with the learner once, so it can serve. Being behind a newer version
+        is the staleness gate's business (min_version, the buffer's max_staleness), not
+        readiness': every publication would otherwise make every server unready for the
+        length of its update, and drop it from DNS and the Service (docs/deploy.md)."""
+        return self.caught_up.is_set()
 
     def sync_once(self) -> bool:
         """Fetch and load the latest version if newer; True if weights changed."""

@@ -26,6 +26,7 @@ LABELS = {"app.kubernetes.io/name": "dapo", "app.kubernetes.io/part-of": "dapo"}
 JOB = "/spec/replicatedJobs/0/template/spec"
 LEARNER = f"{JOB}/template/spec/containers/0"
 ROLLOUT = "/spec/template/spec/containers/0"
+EXCLUSIVE = "/metadata/annotations/alpha.jobset.sigs.k8s.io~1exclusive-topology"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,6 +89,11 @@ def learner_patch(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
     ]
     if args.node_pools:
         ops.append(op("add", f"{JOB}/template/spec/nodeSelector", {"dapo.io/pool": "learner"}))
+    if args.learner_nodes > 1:  # one Job's pods on one host would contradict anti-affinity
+        pool = (
+            op("replace", EXCLUSIVE, "dapo.io/pool") if args.node_pools else op("remove", EXCLUSIVE)
+        )
+        ops.append(pool)
     return ops
 
 
@@ -105,6 +111,8 @@ def rollout_patch(args: argparse.Namespace, tp: int) -> list[dict[str, Any]]:
 def scaler_patch(args: argparse.Namespace, values: dict[str, Any]) -> dict[str, Any]:
     per_server = str(max(1, values["max_groups_in_flight"] // args.rollout_servers))
     low, high = args.min_rollout_servers, args.rollout_servers
+    if low < 1:  # KEDA idles at 0 itself once the run is done (idleReplicaCount)
+        raise SystemExit("k8s_overlay.py: --min-rollout-servers must be at least 1")
     if args.autoscale == "keda":
         target = {"group": "keda.sh", "version": "v1alpha1", "kind": "ScaledObject"}
         stream = f"dapo:{values['run_name']}:generating"
@@ -169,7 +177,7 @@ def kustomization(args: argparse.Namespace, values: dict[str, Any], out: Path) -
                 "name": "dapo-run-config",
                 "behavior": "replace",
                 "files": ["run.yaml"],
-                "options": {"disableNameSuffixHash": True, "labels": LABELS},
+                "options": {"labels": LABELS},  # hashed: an edit rolls the pods
             }
         ],
     }

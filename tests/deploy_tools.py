@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,5 +95,19 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(_rendered(directory.resolve())) if d]
 
 
+# kustomize's generated names: NAME-<10 characters of the content's hash>.
+HASHED = re.compile(r"^(?P<name>.+)-[bcdfghkmt2-9]{10}$")
+
+
+def generated_name(obj: dict[str, Any]) -> str:
+    """A generated ConfigMap's name without its hash suffix (others: the name)."""
+    name = obj["metadata"]["name"]
+    found = HASHED.match(name) if obj["kind"] == "ConfigMap" else None
+    return found["name"] if found else name
+
+
 def by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    """(kind, name) → object; a hash-suffixed ConfigMap also under its generator's name."""
+    out = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    out |= {(o["kind"], generated_name(o)): o for o in objects if o["kind"] == "ConfigMap"}
+    return out

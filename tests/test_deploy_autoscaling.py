@@ -26,7 +26,7 @@ from test_deploy_monitoring import metrics_in_registry, metrics_in_source
 
 from services.common.keys import RunKeys
 
-AUTOSCALED = [name for name in TARGETS if name.endswith(("-keda", "-hpa", "-rdma"))]
+AUTOSCALED = [name for name in TARGETS if name.endswith(("-keda", "-hpa", "-rdma", "-production"))]
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -96,7 +96,8 @@ def test_every_autoscaler_reads_what_the_code_writes(
             written = {getattr(keys, prop) for prop in streams_written()}
             assert stream in written, f"{name}: {stream} is no stream the code writes {written}"
             host, port = trigger["metadata"]["address"].rsplit(":", 1)
-            assert host == "redis.dapo.svc.cluster.local" and ("Service", "redis") in objects
+            # No cluster domain: the KEDA pod's search path completes it, whatever it is.
+            assert host == "redis.dapo.svc" and ("Service", "redis") in objects
             assert int(port) == 6379
             auth = objects[("TriggerAuthentication", trigger["authenticationRef"]["name"])]
             for ref in auth["spec"]["secretTargetRef"]:

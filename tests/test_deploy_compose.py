@@ -29,7 +29,7 @@ PROFILES = {
 def compose_config(env_file: Path, compose_file: Path = ROOT / "docker-compose.yml"):
     binary = require_tool("docker-compose", "docker-compose")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAPO_", "COMPOSE_"))}
-    env.pop("REDIS_PASSWORD", None)
+    env.pop("REDIS_PASSWORD_FILE", None)
     return run_tool(
         binary,
         "-f",
@@ -82,9 +82,9 @@ def test_the_parser_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def test_redis_password_is_required(tmp_path: Path) -> None:
     env_file = tmp_path / "empty.env"
-    env_file.write_text("COMPOSE_PROFILES=gpu\n")
+    env_file.write_text("COMPOSE_PROFILES=gpu\nGRAFANA_ADMIN_PASSWORD=x\n")
     done = compose_config(env_file)
-    assert done.returncode != 0 and "set REDIS_PASSWORD in .env" in done.stderr
+    assert done.returncode != 0 and "set REDIS_PASSWORD_FILE in .env" in done.stderr
 
 
 def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
@@ -105,14 +105,22 @@ def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
     assert build == {f"deploy/docker/Dockerfile.{profile}"}
 
 
-def test_a_finished_run_stays_down_and_the_learner_keeps_its_checkpoints(resolved) -> None:
-    """`dapo` services exit 0 after "run done": on-failure leaves them down (unless-stopped
-    would start the run again); the learner's checkpoints are on a volume it resumes from."""
+def test_restarts_survive_a_reboot_and_a_finished_run_stays_finished(resolved) -> None:
+    """A service stopped by a daemon or host restart exits 0, which `on-failure` leaves
+    down: the long-running ones are `unless-stopped` and idle once the run is done (so
+    they don't start it again); the learner is `on-failure`, which its exit code makes
+    right (0: done; non-zero: stopped mid-run or crashed). The CPU demo exits at the end
+    (make test-containers waits for that). The learner resumes from its volume."""
     profile, config = resolved
     services = config["services"]
+    restart, when_done = ("unless-stopped", "idle") if profile == "gpu" else ("on-failure", "exit")
     for role in DAPO_HTTP:
         service = services[PROFILES[profile][1].get(role, role)]
-        assert service["restart"] == "on-failure", role
+        expected = "on-failure" if role == "learner" else restart
+        assert service["restart"] == expected, role
+        assert service["environment"]["DAPO_SHARED__WHEN_DONE"] == when_done, role
+    for name in ("redis", "prometheus", "grafana"):
+        assert services[name]["restart"] == "unless-stopped", name
     learner = services[PROFILES[profile][1]["learner"]]
     env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
     run = load_config(mounts(learner)["/etc/dapo/run.yaml"], env=env)
@@ -121,15 +129,42 @@ def test_a_finished_run_stays_down_and_the_learner_keeps_its_checkpoints(resolve
     )
 
 
-def test_redis_is_durable_and_password_protected(resolved) -> None:
-    _, config = resolved
+def test_redis_is_durable_and_the_password_only_a_file(resolved, tmp_path: Path) -> None:
+    """The password is a secret file: not in redis-server's argv (ps), not in a URL or any
+    environment (docker inspect); the start script, run here for real with a stand-in
+    redis-server, hands it over on stdin."""
+    profile, config = resolved
     redis = config["services"]["redis"]
-    command = " ".join(redis["command"])
-    assert "--appendonly yes" in command and '--requirepass "$$REDIS_PASSWORD"' in command
     assert mounts(redis)["/data"] == "redis-data" and "redis-data" in config["volumes"]
-    password = redis["environment"]["REDIS_PASSWORD"]
-    url = config["services"]["controller"]["environment"]["DAPO_SHARED__REDIS_URL"]
-    assert password and url == f"redis://:{password}@redis:6379/0"
+    secret = Path(config["secrets"]["redis-password"]["file"])
+    # The demo's file is checked in; .env.example names one the user writes.
+    password = secret.read_text().strip() if secret.exists() else "a-long-random-password"
+    assert profile == "gpu" or secret.exists()
+    assert "REDIS_PASSWORD" not in str(redis.get("environment", {}))
+    for name, service in active(config, profile).items():
+        if name.startswith(tuple(DAPO_HTTP)) or name == "redis":
+            assert password not in yaml.safe_dump(service), name
+            sources = [s if isinstance(s, str) else s["source"] for s in service["secrets"]]
+            assert sources == ["redis-password"], name
+    env = config["services"]["controller"]["environment"]
+    assert env["DAPO_SHARED__REDIS_URL"] == "redis://redis:6379/0"
+    assert env["DAPO_SECURITY__REDIS__PASSWORD_FILE"] == "/run/secrets/redis-password"
+    # The start script with /run/secrets → tmp_path and a redis-server that reports.
+    fake = tmp_path / "redis-server"
+    fake.write_text('#!/bin/sh\necho "argv: $*"\necho "stdin: $(cat)"\n')
+    fake.chmod(0o755)
+    (tmp_path / "redis-password").write_text(password + "\n")
+    script = redis["command"][-1].replace("/run/secrets", str(tmp_path)).replace("$$", "$")
+    done = subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"},
+        timeout=30,
+    )
+    argv, stdin = done.stdout.splitlines()
+    assert "--appendonly yes" in argv and password not in argv and argv.endswith(" -")
+    assert stdin == f'stdin: requirepass "{password}"', done.stdout
 
 
 def test_dapo_services_have_healthchecks_ports_and_ordering(resolved) -> None:
@@ -197,7 +232,8 @@ def test_the_run_config_of_each_profile_loads(resolved) -> None:
     source = mounts(learner)["/etc/dapo/run.yaml"]
     env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
     run = load_config(source, env=env)
-    assert run.shared.redis_url and run.shared.redis_url.startswith("redis://:")
+    assert run.shared.redis_url == "redis://redis:6379/0"  # no password in the URL
+    assert run.security.redis.password_file == "/run/secrets/redis-password"
     assert run.learner.server.host == "0.0.0.0"
     assert run.learner.publication.socket_port == 50054  # fixed, as on Kubernetes (docs/deploy.md)
     if profile == "cpu":
@@ -333,3 +369,44 @@ def test_entrypoint_gives_each_replica_its_own_gpu(tmp_path: Path) -> None:
     assert second.stdout.strip() == "dapo rollout --config x gpu=1"
     assert again.stdout.strip() == "dapo rollout --config x gpu=0"
     assert third.returncode == 1 and "every GPU in DAPO_GPU_SLOTS=0,1 is taken" in third.stderr
+
+
+def test_the_learner_checkpoints_within_its_stop_grace_period(resolved, tmp_path: Path) -> None:
+    """`docker compose stop` SIGTERMs, then SIGKILLs after stop_grace_period: the learner
+    gives its ranks learner.launch.shutdown_timeout_s to checkpoint, which must fit."""
+    profile, config = resolved
+    learner = config["services"][PROFILES[profile][1]["learner"]]
+    env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
+    run = load_config(mounts(learner)["/etc/dapo/run.yaml"], env=env)
+    grace = duration_s(learner["stop_grace_period"])
+    assert grace >= run.learner.launch.shutdown_timeout_s + 20, (grace, profile)
+
+
+def test_a_large_model_load_does_not_abort_compose_up(resolved) -> None:
+    """Rollouts start once the learner is healthy; a learner still loading a 32B model
+    (~30 min) must not be judged unhealthy meanwhile."""
+    profile, config = resolved
+    for role in ("learner", "rollout"):
+        check = config["services"][PROFILES[profile][1][role]]["healthcheck"]
+        assert duration_s(check["start_period"]) >= 1800, (profile, role)
+
+
+def test_prometheus_listens_on_this_host_only_without_the_lifecycle_api(resolved) -> None:
+    """Prometheus has no authentication: published on 127.0.0.1 only, and without
+    --web.enable-lifecycle (anyone reaching it could shut it down or reload it)."""
+    _, config = resolved
+    prometheus = config["services"]["prometheus"]
+    assert "--web.enable-lifecycle" not in prometheus["command"]
+    for port in prometheus["ports"]:
+        published = port if isinstance(port, str) else f"{port['host_ip']}:{port['published']}"
+        assert published.startswith("127.0.0.1:"), port
+
+
+def duration_s(value: str | int | float) -> float:
+    """A compose duration ('1m30s', '150s') or seconds in seconds."""
+    if isinstance(value, int | float):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s|ms|us)", value)
+    assert parts, value
+    unit = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * unit[u] for n, u in parts)

@@ -1,7 +1,9 @@
 """Custom resources in deploy/k8s: JobSet (the learner gang), KEDA's ScaledObject and
-TriggerAuthentication. kubernetes-validate has no schemas for them, so each is checked
-against the minimal schema below (the fields these manifests use, their types and enums,
-nothing unknown), and a JobSet's Job template is validated strictly as a batch/v1 Job."""
+TriggerAuthentication, Kueue's LocalQueue, the Prometheus Operator's PodMonitor and
+PrometheusRule, cert-manager's Issuer and Certificate. kubernetes-validate has no schemas
+for them, so each is checked against the minimal schema below (the fields these manifests
+use, their types and enums, nothing unknown), and a JobSet's Job template is validated
+strictly as a batch/v1 Job."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ SCALED_OBJECT = _resource(
         ["scaleTargetRef", "triggers"],
         {
             "scaleTargetRef": _object(["name"], {"apiVersion": _str, "kind": _str, "name": _str}),
+            "idleReplicaCount": _int,
             "minReplicaCount": _int,
             "maxReplicaCount": {"type": "integer", "minimum": 1},
             "pollingInterval": _int,
@@ -137,7 +140,143 @@ JOBSET = _resource(  # jobset.x-k8s.io/v1alpha2 (JobSet >= 0.6: failurePolicy.ru
         },
     ),
 )
-SCHEMAS = {"ScaledObject": SCALED_OBJECT, "TriggerAuthentication": TRIGGER_AUTH, "JobSet": JOBSET}
+_selector = _object(
+    [],
+    {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": _object(
+                ["key", "operator"],
+                {
+                    "key": _str,
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": _strings,
+                },
+            ),
+        },
+    },
+)
+LOCAL_QUEUE = _resource("kueue.x-k8s.io/v1beta1", _object(["clusterQueue"], {"clusterQueue": _str}))
+_relabeling = _object(
+    [],
+    {
+        "sourceLabels": _strings,
+        "targetLabel": _str,
+        "replacement": {"type": "string"},
+        "regex": _str,
+        "action": _str,
+    },
+)
+POD_MONITOR = _resource(  # monitoring.coreos.com/v1 (Prometheus Operator)
+    "monitoring.coreos.com/v1",
+    _object(
+        ["selector", "podMetricsEndpoints"],
+        {
+            "selector": _selector,
+            "namespaceSelector": {"type": "object"},
+            "podMetricsEndpoints": {
+                "type": "array",
+                "minItems": 1,
+                "items": _object(
+                    ["port"],
+                    {
+                        "port": _str,
+                        "path": _str,
+                        "interval": {"type": "string", "pattern": r"^[0-9]+[smh]$"},
+                        "relabelings": {"type": "array", "items": _relabeling},
+                    },
+                ),
+            },
+        },
+    ),
+)
+_rule = _object(
+    ["expr"],
+    {
+        "alert": _str,
+        "record": _str,
+        "expr": _str,
+        "for": _str,
+        "labels": {"type": "object"},
+        "annotations": {"type": "object"},
+    },
+)
+PROMETHEUS_RULE = _resource(
+    "monitoring.coreos.com/v1",
+    _object(
+        ["groups"],
+        {
+            "groups": {
+                "type": "array",
+                "minItems": 1,
+                "items": _object(
+                    ["name", "rules"],
+                    {"name": _str, "interval": _str, "rules": {"type": "array", "items": _rule}},
+                ),
+            }
+        },
+    ),
+)
+_issuer_ref = _object(["name"], {"name": _str, "kind": {"enum": ["Issuer", "ClusterIssuer"]}})
+CERTIFICATE = _resource(  # cert-manager.io/v1
+    "cert-manager.io/v1",
+    _object(
+        ["secretName", "issuerRef"],
+        {
+            "secretName": _str,
+            "issuerRef": _issuer_ref,
+            "isCA": {"type": "boolean"},
+            "commonName": _str,
+            "dnsNames": _strings,
+            "usages": {
+                "type": "array",
+                "items": {
+                    "enum": [
+                        "server auth",
+                        "client auth",
+                        "digital signature",
+                        "key encipherment",
+                        "cert sign",
+                    ]
+                },
+            },
+            "duration": {"type": "string", "pattern": "^[0-9]+h$"},
+            "renewBefore": {"type": "string", "pattern": "^[0-9]+h$"},
+            "privateKey": _object(
+                [],
+                {
+                    "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                    "size": _int,
+                    "rotationPolicy": {"enum": ["Never", "Always"]},
+                },
+            ),
+        },
+    ),
+)
+ISSUER = _resource(
+    "cert-manager.io/v1",
+    {
+        "type": "object",
+        "minProperties": 1,
+        "maxProperties": 1,
+        "additionalProperties": False,
+        "properties": {
+            "selfSigned": {"type": "object"},
+            "ca": _object(["secretName"], {"secretName": _str}),
+        },
+    },
+)
+SCHEMAS = {
+    "Certificate": CERTIFICATE,
+    "Issuer": ISSUER,
+    "ScaledObject": SCALED_OBJECT,
+    "TriggerAuthentication": TRIGGER_AUTH,
+    "JobSet": JOBSET,
+    "LocalQueue": LOCAL_QUEUE,
+    "PodMonitor": POD_MONITOR,
+    "PrometheusRule": PROMETHEUS_RULE,
+}
 
 
 def job_of(jobset: dict[str, Any], index: int) -> dict[str, Any]:

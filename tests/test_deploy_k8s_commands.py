@@ -136,7 +136,8 @@ def test_the_rdma_overlay_gives_the_learner_the_fabric() -> None:
     objects = render("multi-node-rdma")
     _, _, job, env = learner_parts(objects)
     container = job["template"]["spec"]["containers"][0]
-    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    # No IPC_LOCK: nothing for uid 10001, and it breaks Pod Security (the runtime's memlock).
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     rdma = [k for k in container["resources"]["requests"] if k.startswith("rdma/")]
     assert rdma and all(container["resources"]["limits"][k] == "1" for k in rdma)
     assert env["NCCL_IB_DISABLE"] == "0" and env["NCCL_IB_HCA"]

@@ -105,6 +105,11 @@ def test_bad_values_fail_in_one_line(tmp_path: Path) -> None:
     for extra, message in (
         (["--config", str(path)], "shared.model_path must be under /models/"),
         (["--config", str(tmp_path / "none.yaml")], "no run config at"),
+        (
+            ["--config", str(run_config(tmp_path, 4)), "--autoscale", "keda"]
+            + ["--min-rollout-servers", "0"],
+            "--min-rollout-servers must be at least 1",
+        ),
     ):
         done = subprocess.run(
             [sys.executable, str(script), "--out", str(tmp_path / "o"), *extra],
