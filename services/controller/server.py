@@ -36,6 +36,7 @@ from services.common.ledger import read_ledger
 from services.common.redis_server import connect_run
 from services.common.retry import Backoff, RetriesExhausted, call_with_retry
 from services.common.service import LoopServer
+from services.common.tokenizer import load_tokenizer
 from services.common.types import Group
 from services.controller import adapter
 from services.controller.admission import (
@@ -85,12 +86,9 @@ class Controller:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
         shared, cfg = config.shared, config.controller
+        self.tokenizer = load_tokenizer(shared.model_path, cfg.apply_chat_template)
         self.data = load_training_data(
-            cfg.dataset,
-            shared.seed,
-            shared.model_path,
-            cfg.apply_chat_template,
-            shared.max_prompt_length,
+            cfg.dataset, shared.seed, self.tokenizer, shared.max_prompt_length, shared.verifier
         )
         self.records = self.data.records
         self.errors = ErrorLog()
@@ -205,11 +203,11 @@ class Controller:
         if request is None:
             request = adapter.generate_request(
                 group_id,
-                record.prompt,
+                record,
                 shared.group_size,
                 self.config.shared.sampling,
                 shared.max_response_length,
-                cfg.apply_chat_template,
+                self.tokenizer.fingerprint,
                 min_version=version,
             )
 
@@ -396,6 +394,8 @@ class Controller:
     def publish_dataset(self) -> None:
         """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
         log.info("%s", self.data.describe())
+        for warning in self.data.warnings:
+            log.warning("data: %s", warning)
         for reason in {EMPTY, TOO_LONG, *self.data.filtered}:  # 0s too: not "No data"
             PROMPTS_FILTERED.labels(reason).set(self.data.filtered.get(reason, 0))
         pipe = self.client.pipeline(transaction=True)
