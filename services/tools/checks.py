@@ -178,10 +178,16 @@ def report_data(config: DapoConfig, command: str, out: TextIO = sys.stdout) -> N
     load lines to `out` and their warnings; DapoError for data a run cannot use."""
     from services.common.data_screen import require_usable
     from services.common.tokenizer import load_tokenizer
-    from services.controller.dataset import dataset_source, eval_data_spec, load_eval_data
+    from services.controller.dataset import (
+        check_kind,
+        dataset_source,
+        eval_data_spec,
+        load_eval_data,
+    )
     from services.tools.liveness import check_training_data
 
     cfg, shared = config.controller, config.shared
+    check_kind(cfg.dataset)  # a config mistake is named before any model is read
     tokenizer = load_tokenizer(shared.model_path, cfg.apply_chat_template)
     train = check_training_data(config, tokenizer)
     print(train.describe(), file=out)
