@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 import redis
 from dapo_cli import dapo
-from messy_data import OVERLONG, clean_rows, messy_rows, row, write_jsonl, write_parquet
+from messy_data import (
+    OVERLONG,
+    clean_rows,
+    float_rows,
+    messy_rows,
+    row,
+    write_jsonl,
+    write_parquet,
+)
 from transformers import AutoTokenizer
 
 from services.common.data import DataError, PromptRecord, aime_path
@@ -263,14 +271,6 @@ def test_held_out_prompts_a_server_would_refuse_are_skipped(
 
 
 # -- data checked as a careful user checks it ------------------------------------------------
-
-
-def float_rows(n: int) -> list[dict]:
-    """max3 rows whose ground truth column is numeric, as pandas writes it (3 → 3.0)."""
-    rows = clean_rows(n)
-    for r in rows:
-        r["reward_model"]["ground_truth"] = float(r["reward_model"]["ground_truth"])
-    return rows
 
 
 def test_integral_float_ground_truths_are_integers_and_counted(
