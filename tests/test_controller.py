@@ -25,7 +25,6 @@ from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import Controller
 from services.tools.config import DapoConfig, load_config
 
-
 MODEL: dict[str, Path] = {}  # the tiny model, whose tokenizer renders the prompts
 
 

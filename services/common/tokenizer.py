@@ -76,7 +76,7 @@ def raw_turn(messages: Sequence[Message]) -> str:
 def fingerprint(tokenizer: Any) -> str:
     """A short hash of what decides a prompt's ids: vocabulary, chat template, and the ids
     of a probe conversation (equal across processes and library versions that agree)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
+    template = tokenizer.chat_template or ""
     probe = tokenizer.encode(" ".join(m["content"] for m in PROBE), add_special_tokens=False)
     if template:
         probe += [-1] + list(
@@ -110,7 +110,7 @@ def load_tokenizer(model_path: str | Path | None, chat: bool) -> PromptTokenizer
         raise DapoError("tokenizing prompts needs the `transformers` package") from None
     except Exception as exc:  # transformers raises several types for a missing tokenizer
         raise DapoError(f"{model}: cannot load its tokenizer: {one_line(str(exc))}") from None
-    if chat and not getattr(tokenizer, "chat_template", None):
+    if chat and not tokenizer.chat_template:
         raise DapoError(
             f"controller.apply_chat_template is true but {model} has no chat template "
             "(set controller.apply_chat_template=false for raw prompts)"
