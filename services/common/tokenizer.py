@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,11 @@ class PromptTokenizer:
 
     def __init__(self, tokenizer: Any, source: str, chat: bool) -> None:
         self.tokenizer, self.source, self.chat = tokenizer, source, chat
-        self.fingerprint = fingerprint(tokenizer)
-        self.vocab_size = len(tokenizer)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What a rollout server compares with its own (computed once, when first asked)."""
+        return fingerprint(self.tokenizer)
 
     def render(self, messages: Sequence[Message]) -> str:
         """The prompt's text: the chat template's output, or the raw user turn."""
