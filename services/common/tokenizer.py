@@ -14,9 +14,12 @@ import json
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from services.common.errors import DapoError, one_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, str]
 # Rendered and encoded into the fingerprint: two tokenizers that agree on the vocabulary
@@ -34,7 +37,7 @@ class PromptTokenizer:
     apply_chat_template`); else the single user turn's text, encoded without specials.
     """
 
-    def __init__(self, tokenizer: Any, source: str, chat: bool) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, source: str, chat: bool) -> None:
         self.tokenizer, self.source, self.chat = tokenizer, source, chat
 
     @cached_property
@@ -77,7 +80,7 @@ def raw_turn(messages: Sequence[Message]) -> str:
     return messages[0]["content"]
 
 
-def fingerprint(tokenizer: Any) -> str:
+def fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     """A short hash of what decides a prompt's ids: vocabulary, chat template, and the ids
     of a probe conversation (equal across processes and library versions that agree)."""
     template = tokenizer.chat_template or ""
