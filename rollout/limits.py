@@ -1,7 +1,7 @@
 """Request limits of a rollout server; each violation names the config field it breaks.
 
 The service turns `GenerateLimitExceeded` into gRPC INVALID_ARGUMENT. Size, n and
-max_tokens are checked before tokenising, so an oversized prompt costs no tokenizer time.
+max_tokens are checked before the prompt's ids are read.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Limits:
             )
 
     def check_prompt(self, prompt: Sequence[int], vocab_size: int) -> None:
-        """Length and token ids of the tokenised prompt."""
+        """Length and token ids of the prompt (prompt_token_ids, as the controller sent them)."""
         if not prompt:
-            raise GenerateLimitExceeded("prompt", "the prompt is empty")
+            raise GenerateLimitExceeded("prompt", "the prompt is empty (no prompt_token_ids)")
         if len(prompt) > self.max_prompt_length:
             _fail(
                 "shared.max_prompt_length",

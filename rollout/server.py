@@ -34,6 +34,7 @@ from services.common.lifecycle import advertised_address
 from services.common.redis_server import connect_run
 from services.common.registry import Registration
 from services.common.service import register, run_is_done
+from services.common.tokenizer import fingerprint
 from services.weight_transport.relay import RelayHub, RelayServer
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,13 @@ log = logging.getLogger(__name__)
 CONTROL_THREADS = 8  # gRPC threads beyond max_concurrent_requests, for the control RPCs
 
 
+class TokenizerMismatch(ValueError):
+    """The request's prompt was tokenized by another tokenizer than this server's."""
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
-    """Validates requests, tokenises, batches through the engine, streams samples back."""
+    """Validates requests (prompts arrive as token ids), batches through the engine,
+    answers the samples with their decoded text."""
 
     def __init__(
         self,
@@ -53,6 +59,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         sync: WeightSync | None = None,
     ) -> None:
         self.config, self.engine, self.tokenizer = config, engine, tokenizer
+        self.fingerprint = fingerprint(tokenizer)
         self.updater, self.sync, self.metrics = updater, sync, updater.metrics
         self.limits = Limits.from_config(config)
         self.batcher = Batcher(engine, merged_sequences(config))
@@ -111,6 +118,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             prompt, params = self._parse(request)
         except GenerateLimitExceeded as exc:  # names the config field it broke
             self._refuse(context, exc.limit, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TokenizerMismatch as exc:  # every request would be wrong: the run stops
+            self._refuse(context, "tokenizer", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         refusal = self._admit()
@@ -148,7 +157,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         abort(context, code, message)
 
     def _parse(self, request: rollout_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """Limits first, then the tokenised prompt and engine params (ValueError if bad)."""
+        """Limits first, then the prompt's ids and engine params (ValueError if bad)."""
         self.limits.check_request(request)
         prompt = self._prompt_ids(request)
         self.limits.check_prompt(prompt, len(self.tokenizer))
@@ -161,19 +170,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return prompt, params
 
     def _prompt_ids(self, request: rollout_pb2.GenerateRequest) -> list[int]:
-        if request.prompt_token_ids:
-            return list(request.prompt_token_ids)
-        try:
-            if request.apply_chat_template:
-                messages = [{"role": "user", "content": request.prompt}]
-                return list(
-                    self.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                    )
-                )
-            return self.tokenizer.encode(request.prompt, add_special_tokens=False)
-        except Exception as exc:  # a template or tokenizer failure is the request's problem
-            raise ValueError(f"cannot tokenise the prompt: {exc}") from exc
+        """The ids as the controller rendered them: a server never tokenizes a prompt, and
+        refuses ids made by another tokenizer than its model's."""
+        theirs = request.tokenizer_fingerprint
+        if theirs and theirs != self.fingerprint:
+            model = self.config.rollout.model_path or self.config.shared.model_path
+            raise TokenizerMismatch(
+                f"the prompt was tokenized by tokenizer {theirs}, this server's ({model}) is "
+                f"{self.fingerprint}: one model path must decide every role's tokenizer "
+                "(shared.model_path, rollout.model_path)"
+            )
+        return list(request.prompt_token_ids)
 
     def _admit(self) -> tuple[str, Any, str] | None:
         """Count the call in flight, or say why not (too many calls)."""
@@ -220,6 +227,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             requests_in_flight=self.in_flight,
             engine=self.config.rollout.engine.kind,
             model=str(self.config.rollout.model_path or self.config.shared.model_path),
+            tokenizer_fingerprint=self.fingerprint,
         )
 
 
@@ -334,6 +342,7 @@ class RolloutServer:
             accepting=False,
             version=self.engine.version,
             relay=self.relay.port if self.relay else 0,
+            tokenizer=self.servicer.fingerprint,
         )
         self.sync.instance = self.registration.info["instance"]
         threading.Thread(

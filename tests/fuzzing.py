@@ -215,7 +215,7 @@ FOREIGN_MESSAGES = st.one_of(
     st.builds(learner_pb2.FetchWeightsRequest, version=_U64, bucket_bytes=_U32),
     st.builds(
         rollout_pb2.GenerateRequest,
-        prompt=_TEXT,
+        tokenizer_fingerprint=_TEXT,
         n=st.integers(0, 9),
         prompt_token_ids=st.lists(_INT32, max_size=8),
     ),

@@ -83,3 +83,39 @@ def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return path
+
+
+SYSTEM = "9,9="  # a system turn the tiny tokenizer can spell
+# Renders every turn, and refuses a conversation without its system turn: a prompt path
+# that drops the system message fails instead of training on the user turn alone.
+SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ raise_exception('this model needs its system turn') }}{% endif %}"
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def system_model(model: Path, out: Path) -> Path:
+    """A copy of the tiny model whose chat template needs the system turn."""
+    import shutil
+
+    shutil.copytree(model, out)
+    (out / "chat_template.jinja").write_text(SYSTEM_TEMPLATE)
+    return out
+
+
+def system_rows(n: int) -> list[dict[str, Any]]:
+    """`clean_rows(n)` with a system message before each user turn."""
+    rows = clean_rows(n)
+    for r in rows:
+        r["prompt"] = [{"role": "system", "content": SYSTEM}, *r["prompt"]]
+    return rows
+
+
+def float_rows(n: int) -> list[dict[str, Any]]:
+    """max3 rows whose ground truth column is numeric, as pandas writes it (7 → 7.0)."""
+    rows = clean_rows(n)
+    for r in rows:
+        r["reward_model"]["ground_truth"] = float(r["reward_model"]["ground_truth"])
+    return rows

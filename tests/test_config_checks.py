@@ -108,6 +108,32 @@ def test_torch_eval_of_a_large_model_warns(tiny_model: Path) -> None:
     assert checks.torch_eval_warning(config, big) is None
 
 
+def test_a_rollout_model_with_another_tokenizer_stops_dapo_up(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """One model path decides every role's tokenizer: the controller renders prompts with
+    shared.model_path's, so a rollout.model_path whose tokenizer differs is refused."""
+    import shutil
+
+    same = Path(shutil.copytree(tiny_model, tmp_path / "same"))
+    other = Path(shutil.copytree(tiny_model, tmp_path / "other"))
+    (other / "chat_template.jinja").write_text(
+        "{% for m in messages %}+{{ m['content'] }}{% endfor %}"
+    )
+    overrides = [f"shared.model_path={tiny_model}"]
+    config = load_config(
+        preset="tiny", env={}, overrides=[*overrides, f"rollout.model_path={same}"]
+    )
+    assert checks.tokenizer_problem(config) is None
+    config = load_config(
+        preset="tiny", env={}, overrides=[*overrides, f"rollout.model_path={other}"]
+    )
+    problem = checks.tokenizer_problem(config) or ""
+    assert problem.startswith(f"the tokenizer of rollout.model_path {other} (")
+    assert "one model path must decide every role's tokenizer" in problem
+    assert problem in checks.check_run(config).errors
+
+
 def test_tensor_parallelism_needs_the_gpus_a_server_gets() -> None:
     config = load_config(ROOT / "examples" / "dapo-qwen2.5-32b.yaml", env={})
     problem = checks.tensor_parallel_problem(config, 1, "in a pod")

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -31,9 +32,20 @@ from services.controller.scoring import ScoreBatcher, split
 from services.controller.server import REJECTED, Controller
 from services.tools.config import DapoConfig, load_config
 
+MODEL: dict[str, Path] = {}  # the tiny model, whose tokenizer renders the prompts
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(tiny_model: Path) -> None:
+    MODEL["tiny"] = tiny_model
+
 
 def controller(client: redis.Redis, *overrides: str) -> Controller:
-    config = load_config(preset="tiny", env={}, overrides=["shared.run_name=c", *overrides])
+    config = load_config(
+        preset="tiny",
+        env={},
+        overrides=["shared.run_name=c", f"shared.model_path={MODEL['tiny']}", *overrides],
+    )
     return Controller(config, client)
 
 
@@ -167,10 +179,14 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     group_id = c.admit(Cursor(0, 1), record, snap.version).group_id
     meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
     assert meta["v"] == 7  # a restarted controller asks for the same min_version
+    fingerprint = c.tokenizer.fingerprint
+    sampling = c.config.shared.sampling
     request = adapter.generate_request(
-        group_id, record.prompt, 16, c.config.shared.sampling, 4, False, min_version=meta["v"]
+        group_id, record, 16, sampling, 4, fingerprint, min_version=meta["v"]
     )
     assert request.min_version == 7
+    assert list(request.prompt_token_ids) == record.prompt_token_ids != []
+    assert request.tokenizer_fingerprint == fingerprint
 
 
 def pick(router: Router) -> str | None:

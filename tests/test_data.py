@@ -175,21 +175,21 @@ def test_corrupt_parquet(tmp_path: Path) -> None:
         ('{"data_source": "x", "prompt": []}', r":2: missing columns: reward_model"),
         (
             '{"data_source": "x", "prompt": [], "reward_model": {"ground_truth": "1"}}',
-            r":2: prompt must be a non-empty list",
+            r":2: column prompt must be a non-empty list",
         ),
         (
             '{"data_source": "x", "prompt": [{"role": "user"}], "reward_model": {}}',
-            r":2: prompt messages need role and content",
+            r":2: column prompt: messages need role and content",
         ),
         (
             '{"data_source": "x", "prompt": [{"role": "system", "content": "hi"}],'
             ' "reward_model": {"ground_truth": "1"}}',
-            r":2: prompt has no user message",
+            r":2: column prompt has no user message",
         ),
         (
             '{"data_source": "x", "prompt": [{"role": "user", "content": "q"}],'
             ' "reward_model": {"style": "rule"}}',
-            r":2: reward_model has no ground_truth",
+            r":2: column reward_model has no ground_truth",
         ),
     ],
 )

@@ -20,8 +20,11 @@ from messy_data import (
     HUGE_GROUND_TRUTH,
     OVERLONG,
     clean_rows,
+    float_rows,
     messy_rows,
     row,
+    system_model,
+    system_rows,
     write_jsonl,
     write_parquet,
 )
@@ -73,6 +76,35 @@ def test_one_overlong_prompt_in_thirty_rows_finishes(tmp_path: Path, tiny_model:
     assert "prompts: 30 rows, 29 used; skipped at load: prompt_too_long 1" in result.stdout
 
 
+def test_a_system_message_dataset_trains_with_its_system_turn(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The model's template refuses a conversation without its system turn: the run trains
+    only if the row's whole conversation reaches the engine (it once got the user turn)."""
+    model = system_model(tiny_model, tmp_path / "model")
+    data = write_jsonl(tmp_path / "system.jsonl", system_rows(30))
+    chat = ("--set", "controller.apply_chat_template=true")
+    result, _ = dapo_up(tmp_path / "run", model, data, *chat, "--steps", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    ledger = report_of(tmp_path / "run")["ledger"]
+    assert ledger["ok"], ledger["problems"]
+    assert ledger["rejected"] == {} and ledger["trained"] >= 2 * 16
+
+
+def test_a_float_ground_truth_parquet_trains(tmp_path: Path, tiny_model: Path) -> None:
+    """A numeric ground-truth column (7.0, as pandas writes it) once never matched `7`:
+    2,955 groups filtered all-wrong, 0 trained."""
+    data = write_parquet(tmp_path / "floats.parquet", float_rows(30))
+    result, _ = dapo_up(tmp_path / "run", tiny_model, data, "--steps", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "30 rows, 30 usable; 30 float ground truths read as integers (3.0 → 3)" in (
+        result.stdout
+    )
+    ledger = report_of(tmp_path / "run")["ledger"]
+    assert ledger["ok"], ledger["problems"]
+    assert ledger["trained"] >= 2 * 16 and ledger["version"] == 2
+
+
 def test_every_prompt_too_long_exits_at_once_with_the_reason(
     tmp_path: Path, tiny_model: Path
 ) -> None:
@@ -120,7 +152,7 @@ def test_messy_data_trains_and_every_prompt_is_accounted_for(
 @pytest.mark.parametrize(
     ("name", "defect", "message"),
     [
-        ("missing-field", "missing", r"{data}:4: reward_model has no ground_truth"),
+        ("missing-field", "missing", r"{data}:4: column reward_model has no ground_truth"),
         (
             "one-id-two-prompts",
             "conflict",

@@ -1,11 +1,13 @@
 """Nothing is retried that cannot succeed: the controller against a real rollout server and
 a real reward service rejects the groups they refuse for good (an overlong prompt, a ground
 truth past the reward's limit) at once, with a reason, and keeps retrying what is
-transient; a run whose every group is rejected stops with that reason."""
+transient; a run whose every group is rejected stops with that reason, and a rollout
+server whose tokenizer is not the controller's stops the run at its first refusal."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -61,17 +63,25 @@ def register(client: redis.Redis, role: str, port: int) -> None:
     Registration(client, RunKeys(RUN), role, f"{role}-t", info, ttl_s=60).refresh()
 
 
+MODEL: dict[str, Path] = {}  # the tiny model, whose tokenizer renders the prompts
+
+
+@pytest.fixture(autouse=True)
+def _tiny_model(tiny_model: Path) -> None:
+    MODEL["tiny"] = tiny_model
+
+
 def controller(client: redis.Redis, data: Path, *overrides: str) -> Controller:
-    """A controller on `data` whose prompt lengths are left to the rollout server (no
-    tokenizer at hand, as in the slim image)."""
+    """A controller on `data` that lets prompts of up to 32 tokens through, to a rollout
+    server whose limit is 12 (rollout_fixtures): the server's refusal is what is tested."""
     config = load_config(
         preset="tiny",
         env={},
         overrides=[
             f"shared.run_name={RUN}",
             "shared.group_size=2",
-            "shared.max_prompt_length=12",
-            "shared.model_path=/nonexistent",
+            "shared.max_prompt_length=32",
+            f"shared.model_path={MODEL['tiny']}",
             "controller.dataset.kind=parquet",
             f"controller.dataset.path={data}",
             "controller.eval.enabled=false",
@@ -166,6 +176,30 @@ def test_a_run_whose_every_group_is_rejected_stops_with_the_reason(
     assert "groups were all rejected (prompt_too_long" in reason
     assert "exceeds shared.max_prompt_length=12" in reason
     assert read_ledger(redis_client, RUN).rejected["prompt_too_long"] >= 100
+
+
+def test_a_rollout_server_with_another_tokenizer_stops_the_run_with_one_line(
+    tmp_path: Path, redis_client: redis.Redis, reward_server: RewardServer
+) -> None:
+    """rollout.model_path naming another model than shared.model_path: every prompt the
+    controller renders would be read with the wrong vocabulary or template."""
+    other = Path(shutil.copytree(MODEL["tiny"], tmp_path / "other-model"))
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}={{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    c = controller(redis_client, write_parquet(tmp_path / "d.parquet", clean_rows(2)))
+    with serve(other, make_config(RUN)) as rollout:
+        register(redis_client, "rollout", rollout.server.grpc_port)
+        register(redis_client, "reward", reward_server.grpc_port)
+        raised = run_until(c, lambda: False, timeout=60)
+    assert isinstance(raised, DapoError), raised
+    reason = redis_client.get(RunKeys(RUN).failed).decode()
+    assert str(raised) == reason and "\n" not in reason
+    assert reason.startswith(
+        f"tokenizer_mismatch: the prompt was tokenized by tokenizer {c.tokenizer.fingerprint}"
+    )
+    assert "one model path must decide every role's tokenizer" in reason
 
 
 def test_an_unreachable_server_is_retried_not_rejected(

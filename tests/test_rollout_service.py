@@ -37,9 +37,11 @@ from services.common.adapters import sample_from_completion
 
 def test_generate_group_returns_n_tagged_samples_and_counts_them(tiny_model: Path) -> None:
     with serve(tiny_model, make_config()) as s:
-        text_request = rollout_pb2.GenerateRequest(request_id="g1", prompt="1+2=", n=3)
-        group = s.stub.GenerateGroup(text_request, timeout=60)
         expected_prompt = s.engine.tokenizer.encode("1+2=", add_special_tokens=False)
+        request = rollout_pb2.GenerateRequest(
+            request_id="g1", prompt_token_ids=expected_prompt, n=3
+        )
+        group = s.stub.GenerateGroup(request, timeout=60)
         assert group.request_id == "g1" and list(group.prompt_token_ids) == expected_prompt
         assert len(group.completions) == 3
         tokens = 0
@@ -65,6 +67,19 @@ def _at_least(version: int, n: int = 2) -> rollout_pb2.GenerateRequest:
     )
 
 
+def test_the_server_reports_the_tokenizer_the_controller_loads(tiny_model: Path) -> None:
+    """One model path, one fingerprint: what the controller renders with
+    (services/common/tokenizer.py) is what the server checks requests against."""
+    from services.common.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(tiny_model, chat=False).fingerprint
+    with serve(tiny_model, make_config()) as s:
+        status = s.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=10)
+        assert status.tokenizer_fingerprint == ours
+        request = _request(fingerprint=ours)
+        assert len(s.stub.GenerateGroup(request, timeout=60).completions) == 1
+
+
 def test_generate_group_is_seeded_and_ordered(tiny_model: Path) -> None:
     with serve(tiny_model, make_config()) as s:
         request = _at_least(0, n=3)
@@ -87,10 +102,10 @@ def limited(tiny_model: Path) -> Iterator[Served]:
         yield s
 
 
-def _request(n: int = 1, prompt: str = "", ids: tuple[int, ...] = (3, 4), **sampling: Any):
+def _request(n: int = 1, ids: tuple[int, ...] = (3, 4), fingerprint: str = "", **sampling: Any):
     return rollout_pb2.GenerateRequest(
-        prompt=prompt,
-        prompt_token_ids=[] if prompt else list(ids),
+        prompt_token_ids=list(ids),
+        tokenizer_fingerprint=fingerprint,
         n=n,
         sampling=rollout_pb2.SamplingParams(**{"max_tokens": 2, **sampling}),
     )
@@ -105,15 +120,19 @@ LIMIT_CASES = {
         INVALID,
         "shared.max_prompt_length=12",
     ),
-    "prompt_text_too_long": (_request(prompt="12+34=" * 8), INVALID, "shared.max_prompt_length"),
     "max_tokens": (_request(max_tokens=MAX_RESPONSE + 1), INVALID, "shared.max_response_length=8"),
-    "request_bytes": (_request(prompt="7" * 3000), INVALID, "rollout.max_request_bytes=2048"),
+    "request_bytes": (_request(ids=(7,) * 3000), INVALID, "rollout.max_request_bytes=2048"),
     "token_outside_vocab": (_request(ids=(3, 999)), INVALID, "vocabulary"),
     "empty_prompt": (_request(ids=()), INVALID, "empty"),
     "top_p": (_request(top_p=1.5), INVALID, "top_p"),
     "temperature": (_request(temperature=-1.0), INVALID, "temperature"),
+    "another_tokenizer": (
+        _request(fingerprint="0123456789abcdef"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "one model path must decide every role's tokenizer",
+    ),
     "past_max_message_bytes": (
-        _request(prompt="7" * 70_000),
+        _request(ids=(7,) * 70_000),
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "larger than max",
     ),

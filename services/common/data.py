@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,8 @@ SUFFIXES = (".parquet", ".jsonl")
 SPLITS = ("train", "test")
 HELD_OUT_FRACTION = 0.2
 SYNTHETIC_ABILITY = "synthetic"
+# The load line's count of ground truths written as integral floats (`3.0` → `3`).
+FLOAT_GROUND_TRUTH = "float_ground_truth_normalised"
 
 
 class DataError(ValueError):
@@ -36,7 +40,12 @@ class DataError(ValueError):
 
 @dataclass
 class PromptRecord:
-    """One prompt with its gold answer, as every service sees it."""
+    """One prompt with its gold answer, as every service sees it.
+
+    `messages` is the conversation the policy sees, whole; `prompt` its last user turn
+    (what ids and logs name); `prompt_token_ids` the conversation rendered by the model's
+    tokenizer at load (services/common/tokenizer.py), empty until then.
+    """
 
     prompt_id: str
     prompt: str
@@ -48,6 +57,7 @@ class PromptRecord:
     raw_problem: str = ""
     split: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         # A record built from bare text is a single user turn, as DAPO rows are.
@@ -69,22 +79,28 @@ class PromptRecord:
         }
 
 
-def record_from_row(row: dict[str, Any], where: str = "row") -> PromptRecord:
-    """Build a record from one DAPO-format row; `where` prefixes any error message."""
+def record_from_row(
+    row: dict[str, Any], where: str = "row", tally: Counter[str] | None = None
+) -> PromptRecord:
+    """Build a record from one DAPO-format row; `where` (file and row) prefixes any error
+    message, which names the column; `tally` counts the ground truths normalised."""
     missing = [c for c in REQUIRED_COLUMNS if c not in row]
     if missing:
         raise DataError(f"{where}: missing columns: {', '.join(missing)}")
     messages = _messages(row["prompt"], where)
-    reward = row["reward_model"] or {}
+    reward = _object(row["reward_model"], where, "reward_model", '{"ground_truth": "3"}')
     if reward.get("ground_truth") is None:
-        raise DataError(f"{where}: reward_model has no ground_truth")
-    extra = row.get("extra_info") or {}
+        raise DataError(f"{where}: column reward_model has no ground_truth")
+    gold, normalised = ground_truth_text(reward["ground_truth"], where)
+    if normalised and tally is not None:
+        tally[FLOAT_GROUND_TRUTH] += 1
+    extra = _object(row.get("extra_info"), where, "extra_info", '{"index": 0}')
     source = str(row["data_source"])
     prompt = _user_content(messages, where)
     return PromptRecord(
         prompt_id=_prompt_id(source, extra.get("index"), prompt),
         prompt=prompt,
-        ground_truth=str(reward["ground_truth"]),
+        ground_truth=gold,
         data_source=source,
         ability=str(row.get("ability") or ""),
         reward_style=str(reward.get("style") or "rule"),
@@ -95,14 +111,43 @@ def record_from_row(row: dict[str, Any], where: str = "row") -> PromptRecord:
     )
 
 
+def _object(value: Any, where: str, column: str, example: str) -> dict[str, Any]:
+    """A column holding an object (None: an empty one), or DataError naming the column."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        shown = json.dumps(value, ensure_ascii=False, default=str)[:40]
+        raise DataError(
+            f"{where}: column {column} must be an object such as {example}, "
+            f"got {type(value).__name__} {shown}"
+        )
+    return value
+
+
+def ground_truth_text(value: Any, where: str) -> tuple[str, bool]:
+    """The gold answer as text, and whether it was normalised: an integral float (`3.0`,
+    as pandas writes a numeric column) is the integer `3`, which a verifier can match."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        if isinstance(value, dict | list):
+            raise DataError(f"{where}: column reward_model.ground_truth must be text or a number")
+        return str(value), False
+    if not math.isfinite(value):
+        raise DataError(f"{where}: column reward_model.ground_truth is {value}")
+    if value.is_integer():
+        return str(int(value)), True
+    return repr(value), False
+
+
 def _messages(prompt: Any, where: str) -> list[dict[str, str]]:
     """The chat messages of a row's `prompt` column."""
     if not isinstance(prompt, list) or not prompt:
-        raise DataError(f"{where}: prompt must be a non-empty list of {{role, content}}")
+        raise DataError(f"{where}: column prompt must be a non-empty list of {{role, content}}")
     try:
         return [{"role": str(m["role"]), "content": str(m["content"])} for m in prompt]
     except (KeyError, TypeError) as exc:
-        raise DataError(f"{where}: prompt messages need role and content ({exc!r})") from None
+        raise DataError(f"{where}: column prompt: messages need role and content ({exc!r})") from (
+            None
+        )
 
 
 def _user_content(messages: list[dict[str, str]], where: str) -> str:
@@ -110,7 +155,7 @@ def _user_content(messages: list[dict[str, str]], where: str) -> str:
     for message in reversed(messages):
         if message["role"] == "user":
             return message["content"]
-    raise DataError(f"{where}: prompt has no user message")
+    raise DataError(f"{where}: column prompt has no user message")
 
 
 def _prompt_id(source: str, index: Any, prompt: str) -> str:
@@ -124,16 +169,20 @@ def _prompt_id(source: str, index: Any, prompt: str) -> str:
 
 
 def load_records(
-    path: str | Path, unique: bool = False, limit: int | None = None
+    path: str | Path,
+    unique: bool = False,
+    limit: int | None = None,
+    tally: Counter[str] | None = None,
 ) -> list[PromptRecord]:
     """Load a `.parquet` or `.jsonl` file of DAPO-format rows.
 
     `unique` keeps the first record of each `prompt_id` (files that repeat problems for
-    avg@k evaluation); `limit` truncates after deduplication.
+    avg@k evaluation); `limit` truncates after deduplication; `tally` counts what loading
+    normalised.
     """
     path = _check_path(path)
     loader = load_parquet if path.suffix == ".parquet" else load_jsonl
-    records = loader(path)
+    records = loader(path, tally)
     if unique:
         records = unique_records(records)
     return records if limit is None else records[:limit]
@@ -149,7 +198,7 @@ def _check_path(path: str | Path) -> Path:
     return path
 
 
-def load_parquet(path: str | Path) -> list[PromptRecord]:
+def load_parquet(path: str | Path, tally: Counter[str] | None = None) -> list[PromptRecord]:
     """Read a DAPO-format parquet file (only the columns a record needs)."""
     import pyarrow.parquet as pq
 
@@ -165,10 +214,10 @@ def load_parquet(path: str | Path) -> list[PromptRecord]:
         raise
     except Exception as exc:  # pyarrow raises several types for unreadable files
         raise DataError(f"{path}: cannot read parquet: {_one_line(exc)}") from None
-    return [record_from_row(row, f"{path} row {i}") for i, row in enumerate(rows)]
+    return [record_from_row(row, f"{path} row {i}", tally) for i, row in enumerate(rows)]
 
 
-def load_jsonl(path: str | Path) -> list[PromptRecord]:
+def load_jsonl(path: str | Path, tally: Counter[str] | None = None) -> list[PromptRecord]:
     """Read DAPO-format rows, one JSON object per line (blank lines are skipped)."""
     path = _check_path(path)
     records = []
@@ -183,7 +232,7 @@ def load_jsonl(path: str | Path) -> list[PromptRecord]:
                 raise DataError(f"{where}: invalid JSON: {exc.msg}") from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            records.append(record_from_row(row, where))
+            records.append(record_from_row(row, where, tally))
     return records
 
 

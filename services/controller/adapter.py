@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dapo.v1 import reward_pb2, rollout_pb2
 from services.common.adapters import sample_from_completion
+from services.common.data import PromptRecord
 from services.common.settings import SamplingConfig
 from services.common.types import Sample
 
@@ -18,18 +19,21 @@ VERIFIERS = {
 
 def generate_request(
     request_id: str,
-    prompt: str,
+    record: PromptRecord,
     n: int,
     sampling: SamplingConfig,
     max_tokens: int,
-    chat: bool,
+    tokenizer_fingerprint: str,
     seed: int = 0,
     min_version: int = 0,
 ) -> rollout_pb2.GenerateRequest:
+    """The request for `record`'s prompt, as the token ids rendered at load."""
+    if not record.prompt_token_ids:
+        raise ValueError(f"prompt {record.prompt_id} was not tokenized at load")
     return rollout_pb2.GenerateRequest(
         request_id=request_id,
-        prompt=prompt,
-        apply_chat_template=chat,
+        prompt_token_ids=record.prompt_token_ids,
+        tokenizer_fingerprint=tokenizer_fingerprint,
         n=n,
         min_version=min_version,
         sampling=rollout_pb2.SamplingParams(

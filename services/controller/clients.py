@@ -133,7 +133,7 @@ class RolloutSettings:
     """What every GenerateGroup call of a run shares."""
 
     max_tokens: int
-    chat: bool
+    tokenizer_fingerprint: str  # of the tokenizer that made the records' prompt ids
     timeout_s: float
 
 
@@ -158,7 +158,13 @@ class RolloutClient:
         nothing, so repeating it is safe)."""
         s = self.settings
         request = adapter.generate_request(
-            request_id, record.prompt, n, sampling, s.max_tokens, s.chat, min_version=min_version
+            request_id,
+            record,
+            n,
+            sampling,
+            s.max_tokens,
+            s.tokenizer_fingerprint,
+            min_version=min_version,
         )
         return self.retrier.run(lambda: self._attempt(request), "rollout", request_id, stop)
 

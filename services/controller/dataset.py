@@ -4,62 +4,88 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from services.common.data import PromptRecord, load_records, synthetic_records, unique_records
-from services.common.data_screen import ScreenedData, check_ids, require_usable, screen
+from services.common.data_screen import (
+    ScreenedData,
+    check_ids,
+    overlap_warning,
+    require_usable,
+    screen,
+    verifier_warning,
+)
 from services.common.errors import DapoError
-from services.common.prompt_tokens import CounterUnavailable, PromptCounter, prompt_counter
+from services.common.tokenizer import PromptTokenizer
 from services.controller.config import DatasetConfig, EvalConfig
 
 log = logging.getLogger(__name__)
 
+SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
-def load_dataset(cfg: DatasetConfig, seed: int) -> list[PromptRecord]:
+
+def check_kind(cfg: DatasetConfig) -> str | None:
+    """The file a dataset config names, or None for a synthetic task; DapoError when the
+    kind and the path disagree (a path the kind never reads, a file of another format)."""
+    if cfg.kind == "synthetic":
+        if cfg.path is not None:
+            raise DapoError(
+                f"controller.dataset.path is {cfg.path} but controller.dataset.kind is "
+                "synthetic, which reads no file; set kind=parquet or kind=jsonl"
+            )
+        return None
+    if cfg.path is None:
+        raise DapoError(f"controller.dataset.path is required for kind={cfg.kind}")
+    suffix = Path(cfg.path).suffix
+    if suffix != SUFFIX[cfg.kind]:
+        raise DapoError(
+            f"controller.dataset.kind is {cfg.kind} but {cfg.path} is a {suffix or 'no-suffix'} "
+            f"file; set kind to match the file ({', '.join(SUFFIX)})"
+        )
+    return cfg.path
+
+
+def load_dataset(
+    cfg: DatasetConfig, seed: int, tally: Counter[str] | None = None
+) -> list[PromptRecord]:
     """The training prompts named by the config, or a DapoError saying what is wrong."""
     try:
-        if cfg.kind == "synthetic":
+        path = check_kind(cfg)
+        if path is None:
             return synthetic_records(cfg.synthetic_task, cfg.synthetic_size, seed, "train")
-        if cfg.path is None:
-            raise DapoError(f"controller.dataset.path is required for kind={cfg.kind}")
-        return load_records(cfg.path)
+        return load_records(path, tally=tally)
     except ValueError as exc:
         raise DapoError(str(exc)) from None
+
+
+def dataset_source(cfg: DatasetConfig) -> str:
+    """How the load line names the training data."""
+    return str(cfg.path) if cfg.kind != "synthetic" else f"synthetic:{cfg.synthetic_task}"
 
 
 def load_training_data(
     cfg: DatasetConfig,
     seed: int,
-    model_path: str | None,
-    chat: bool,
+    tokenizer: PromptTokenizer,
     max_prompt_length: int,
+    verifier: str = "default",
 ) -> ScreenedData:
-    """The training prompts a run can use, validated and screened at load (data_screen.py),
-    or a DapoError naming the file, row and column or saying why nothing is left.
-
-    Prompt lengths are counted with the model's tokenizer as a rollout server counts them;
-    where it cannot be read here the lengths are left to the rollout servers (a refused
-    prompt's group is then rejected with the reason).
-    """
-    records = load_dataset(cfg, seed)
-    source = cfg.path if cfg.kind != "synthetic" else f"synthetic:{cfg.synthetic_task}"
+    """The training prompts a run can use, validated, tokenized and screened at load
+    (data_screen.py), or a DapoError naming the file, row and column or saying why
+    nothing is left. Warnings (verifier vs ground truths, a lossy tokenizer) ride along."""
+    tally = Counter[str]()
+    records = load_dataset(cfg, seed, tally)
+    source = dataset_source(cfg)
     try:
-        check_ids(records, str(source))
-        counter = counter_or_none(model_path, chat)
-        data = screen(records, str(source), counter, max_prompt_length)
-        return require_usable(data)
+        check_ids(records, source)
+        data = screen(records, source, tokenizer, max_prompt_length, tally)
+        data = require_usable(data)
     except ValueError as exc:
         raise DapoError(str(exc)) from None
-
-
-def counter_or_none(model_path: str | None, chat: bool) -> PromptCounter | None:
-    """The prompt token counter, or None (logged) where it cannot be built here."""
-    try:
-        return prompt_counter(model_path, chat)
-    except CounterUnavailable as exc:
-        log.warning("prompt lengths are not checked at load: %s", exc)
-        return None
+    return data.with_warnings(verifier_warning(data.records, verifier, seed))
 
 
 def eval_data_spec(cfg: EvalConfig, dataset: DatasetConfig) -> str | None:
@@ -74,17 +100,39 @@ def load_eval_records(spec: str, limit: int | None = None) -> list[PromptRecord]
     """One record per problem of a parquet/jsonl file, or `synthetic:TASK`'s test split.
 
     Eval files repeat each problem (AIME: 32 copies; DAPO-Math-17k: about 100, whose
-    copies need not share an index), so problems are told apart by their prompt and
-    gold answer, not by row; `limit` keeps the first N problems.
+    copies need not share an index), so problems are told apart by their conversation
+    and gold answer, not by row; `limit` keeps the first N problems.
     """
     try:
         if spec.startswith("synthetic:"):
             records = synthetic_records(spec.split(":", 1)[1], split="test")
         else:
-            records = unique_records(load_records(spec), key=lambda r: (r.prompt, r.ground_truth))
+            records = unique_records(
+                load_records(spec), key=lambda r: (repr(r.messages), r.ground_truth)
+            )
     except ValueError as exc:
         raise DapoError(str(exc)) from None
     return records[:limit] if limit else records
+
+
+def load_eval_data(
+    spec: str,
+    limit: int | None,
+    tokenizer: PromptTokenizer,
+    max_prompt_length: int,
+    training: tuple[list[PromptRecord], str] | None = None,
+) -> ScreenedData:
+    """The held-out prompts, tokenized and screened as training prompts are (a prompt a
+    server would refuse would fail every eval point), with a warning when they overlap
+    `training` (records, source); DapoError when the file is unusable."""
+    records = load_eval_records(spec, limit)
+    try:
+        data = screen(records, spec, tokenizer, max_prompt_length)
+    except ValueError as exc:
+        raise DapoError(str(exc)) from None
+    if training is None:
+        return data
+    return data.with_warnings(overlap_warning(training[0], data.records, training[1], spec))
 
 
 @dataclass(frozen=True)

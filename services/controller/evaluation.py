@@ -21,13 +21,13 @@ import redis
 from prometheus_client import Gauge
 
 from services.common.data import PromptRecord
-from services.common.data_screen import screen
 from services.common.eval_stats import curve_point
 from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
+from services.common.tokenizer import PromptTokenizer
 from services.common.types import Sample
 from services.controller.config import ControllerSettings
-from services.controller.dataset import counter_or_none, eval_data_spec, load_eval_records
+from services.controller.dataset import dataset_source, eval_data_spec, load_eval_data
 from services.controller.episode import Generator, Scorer
 from services.controller.failures import Stopped
 from services.controller.routing import Router
@@ -59,6 +59,8 @@ class Controller(Protocol):
     client: redis.Redis
     keys: RunKeys
     router: Router
+    tokenizer: PromptTokenizer
+    records: list[PromptRecord]
 
     @property
     def rollouts(self) -> Generator: ...
@@ -186,11 +188,14 @@ def screened_eval_records(controller: Controller, spec: str) -> list[PromptRecor
     """The held-out records, less those a rollout server would refuse (empty, too long):
     a refused prompt would fail every eval point. What is skipped is logged."""
     cfg, shared = controller.config.controller, controller.config.shared
-    records = load_eval_records(spec, cfg.eval.limit)
-    counter = counter_or_none(shared.model_path, cfg.apply_chat_template)
-    data = screen(records, spec, counter, shared.max_prompt_length)
+    training = (controller.records, dataset_source(cfg.dataset))
+    data = load_eval_data(
+        spec, cfg.eval.limit, controller.tokenizer, shared.max_prompt_length, training
+    )
     if data.filtered:
         log.warning("eval %s", data.describe())
+    for warning in data.warnings:
+        log.warning("eval data: %s", warning)
     if not data.records:
         log.error("no eval curve: every held-out prompt was skipped")
     return data.records

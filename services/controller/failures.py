@@ -26,7 +26,10 @@ REFUSALS = {
     "vocab_size": "prompt_out_of_vocab",
     "max_ground_truth_chars": "ground_truth_too_long",
     "max_response_chars": "response_too_long",
+    "tokenizer": "tokenizer_mismatch",
 }
+# Reasons no other group can escape either: the run stops at the first (with its words).
+FATAL = frozenset({"tokenizer_mismatch"})
 DETAIL_CHARS = 300
 
 
@@ -95,11 +98,14 @@ class RejectionStreak:
         self._lock = threading.Lock()
         self._reasons: Counter[str] = Counter()
         self._example = ""
+        self._fatal: Rejection | None = None
 
     def rejected(self, rejection: Rejection) -> None:
         with self._lock:
             self._reasons[rejection.reason] += 1
             self._example = rejection.detail
+            if rejection.reason in FATAL:
+                self._fatal = rejection
 
     def success(self) -> None:
         with self._lock:
@@ -108,6 +114,8 @@ class RejectionStreak:
     def verdict(self) -> str | None:
         """None while progress is possible, else the one-line reason to stop."""
         with self._lock:
+            if self._fatal is not None:
+                return f"{self._fatal.reason}: {self._fatal.detail}"
             n = sum(self._reasons.values())
             if self.limit == 0 or n < self.limit:
                 return None

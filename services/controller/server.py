@@ -29,6 +29,7 @@ from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
 from services.common.redis_server import connect_run
 from services.common.service import LoopServer
+from services.common.tokenizer import load_tokenizer
 from services.controller.admission import Admission, Limits, history_length
 from services.controller.clients import (
     RETRIES,
@@ -72,12 +73,9 @@ class Controller:
         self.config, self.client = config, client
         self.keys = RunKeys(config.shared.run_name)
         shared, cfg = config.shared, config.controller
+        self.tokenizer = load_tokenizer(shared.model_path, cfg.apply_chat_template)
         self.data = load_training_data(
-            cfg.dataset,
-            shared.seed,
-            shared.model_path,
-            cfg.apply_chat_template,
-            shared.max_prompt_length,
+            cfg.dataset, shared.seed, self.tokenizer, shared.max_prompt_length, shared.verifier
         )
         self.records = self.data.records
         self.by_id = {r.prompt_id: r for r in self.records}
@@ -93,7 +91,9 @@ class Controller:
             self.router,
             self.calls,
             retrier,
-            RolloutSettings(shared.max_response_length, cfg.apply_chat_template, cfg.rpc_timeout_s),
+            RolloutSettings(
+                shared.max_response_length, self.tokenizer.fingerprint, cfg.rpc_timeout_s
+            ),
         )
         self.rewards = RewardClient(self.router, self.calls, retrier, shared.verifier, shared.rpc)
         self.streak = RejectionStreak(cfg.max_rejected_in_a_row)
@@ -165,6 +165,8 @@ class Controller:
 
     def publish_dataset(self) -> None:
         log.info("%s", self.data.describe())
+        for warning in self.data.warnings:
+            log.warning("data: %s", warning)
         for reason in {EMPTY, TOO_LONG, *self.data.filtered}:  # 0s too: not "No data"
             PROMPTS_FILTERED.labels(reason).set(self.data.filtered.get(reason, 0))
         self.state.publish_dataset(self.data.counts())

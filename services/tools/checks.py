@@ -4,7 +4,8 @@ The config schema refuses what the config alone shows to be wrong (an overlong b
 long as the response, a vLLM context shorter than prompt + response). What needs the model
 directory or the machine is checked here: lengths against the model's positions, the size
 of a model the torch engine would evaluate, tensor parallelism against the GPUs a rollout
-server gets. Errors stop `dapo up`; warnings are printed and the run goes on.
+server gets, the tokenizers of the roles, the training and eval data as a careful user
+reads them. Errors stop `dapo up`; warnings are printed and the run goes on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from services.common.errors import DapoError
 from services.tools.config import DapoConfig
@@ -140,6 +142,7 @@ def check_run(config: DapoConfig, gpus: int | None = None) -> Findings:
     found = Findings()
     found.add(warning=eval_data_warning(config))
     found.add(error=tensor_parallel_problem(config, gpus, "on this machine"))
+    found.add(error=tokenizer_problem(config))
     model = config.model_path
     if model is None or not Path(model).is_dir():
         return found
@@ -147,6 +150,61 @@ def check_run(config: DapoConfig, gpus: int | None = None) -> Findings:
     found.add(error=length_problem(*lengths, model_positions(Path(model)), model))
     found.add(warning=torch_eval_warning(config, model_parameters(Path(model))))
     return found
+
+
+def tokenizer_problem(config: DapoConfig) -> str | None:
+    """One model path decides every role's tokenizer: a rollout.model_path whose tokenizer
+    differs from shared.model_path's (the controller's) would sample other prompts than the
+    controller rendered."""
+    rollout, shared = config.rollout.model_path, config.shared.model_path
+    if rollout is None or shared is None or Path(rollout) == Path(shared):
+        return None
+    if not (Path(rollout).is_dir() and Path(shared).is_dir()):
+        return None
+    from services.common.tokenizer import load_tokenizer
+
+    theirs, ours = load_tokenizer(rollout, False), load_tokenizer(shared, False)
+    if theirs.fingerprint == ours.fingerprint:
+        return None
+    return (
+        f"the tokenizer of rollout.model_path {rollout} ({theirs.fingerprint}) differs from "
+        f"shared.model_path {shared}'s ({ours.fingerprint}), which renders the prompts; "
+        "one model path must decide every role's tokenizer"
+    )
+
+
+def report_data(config: DapoConfig, command: str, out: TextIO = sys.stdout) -> None:
+    """Load the training data and `controller.eval.data` as the controller will, print their
+    load lines to `out` and their warnings; DapoError for data a run cannot use."""
+    from services.common.data_screen import require_usable
+    from services.common.tokenizer import load_tokenizer
+    from services.controller.dataset import (
+        check_kind,
+        dataset_source,
+        eval_data_spec,
+        load_eval_data,
+    )
+    from services.tools.liveness import check_training_data
+
+    cfg, shared = config.controller, config.shared
+    check_kind(cfg.dataset)  # a config mistake is named before any model is read
+    tokenizer = load_tokenizer(shared.model_path, cfg.apply_chat_template)
+    train = check_training_data(config, tokenizer)
+    print(train.describe(), file=out)
+    warnings = list(train.warnings)
+    spec = eval_data_spec(cfg.eval, cfg.dataset)
+    if cfg.eval.enabled and spec is not None:
+        training = (train.records, dataset_source(cfg.dataset))
+        held_out = load_eval_data(
+            spec, cfg.eval.limit, tokenizer, shared.max_prompt_length, training
+        )
+        try:
+            require_usable(held_out)
+        except ValueError as exc:
+            raise DapoError(f"controller.eval.data: {exc}") from None
+        print(f"eval {held_out.describe()}", file=out)
+        warnings += held_out.warnings
+    report(Findings(warnings=warnings), command)
 
 
 def report(found: Findings, command: str) -> None:

@@ -52,9 +52,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     print(dump_config(config, args.format), end="")
     checks.report(checks.check_run(config), "config")
     if args.check_data:
-        from services.tools.liveness import check_training_data
-
-        print(check_training_data(config).describe(), file=sys.stderr)
+        checks.report_data(config, "config", sys.stderr)
     return 0
 
 

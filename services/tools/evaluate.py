@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.data import PromptRecord
 from services.common.errors import DapoError
 from services.common.eval_stats import summarise
+from services.common.tokenizer import PromptTokenizer
 
 if TYPE_CHECKING:
     from reward.scoring import Scorer
@@ -38,21 +39,18 @@ def load_eval_data(spec: str, limit: int | None) -> list[PromptRecord]:
 
 
 def prompt_ids(tokenizer: Any, text: str, chat: bool) -> list[int]:
-    if chat:
-        messages = [{"role": "user", "content": text}]
-        return list(
-            tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        )
-    return tokenizer.encode(text, add_special_tokens=False)
+    """One user turn's ids, rendered as the controller renders a prompt."""
+    return PromptTokenizer(tokenizer, "the evaluated model", chat).ids(
+        [{"role": "user", "content": text}]
+    )
 
 
 def sample_texts(
     engine: RolloutEngine, records: list[PromptRecord], params: SamplingParams, chat: bool
 ) -> list[list[str]]:
     """`params.n` decoded responses per record, sampled in one batched call."""
-    prompts = [prompt_ids(engine.tokenizer, r.prompt, chat) for r in records]
+    tokenizer = PromptTokenizer(engine.tokenizer, "the evaluated model", chat)
+    prompts = [tokenizer.ids(r.messages) for r in records]
     outputs = engine.generate(prompts, params)
     decode = engine.tokenizer.decode
     return [[str(decode(o.token_ids, skip_special_tokens=True)) for o in row] for row in outputs]

@@ -35,7 +35,7 @@ from services.common.security import secret_env, without_secrets
 from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
-from services.tools.liveness import StallWatch, check_training_data, run_failure
+from services.tools.liveness import StallWatch, run_failure
 from services.tools.report import (
     kept_ratios,
     sampling_summary,
@@ -510,7 +510,7 @@ def run_locked(
     """`launch` once it holds the run directory."""
     ensure_model(config)
     checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
-    print(check_training_data(config).describe())
+    checks.report_data(config, "up")
     started = time.monotonic()
     state = Launch(config, out, on_step=on_step)
     state.watch = watch or StallWatch(STALL_AFTER_S, token=config.security.auth.secret())

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from services.common.data_screen import ScreenedData
 from services.common.keys import RunKeys
 from services.common.ledger import read_ledger
+from services.common.tokenizer import PromptTokenizer, load_tokenizer
 from services.controller.dataset import load_training_data
 from services.tools.config import DapoConfig
 
@@ -30,16 +31,16 @@ PROBE_EVERY_S = 10.0
 REPEAT_S = 60.0
 
 
-def check_training_data(config: DapoConfig) -> ScreenedData:
-    """The training data as the controller will load it, or a DapoError saying what is wrong.
-
-    The model's tokenizer counts the prompts as the rollout servers will (the rollout
-    section's model when it names one).
-    """
+def check_training_data(
+    config: DapoConfig, tokenizer: PromptTokenizer | None = None
+) -> ScreenedData:
+    """The training data as the controller will load it (its tokenizer: shared.model_path),
+    or a DapoError saying what is wrong."""
     cfg, shared = config.controller, config.shared
-    model = config.rollout.model_path or shared.model_path
+    tokenizer = tokenizer or load_tokenizer(shared.model_path, cfg.apply_chat_template)
+    verifier = config.reward.default_verifier if shared.verifier == "default" else shared.verifier
     return load_training_data(
-        cfg.dataset, shared.seed, model, cfg.apply_chat_template, shared.max_prompt_length
+        cfg.dataset, shared.seed, tokenizer, shared.max_prompt_length, verifier
     )
 
 

@@ -51,22 +51,20 @@ class Completion(_message.Message):
     def __init__(self, token_ids_i32: _Optional[bytes] = ..., logprobs_f32: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., token_versions_i64: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "apply_chat_template", "n", "sampling", "min_version")
+    __slots__ = ("request_id", "prompt_token_ids", "n", "sampling", "min_version", "tokenizer_fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    APPLY_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    apply_chat_template: bool
     n: int
     sampling: SamplingParams
     min_version: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
 
 class GenerateGroupResponse(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "completions")
@@ -83,15 +81,17 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("version", "ready", "requests_in_flight", "engine", "model")
+    __slots__ = ("version", "ready", "requests_in_flight", "engine", "model", "tokenizer_fingerprint")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     version: int
     ready: bool
     requests_in_flight: int
     engine: str
     model: str
-    def __init__(self, version: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, version: _Optional[int] = ..., ready: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
