@@ -38,7 +38,7 @@ COLD=${DAPO_CT_COLD:-0}
 # (not 15 s): a rollout server that lives 40 s on a fast machine is still scraped often.
 COMPOSE="docker-compose -p $PROJECT --project-directory $ROOT
     --env-file $ROOT/deploy/compose/cpu.env -f $ROOT/docker-compose.yml -f $WORK/compose.test.yml"
-SERVICES="reward buffer controller learner-cpu rollout-cpu"
+SERVICES="reward buffer controller-cpu learner-cpu rollout-cpu"
 REDIS_PASSWORD=dapo-cpu-demo  # deploy/compose/cpu.env
 started=$(date +%s) STACK_UP=
 say() { echo "[test-containers +$(( $(date +%s) - started ))s] $*"; }
@@ -295,9 +295,9 @@ versions() {
     FINAL=$version
 }
 # `dapo ledger` (services/tools/ledger.py) in a one-off dapo-slim container on the stack's
-# network: the controller has exited by now, so `exec controller` could not run it.
+# network: the controller has exited by now, so `exec controller-cpu` could not run it.
 ledger() {
-    $COMPOSE run --rm --no-deps -T controller ledger --config /etc/dapo/run.yaml \
+    $COMPOSE run --rm --no-deps -T controller-cpu ledger --config /etc/dapo/run.yaml \
         >"$WORK/ledger.log" 2>&1 || { cat "$WORK/ledger.log"; check "dapo ledger ($1)"; return; }
     tail -n 1 "$WORK/ledger.log"
     grep -q '^identity holds$' "$WORK/ledger.log" || check "dapo ledger ($1): no 'identity holds'"
@@ -308,7 +308,7 @@ ledger() {
 run() {
     say "compose up (cpu profile, $STEPS steps; Prometheus on :$PROMETHEUS_PORT) [$1]"
     run_since=$(date +%s) STACK_UP=1
-    $COMPOSE up -d redis reward buffer controller learner-cpu rollout-cpu prometheus \
+    $COMPOSE up -d redis reward buffer controller-cpu learner-cpu rollout-cpu prometheus \
         >"$WORK/up.log" 2>&1 || fail "compose up [$1]" "$WORK/up.log"
     ids=$(for service in $SERVICES; do $COMPOSE ps -q "$service"; done)
     [ "$(echo $ids | wc -w)" = "$(echo $SERVICES | wc -w)" ] || fail "a dapo service has no container"

@@ -20,9 +20,16 @@ from deploy_tools import DEPLOY, ROOT, require_tool, run_tool
 from services.tools.config import load_config
 
 DAPO_HTTP = {"reward": 8001, "buffer": 8005, "controller": 8004, "learner": 8003, "rollout": 8002}
+# The services that mount the model (their own per profile): role → service name.
 PROFILES = {
-    "gpu": (ROOT / ".env.example", {"learner": "learner", "rollout": "rollout"}),
-    "cpu": (DEPLOY / "compose" / "cpu.env", {"learner": "learner-cpu", "rollout": "rollout-cpu"}),
+    "gpu": (
+        ROOT / ".env.example",
+        {"controller": "controller", "learner": "learner", "rollout": "rollout"},
+    ),
+    "cpu": (
+        DEPLOY / "compose" / "cpu.env",
+        {"controller": "controller-cpu", "learner": "learner-cpu", "rollout": "rollout-cpu"},
+    ),
 }
 
 
@@ -91,7 +98,7 @@ def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
     profile, config = resolved
     services = active(config, profile)
     roles = PROFILES[profile][1]
-    expected = {"redis", "reward", "buffer", "controller", "prometheus", "grafana"}
+    expected = {"redis", "reward", "buffer", "prometheus", "grafana"}
     assert expected | set(roles.values()) <= set(services)
     other = "cpu" if profile == "gpu" else "gpu"
     assert not set(PROFILES[other][1].values()) & set(services)
@@ -99,10 +106,12 @@ def test_every_profile_starts_the_whole_pipeline(resolved) -> None:
     assert gpu_services == ({"learner", "rollout"} if profile == "gpu" else set())
     # memlock only where NCCL/RDMA pin memory: a host with a low hard limit refuses it
     assert {n for n, s in services.items() if "memlock" in s.get("ulimits", {})} == gpu_services
-    images = {services[n]["image"].split(":")[0] for n in roles.values()}
+    torch_roles = [roles["learner"], roles["rollout"]]
+    images = {services[n]["image"].split(":")[0] for n in torch_roles}
     assert images == {f"dapo-{profile}"}  # the CPU profile runs the CPU image
-    build = {services[n]["build"]["dockerfile"] for n in roles.values()}
+    build = {services[n]["build"]["dockerfile"] for n in torch_roles}
     assert build == {f"deploy/docker/Dockerfile.{profile}"}
+    assert services[roles["controller"]]["image"].startswith("dapo-slim:")  # torch-free
 
 
 def test_restarts_survive_a_reboot_and_a_finished_run_stays_finished(resolved) -> None:
@@ -146,7 +155,7 @@ def test_redis_is_durable_and_the_password_only_a_file(resolved, tmp_path: Path)
             assert password not in yaml.safe_dump(service), name
             sources = [s if isinstance(s, str) else s["source"] for s in service["secrets"]]
             assert sources == ["redis-password"], name
-    env = config["services"]["controller"]["environment"]
+    env = config["services"][PROFILES[profile][1]["controller"]]["environment"]
     assert env["DAPO_SHARED__REDIS_URL"] == "redis://redis:6379/0"
     assert env["DAPO_SECURITY__REDIS__PASSWORD_FILE"] == "/run/secrets/redis-password"
     # The start script with /run/secrets → tmp_path and a redis-server that reports.
@@ -187,7 +196,7 @@ def test_dapo_services_have_healthchecks_ports_and_ordering(resolved) -> None:
         for name, service in services.items()
         for dep, spec in service.get("depends_on", {}).items()
     }
-    assert conditions[("controller", "reward")] == "service_healthy"
+    assert conditions[(names["controller"], "reward")] == "service_healthy"
     assert conditions[(names["rollout"], names["learner"])] == "service_healthy"
     assert all(
         c in ("service_healthy", "service_completed_successfully") for c in conditions.values()
@@ -242,6 +251,25 @@ def test_the_run_config_of_each_profile_loads(resolved) -> None:
         assert "--out /models/tiny --preset tiny" in " ".join(init["entrypoint"])
     else:
         assert run.model_path == "/models/policy" and run.rollout.engine.kind == "vllm"
+
+
+def test_every_role_that_reads_the_model_mounts_it(resolved) -> None:
+    """The controller renders the prompts with the model's tokenizer, the learner and the
+    rollout servers load its weights: each mounts the directory `shared.model_path`
+    names, and in the CPU profile starts after init-model has built it."""
+    profile, config = resolved
+    services = config["services"]
+    learner = services[PROFILES[profile][1]["learner"]]
+    env = {k: str(v) for k, v in learner["environment"].items() if k.startswith("DAPO_")}
+    model = Path(load_config(mounts(learner)["/etc/dapo/run.yaml"], env=env).model_path or "")
+    for role, name in PROFILES[profile][1].items():
+        service = services[name]
+        assert str(service["environment"]["DAPO_SHARED__MODEL_PATH"]) == str(model), name
+        assert any(model.is_relative_to(target) for target in mounts(service)), (name, model)
+        if profile == "cpu" and role != "rollout":  # rollout-cpu waits for learner-cpu
+            assert service["depends_on"]["init-model"]["condition"] == (
+                "service_completed_successfully"
+            ), name
 
 
 def test_env_example_names_every_variable_the_compose_file_uses() -> None:
