@@ -162,7 +162,7 @@ def test_a_replayed_step_commit_is_applied_once(redis_client: redis.Redis) -> No
 
 # ------------------------------------------------------------- graceful shutdown
 def test_sigterm_stops_the_controller_and_hands_back_its_groups(
-    redis_server, redis_client: redis.Redis, tmp_path
+    tiny_model, redis_server, redis_client: redis.Redis, tmp_path
 ) -> None:
     """No rollout server: every admitted group waits in a retry; SIGTERM ends the process
     at once and leaves the groups in flight, where the next controller re-runs them."""
@@ -183,6 +183,8 @@ def test_sigterm_stops_the_controller_and_hands_back_its_groups(
             redis_server.url,
             "--set",
             "shared.run_name=graceful",
+            "--set",
+            f"shared.model_path={tiny_model}",  # its tokenizer renders the prompts
             "--set",
             "controller.max_groups_in_flight=4",
             "--set",
