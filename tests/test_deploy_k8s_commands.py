@@ -99,12 +99,15 @@ def init_command(objects: list[dict[str, Any]], role: str, run_yaml: Path) -> li
     ]
 
 
-@pytest.mark.parametrize(("role", "needed"), [("learner", "model"), ("controller", "data")])
+@pytest.mark.parametrize(
+    ("role", "needed"), [("learner", ["model"]), ("controller", ["data", "model"])]
+)
 def test_a_pod_waits_until_its_files_are_on_the_shared_volume(
-    role: str, needed: str, tmp_path: Path
+    role: str, needed: list[str], tmp_path: Path
 ) -> None:
     """Applied before the copy (docs/deploy.md, step 4), a pod waits in its init container
-    instead of starting, failing and using up the learner's restarts."""
+    instead of starting, failing and using up the learner's restarts. The controller
+    needs the model too: its tokenizer renders the prompts."""
     model, data = tmp_path / "models" / "policy", tmp_path / "data" / "prompts.parquet"
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text(
@@ -119,12 +122,13 @@ def test_a_pod_waits_until_its_files_are_on_the_shared_volume(
         stderr=subprocess.PIPE,
     )
     try:
-        line = proc.stdout.readline().decode()  # type: ignore[union-attr]
-        assert line.startswith("waiting for"), (line, proc.stderr.read())  # type: ignore[union-attr]
-        assert proc.poll() is None
-        target = model / "config.json" if needed == "model" else data
-        target.parent.mkdir(parents=True)
-        target.write_text("{}")
+        for what in needed:
+            target = model / "config.json" if what == "model" else data
+            line = proc.stdout.readline().decode()  # type: ignore[union-attr]
+            assert line == f"waiting for {target}\n", (line, proc.stderr.read())  # type: ignore[union-attr]
+            assert proc.poll() is None
+            target.parent.mkdir(parents=True)
+            target.write_text("{}")
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
