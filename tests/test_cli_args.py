@@ -196,6 +196,23 @@ def test_up_help_lists_every_preset() -> None:
         assert name in text, name
 
 
+def test_ablate_help_lists_every_ablation_preset() -> None:
+    from services.tools.ablation_plan import ABLATE_PRESETS
+
+    code, out, _ = run_main("ablate", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and all(name in text for name in ABLATE_PRESETS), text
+
+
+def test_init_model_help_lists_every_model_preset() -> None:
+    from learner.init_model import PRESETS as MODEL_PRESETS
+
+    assert set(cli_args.MODEL_PRESETS) == set(MODEL_PRESETS)
+    code, out, _ = run_main("init-model", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and all(name in text for name in MODEL_PRESETS), text
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

@@ -263,7 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")
     p.add_argument("--out", type=cli_args.output_dir, required=True, metavar="DIR")
-    p.add_argument("--preset", default="tiny", help="model preset: tiny, tiny_long, small [tiny]")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help=f"model preset: {', '.join(cli_args.MODEL_PRESETS)} [tiny]",
+    )
     p.add_argument("--seed", type=types.seed_value, default=0, help="[0]")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     p.set_defaults(func=cmd_init_model)

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 VLLM_VENV = ".venv-vllm"
+# learner/init_model.py's PRESETS, named here so that `--help` imports no torch (a test
+# keeps the two equal).
+MODEL_PRESETS = ("tiny", "tiny_long", "small", "tiny_vllm")
 
 
 def output_dir(text: str) -> str:
