@@ -117,7 +117,8 @@ def interpreter_problem(role: str, python: str) -> str | None:
 
 def interpreters(config: DapoConfig, roles: Iterable[str]) -> list[tuple[str, str]]:
     """(role, interpreter) for every role whose config names its own interpreter."""
-    named = [(role, getattr(config, role).server.python) for role in roles]  # probe-ok: section
+    sections = [(role, getattr(config, role)) for role in roles]  # probe-ok: a role's section
+    named = [(role, section.server.python) for role, section in sections]
     return [(role, python) for role, python in named if python is not None]
 
 
