@@ -6,23 +6,26 @@ command lines the issue found escaping as a traceback, raw text or a hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from dapo_cli import DAPO
 from fuzzing import Counter, cases
-from hypothesis import given
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from services.common.net import free_port
 from services.common.presets import PRESETS
 
-CASES_PER_COMMAND = 2  # x every flag: ~130 processes of about a second each
+CASES_PER_COMMAND = 2  # x every flag, one process each: 85 processes of about a second
 CASE_TIMEOUT_S = 60  # a refusal takes a second or two; past this the case hung
 UNWRITABLE = "/proc/dapo-no/such"  # /proc refuses a new file even to root
 
@@ -69,6 +72,7 @@ class Command:
 
     base: list[str]
     flags: dict[str, st.SearchStrategy[str]]
+    cases: int = CASES_PER_COMMAND
 
 
 def paths(tmp: Path, *kinds: str) -> st.SearchStrategy[str]:
@@ -98,8 +102,8 @@ def commands(tmp: Path, model: Path) -> dict[str, Command]:
         "--config": config_file,
         "--preset": NAMES.filter(lambda n: n not in PRESETS),
     }
-    roles = {
-        role: Command([role, "--redis-url", unreachable], service)
+    roles = {  # one parser for the five (services/common/entry.py): one case each
+        role: Command([role, "--redis-url", unreachable], service, cases=1)
         for role in ("controller", "buffer", "reward", "rollout", "learner")
     }
     return {
@@ -165,46 +169,57 @@ def commands(tmp: Path, model: Path) -> dict[str, Command]:
     }
 
 
-def session_processes(sid: int) -> list[int]:
-    """Pids of live processes in session `sid` (zombies of a reaped tree excluded)."""
+MARK_VAR = "DAPO_CLI_FUZZ_CASE"  # inherited by whatever a case starts, however it detaches
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Pids of live processes whose environment carries `mark` (a launched service starts
+    a session of its own, so a process group would miss it)."""
+    needle = f"{MARK_VAR}={mark}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:
+            found = entry.name.isdigit() and needle in (entry / "environ").read_bytes()
+            alive = found and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:  # gone, or not ours to read
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:
+        if alive:
             pids.append(int(entry.name))
     return pids
 
 
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def run_case(argv: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`argv` in a session of its own; killed (its whole session) past CASE_TIMEOUT_S.
-    Fails if anything of its session is still running once it has exited."""
+    """`argv`, killed with all it started past CASE_TIMEOUT_S. Fails if anything it
+    started is still running once it has exited."""
+    mark = uuid.uuid4().hex
     proc = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,
         cwd=cwd,
+        env={**os.environ, MARK_VAR: mark},
     )
     try:
         out, err = proc.communicate(timeout=CASE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all([proc.pid, *marked_processes(mark)])
         proc.communicate()
+        kill_all(marked_processes(mark))
         pytest.fail(f"still running after {CASE_TIMEOUT_S} s: {' '.join(argv)}")
-    left = session_processes(proc.pid)
+    left = marked_processes(mark)
     deadline = time.monotonic() + 5
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = session_processes(proc.pid)
+        left = marked_processes(mark)
     if left:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(left)
         pytest.fail(f"left processes {left} behind: {' '.join(argv)}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
@@ -241,7 +256,8 @@ def test_every_bad_flag_value_is_one_line_and_exit_2(
     command = fuzz_commands[name]
     ran = Counter()
 
-    @cases(CASES_PER_COMMAND)
+    # No shrinking: a failing case may be one that hangs until CASE_TIMEOUT_S.
+    @settings(cases(command.cases), phases=[Phase.generate])
     @given(values=st.fixed_dictionaries(command.flags))
     def check(values: dict[str, str]) -> None:
         ran()
@@ -250,7 +266,7 @@ def test_every_bad_flag_value_is_one_line_and_exit_2(
             assert_refused(result, *flag_names(flag), value)
 
     check()
-    assert ran.n >= CASES_PER_COMMAND
+    assert ran.n >= command.cases
 
 
 def test_bench_with_a_bad_name_is_one_line() -> None:
@@ -323,6 +339,18 @@ def test_a_missing_vllm_venv_is_found_before_anything_starts(tmp_path: Path) -> 
     result = run_case([*DAPO, "up", "--preset", "tiny_vllm", "--steps", "1"], cwd=tmp_path)
     assert_refused(result, "make .venv-vllm/.installed")
     assert list(tmp_path.iterdir()) == []  # no model built, no run directory, no Redis data
+
+
+def test_a_detached_leftover_is_seen() -> None:
+    """The leftover check finds a process that left the case's session, closed its pipes
+    (a service logging to a file) and outlived it."""
+    spawn = (
+        "import subprocess as s, sys; "
+        "s.Popen(['sleep', '30'], start_new_session=True, stdout=s.DEVNULL, stderr=s.DEVNULL); "
+        "sys.exit(2)"
+    )
+    with pytest.raises(pytest.fail.Exception, match="left processes"):
+        run_case([sys.executable, "-c", spawn])
 
 
 def test_up_help_lists_every_preset() -> None:
