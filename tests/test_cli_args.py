@@ -94,6 +94,16 @@ def test_output_dirs(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe file is gone
 
 
+def test_a_path_that_cannot_be_looked_at_is_one_line(tmp_path: Path) -> None:
+    assert "cannot use" in refused(cli_args.output_dir, "a\0b")
+    assert "cannot use" in refused(cli_args.output_file, "a\0b")
+    if os.geteuid() != 0:  # root may search any directory
+        closed = tmp_path / "closed"
+        closed.mkdir(mode=0o000)
+        assert "cannot use" in refused(cli_args.output_dir, str(closed / "x" / "y"))
+        closed.chmod(0o700)
+
+
 def test_output_files(tmp_path: Path) -> None:
     assert "no directory" in refused(cli_args.output_file, f"{UNWRITABLE}/out.json")
     assert "is a directory" in refused(cli_args.output_file, str(tmp_path))

@@ -11,7 +11,7 @@ import argparse
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ MODEL_PRESETS = ("tiny", "tiny_long", "small", "tiny_vllm")
 
 def output_dir(text: str) -> str:
     """An argparse type: a directory that exists or can be created, and written to."""
-    problem = dir_problem(Path(text))
+    problem = checked(dir_problem, Path(text))
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
@@ -39,7 +39,7 @@ def output_dir(text: str) -> str:
 
 def output_file(text: str) -> str:
     """An argparse type: a file that can be written (its directory exists)."""
-    problem = file_problem(Path(text))
+    problem = checked(file_problem, Path(text))
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return text
@@ -50,6 +50,17 @@ def existing_dir(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{one_line(text)} is not a directory")
     return text
+
+
+def checked(check: Callable[[Path], str | None], path: Path) -> str | None:
+    """`check(path)`, or why the path could not even be looked at (a parent we may not
+    search, a name with a NUL byte)."""
+    if "\0" in str(path):  # Path.exists() says False; open() and mkdir() raise
+        return f"cannot use {one_line(str(path))}: a path holds no NUL byte"
+    try:
+        return check(path)
+    except (OSError, ValueError) as exc:
+        return f"cannot use {one_line(str(path))}: {one_line(str(exc))}"
 
 
 def dir_problem(path: Path) -> str | None:
@@ -129,11 +140,11 @@ def preflight_up(config: DapoConfig, run_dir: str | None) -> None:
     from services.tools.launcher import ROLES
 
     out = Path(run_dir or Path("runs") / config.shared.run_name)
-    problems = [dir_problem(out)]
+    problems = [checked(dir_problem, out)]
     problems += [interpreter_problem(r, p) for r, p in interpreters(config, ROLES)]
     model = config.model_path
     if model is not None and config.shared.model_init is None:
-        problems.append(model_dir_problem(Path(model)))
+        problems.append(checked(model_dir_problem, Path(model)))
     first = next((p for p in problems if p), None)
     if first:
         raise DapoError(first)
@@ -144,9 +155,9 @@ def preflight_eval(args: argparse.Namespace) -> None:
     from services.tools.eval_args import resolve_eval_args
 
     resolved = resolve_eval_args(args)
-    out = None if resolved.out is None else file_problem(Path(resolved.out))
+    out = None if resolved.out is None else checked(file_problem, Path(resolved.out))
     problems = [
-        model_dir_problem(Path(resolved.model)),
+        checked(model_dir_problem, Path(resolved.model)),
         out and f"--out: {out}",
         range_problem("--n", resolved.n, 1, MAX_COUNT),
         range_problem("--seed", resolved.seed, 0, 2**32 - 1),
