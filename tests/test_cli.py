@@ -218,8 +218,14 @@ def test_eval_bad_sampling_and_a_broken_model_are_one_line(
     base = ["eval", "--data", "synthetic:max3", "--max-tokens", "4", "--limit", "2"]
     assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--n", "0"), "n must be >= 1")
     assert_one_line_error(dapo(*base, "--model", str(tiny_model), "--limit", "0"), "--limit")
-    (tmp_path / "config.json").write_text("{}")  # a directory that is no model
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model / name).read_bytes())
+    (tmp_path / "config.json").write_text("{}")  # weights and a tokenizer, a broken config
     assert_one_line_error(dapo(*base, "--model", str(tmp_path)), "DAPO_DEBUG=1")
+    (tmp_path / "tokenizer.json").unlink()  # refused before loading: one line, exit 2
+    result = dapo(*base, "--model", str(tiny_model.parent / "absent"))
+    assert result.returncode == 2
+    assert_one_line_error(dapo(*base, "--model", str(tmp_path)), "no tokenizer")
 
 
 def test_config_show_reads_an_old_flat_learner_section(tmp_path: Path) -> None:

@@ -9,8 +9,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn, TypeVar
 
+from services.common.arg_types import redis_url
 from services.common.config_loader import load_settings
 from services.common.errors import DapoError
+from services.common.presets import PRESETS
 from services.common.settings import RoleSettings
 
 S = TypeVar("S", bound=RoleSettings)
@@ -26,9 +28,7 @@ class Parser(argparse.ArgumentParser):
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="F", help="YAML or TOML config file")
-    parser.add_argument(
-        "--preset", help="start from a named preset (paper, tiny, tiny_runmax, long)"
-    )
+    parser.add_argument("--preset", help=f"start from a named preset ({', '.join(PRESETS)})")
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -40,7 +40,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_redis_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", help="Redis URL, e.g. redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--redis-url", type=redis_url, help="Redis URL, e.g. redis://127.0.0.1:6379/0"
+    )
 
 
 def add_service_args(parser: argparse.ArgumentParser) -> None:

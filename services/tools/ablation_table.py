@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from services.common.errors import DapoError
 from services.tools.ablation_plan import HIGH_TARGET, LOO_NAMES, RUNG_LABELS, Plan
 
 
@@ -201,9 +202,23 @@ def rendered(data: dict[str, Any]) -> dict[str, Any]:
     return {"plan": info, "meta": data["meta"], "summary": summary, "runs": runs}
 
 
+def read_table(path: Path) -> dict[str, Any]:
+    """A `dapo ablate` table.json, or a DapoError saying why it cannot be one."""
+    if not path.is_file():
+        raise DapoError(f"{path} not found: --rerender takes a `dapo ablate` output directory")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DapoError(f"{path} is not a `dapo ablate` table: {exc}") from None
+    missing = [k for k in ("plan", "meta", "runs") if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise DapoError(f"{path} is not a `dapo ablate` table: no {', '.join(missing)}")
+    return dict(data)
+
+
 def rerender(directory: Path) -> list[Path]:
     """Rewrite a finished ablation's table.json and table.md from its runs."""
-    data = rendered(json.loads((directory / "table.json").read_text()))
+    data = rendered(read_table(directory / "table.json"))
     (directory / "table.json").write_text(json.dumps(data, indent=2))
     (directory / "table.md").write_text(table_md(data["plan"], data["summary"], data["meta"]))
     return [directory / "table.json", directory / "table.md"]

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common import arg_types as types
 from services.common.entry import Parser, add_config_args, add_redis_arg, flag_overrides
+from services.tools import cli_args
 
 ROLES: dict[str, str] = {
     # role → its entry module (`python -m <module>` is the same command)
@@ -83,6 +85,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.learner_ranks is not None:
         overrides.append(f"learner.launch.ranks={args.learner_ranks}")
     config = load_config(args.config, preset=args.preset, overrides=overrides)
+    cli_args.preflight_up(config, args.run_dir)
     watch = StallWatch(args.stall_after, args.stall_timeout, token=config.security.auth.secret())
     return launch(
         config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts, watch=watch
@@ -138,6 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from services.tools.evaluate import run_eval
 
+    cli_args.preflight_eval(args)
     return run_eval(args)
 
 
@@ -150,7 +154,7 @@ def add_ablate_parser(sub: Any) -> None:
         "that name, `dapo up --preset tiny_runmax`) or tiny_mixed (the earlier ladder on the "
         "tiny preset with the max3+copy2 task)",
     )
-    p.add_argument("--seeds", type=int, default=5, help="runs per rung (seeds 0..N-1)")
+    p.add_argument("--seeds", type=types.seed_count, default=5, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
     p.add_argument(
         "--rungs",
@@ -162,9 +166,14 @@ def add_ablate_parser(sub: Any) -> None:
         action="store_true",
         help="after the ladder's rungs, full DAPO with each technique off in turn",
     )
-    p.add_argument("--steps", type=int, help="training steps per run")
-    p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps")
-    p.add_argument("--out-root", default="runs", help="outputs go to OUT_ROOT/ablate-<name>")
+    p.add_argument("--steps", type=types.positive, help="training steps per run")
+    p.add_argument("--eval-every", type=types.positive, help="held-out evaluation every K steps")
+    p.add_argument(
+        "--out-root",
+        type=cli_args.output_dir,
+        default="runs",
+        help="outputs go to OUT_ROOT/ablate-<name>",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -175,6 +184,7 @@ def add_ablate_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--rerender",
+        type=cli_args.existing_dir,
         metavar="DIR",
         help="rewrite DIR/table.json and table.md from the runs in DIR/table.json (no runs)",
     )
@@ -184,7 +194,7 @@ def add_ablate_parser(sub: Any) -> None:
 def add_liveness_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stall-after",
-        type=float,
+        type=types.seconds(allow_zero=False),
         default=30.0,
         metavar="S",
         help="after S seconds without a training step, show why (each service's latest "
@@ -192,7 +202,7 @@ def add_liveness_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--stall-timeout",
-        type=float,
+        type=types.seconds(allow_zero=True),
         default=0.0,
         metavar="S",
         help="stop the run (exit 1) after S seconds without a training step; 0 = never "
@@ -209,19 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start Redis and every service locally and train")
     add_config_args(p)
     add_redis_arg(p)  # the services' ports are picked free by `dapo up` (printed in logs)
-    p.add_argument("--run-dir", help="where logs, report and plots go (default runs/<run_name>)")
-    p.add_argument("--steps", type=int, help="training steps (overrides learner.total_steps)")
-    p.add_argument("--rollouts", type=int, default=1, help="rollout servers to start")
+    p.add_argument(
+        "--run-dir",
+        type=cli_args.output_dir,
+        help="where logs, report and plots go (default runs/<run_name>)",
+    )
+    p.add_argument(
+        "--steps", type=types.positive, help="training steps (overrides learner.total_steps)"
+    )
+    p.add_argument("--rollouts", type=types.processes, default=1, help="rollout servers to start")
     p.add_argument(
         "--learner-ranks",
-        type=int,
+        type=types.processes,
         metavar="N",
         help="run the learner as N data-parallel ranks under torchrun (learner.launch.ranks; "
         "DeepSpeed, any ZeRO stage)",
     )
     p.add_argument(
         "--eval-every",
-        type=int,
+        type=types.non_negative,
         metavar="N",
         help="held-out eval every N steps on the run's rollout servers: the eval curve "
         "(controller.eval.every_steps; 0 = off)",
@@ -244,9 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("init-model", help="build a tiny random model + local tokenizer")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--preset", default="tiny", help="model preset: tiny, tiny_long, small [tiny]")
-    p.add_argument("--seed", type=int, default=0, help="[0]")
+    p.add_argument("--out", type=cli_args.output_dir, required=True, metavar="DIR")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help=f"model preset: {', '.join(cli_args.MODEL_PRESETS)} [tiny]",
+    )
+    p.add_argument("--seed", type=types.seed_value, default=0, help="[0]")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty DIR")
     p.set_defaults(func=cmd_init_model)
 
@@ -258,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         "started again from the directory when the run is over",
     )
     add_config_args(p)
-    p.add_argument("--redis-url", help="Redis URL of the run")
+    p.add_argument("--redis-url", type=types.redis_url, help="Redis URL of the run")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ledger)
 
@@ -286,16 +306,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     func: Callable[[argparse.Namespace], int] = args.func
-    from services.common.errors import DapoError, one_line
+    from services.common.errors import one_line
 
     try:
         return func(args)
-    except DapoError as exc:
-        print(f"dapo {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # a bug, or input no check caught: still one line
+    except Exception as exc:  # a user's mistake is exit 2; a bug, exit 1: both one line
+        message = cli_args.user_error(exc)
+        if message is not None:
+            print(f"dapo {args.command}: error: {one_line(message)}", file=sys.stderr)
+            return 2
         if os.environ.get("DAPO_DEBUG"):
             raise
         print(
