@@ -79,6 +79,7 @@ SYSTEM_MODULES = frozenset(
         "test_rollout_cores.py",
         "test_rollout_drain.py",
         "test_run_dir.py",
+        "test_run_life.py",
         "test_vllm_faults.py",
         "test_vllm_pipeline.py",
         "test_when_done_idle.py",

@@ -617,6 +617,10 @@ def run_segment(state: Launch, rollouts: int) -> int:
     """Evaluate, start Redis and the services, train to the end; the exit code."""
     config, segment = state.config, state.segment
     assert segment is not None
+    prepare(config, state.run_dir, state, keep_redis=segment.resumed)
+    claim_redis(state.config, segment)
+    state.claimed = True
+    record_segment(state.run_dir, segment, total_steps=config.learner.total_steps)
     plan = eval_plan(config)
     previous = previous_report(state.run_dir) if segment.resumed else {}
     if "eval_before" in previous:
@@ -624,10 +628,6 @@ def run_segment(state: Launch, rollouts: int) -> int:
     elif plan is not None:
         state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
     state.history = [h for h in previous.get("kept_history", []) if h["step"] <= segment.start_step]
-    prepare(config, state.run_dir, state, keep_redis=segment.resumed)
-    claim_redis(state.config, segment)
-    state.claimed = True
-    record_segment(state.run_dir, segment, total_steps=config.learner.total_steps)
     state.start_all(rollouts)
     code = monitor(state)
     if plan is not None and code == 0:

@@ -162,7 +162,7 @@ def write_record(run_dir: Path, record: RunRecord) -> None:
 
 
 # What a directory holds once a `dapo up` ran in it (an older one wrote no run.json).
-RUN_MARKS = (RUN_FILE, "config.yaml", "report.json", "checkpoints")
+RUN_MARKS = (RUN_FILE, "report.json", "checkpoints")
 
 
 def holds_run(run_dir: Path) -> bool:

@@ -1,0 +1,201 @@
+"""A run's life as its user lives it (docs/runs.md): stopped by a closed terminal (SIGHUP)
+and by two Ctrl-C, resumed with a changed lr (a changed group size refused), finished with
+one report and one ledger across its segments; `dapo eval --run` names the checkpoint it
+evaluates and equals the run's own eval_after; `--fresh` moves the run aside and a learner
+killed in the reused directory never loads the old run's checkpoint; two runs on one
+external Redis do not mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from dapo_cli import dapo, run, set_args
+from run_audit import assert_trained_once, children_of, role_process, wait_for
+
+from services.common.redis_server import start_redis
+from services.tools.cli import up_argv
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+SETS = [
+    "controller.eval.every_steps=3",
+    "controller.eval.limit=16",
+    "controller.eval.n=4",
+    "learner.checkpoint.every=1000",  # only the checkpoints on stop and at the end
+]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    log = run_dir / "logs" / "learner.log"
+    text = log.read_text() if log.exists() else ""
+    return [int(m) for m in re.findall(r"step=(\d+) loss=", text)]
+
+
+class Job:
+    """`dapo up` in its own process group, as a terminal's foreground job; its stdout and
+    stderr go to files (a pipe nobody reads would block it)."""
+
+    def __init__(self, run_dir: Path, model: Path, name: str, *extra: str) -> None:
+        argv = [*up_argv(run_dir, model), "--steps", str(STEPS), *set_args(SETS), *extra]
+        self.out, self.err = (run_dir.parent / f"{name}.{k}" for k in ("out", "err"))
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=err, start_new_session=True)
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+
+def stop_at(job: Job, run_dir: Path, step: int, *signals: int) -> float:
+    """Once the learner logged `step`, send `signals` (0.3 s apart) to the job's process
+    group; the seconds from the first signal to the exit."""
+    try:
+        wait_for(lambda: max(logged_steps(run_dir), default=0) >= step, 180, f"step {step}")
+        sent = time.monotonic()
+        for sig in signals:
+            os.killpg(job.proc.pid, sig)
+            time.sleep(0.3)
+        job.proc.wait(timeout=150)
+        return time.monotonic() - sent
+    finally:
+        job.proc.kill()
+
+
+def resume_args(lr: str) -> list[str]:
+    return ["--resume", "--set", f"learner.optimizer.lr={lr}"]
+
+
+def test_a_run_stopped_twice_resumes_to_its_end_with_one_ledger_and_report(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    run_dir = tmp_path / "run"
+
+    # A closed terminal: SIGHUP to the job. Checkpoint, report, exit 129.
+    first = Job(run_dir, tiny_model, "first")
+    took = stop_at(first, run_dir, 3, signal.SIGHUP)
+    assert first.proc.returncode == 129, first.stderr[-3000:]
+    assert took < 60 and not children_of(run_dir)
+    report = json.loads((run_dir / "report.json").read_text())
+    stopped = report["checkpoint_step"]
+    assert stopped == max(logged_steps(run_dir)) >= 3 and report["exit_code"] == 129
+    run_id = report["run_id"]
+
+    # `dapo eval --run` of an interrupted run: its latest checkpoint, named.
+    result = dapo("eval", "--run", str(run_dir), "--n", "2", "--limit", "8")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"'s step{stopped} (step {stopped}, policy version {stopped})" in result.stderr
+    evaluated = json.loads(result.stdout)
+    assert (evaluated["checkpoint"], evaluated["version"]) == (f"step{stopped}", stopped)
+
+    # The same command again refuses; a changed group size is refused on resume.
+    again = run([*up_argv(run_dir, tiny_model), "--steps", str(STEPS), *set_args(SETS)])
+    lines = again.stderr.strip().splitlines()
+    assert again.returncode == 2 and len(lines) == 1, again.stderr[-2000:]
+    assert f"holds run tiny (id {run_id}, stopped at step {stopped} of {STEPS})" in lines[0]
+    assert "--resume" in lines[0] and "--fresh" in lines[0]
+    changed = run([*up_argv(run_dir, tiny_model), "--resume", "--set", "shared.group_size=8"])
+    lines = changed.stderr.strip().splitlines()
+    assert changed.returncode == 2 and len(lines) == 1, changed.stderr[-2000:]
+    assert "shared.group_size 16 → 8" in lines[0] and "--fresh" in lines[0]
+
+    # Resumed with a new lr (printed, applied), then stopped by two Ctrl-C: one line.
+    second = Job(run_dir, tiny_model, "second", *resume_args("0.0005"))
+    stop_at(second, run_dir, stopped + 2, signal.SIGINT, signal.SIGINT)
+    out, err = second.stdout, second.stderr
+    assert second.proc.returncode == 130, err[-3000:]
+    assert "changed on resume: learner.optimizer.lr 0.001 → 0.0005" in out
+    assert f"resuming run tiny (id {run_id}) from its checkpoint step{stopped}" in out
+    assert len([line for line in err.splitlines() if "stopping now" in line]) == 1, err[-2000:]
+    assert not children_of(run_dir)
+
+    # Resumed again to the end: one report and one ledger across the three segments.
+    up = [*up_argv(run_dir, tiny_model), "--steps", str(STEPS), *set_args(SETS)]
+    third = run([*up, *resume_args("0.0005")], timeout=300)
+    assert third.returncode == 0, third.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["run_id"] == run_id and report["ledger"]["ok"]
+    assert [s["exit_code"] for s in report["segments"]] == [129, 130, 0]
+    assert report["segments"][1]["start_step"] == stopped
+    assert report["ledger"]["trained"] == STEPS * 16
+    assert {s["step"] for s in report["steps"]} == set(range(1, STEPS + 1))
+    lrs = {s["step"]: s["lr"] for s in report["steps"]}
+    assert lrs[stopped] == pytest.approx(1e-3) and lrs[STEPS] == pytest.approx(5e-4)
+    versions = [p["version"] for p in report["eval_curve"]]
+    assert versions == sorted(versions) and len(versions) >= 3 and versions[-1] >= 9
+    ledger = dapo("ledger", "--run", str(run_dir), "--json")
+    assert json.loads(ledger.stdout) == report["ledger"]
+    with_redis_trained_once(run_dir)
+
+    # `dapo eval --run` of the finished run: its final model, the number eval_after has.
+    result = dapo("eval", "--run", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    evaluated, after = json.loads(result.stdout), report["eval_after"]
+    assert evaluated["checkpoint"] == "final" and evaluated["version"] == after["version"]
+    assert evaluated["avg@4"] == after["avg@4"]
+
+    # --fresh moves the run aside; a learner killed in the reused directory starts over
+    # from this run's state, never from the old run's checkpoint.
+    fresh = Job(run_dir, tiny_model, "fresh", "--fresh", "--steps", "4")
+    try:
+        moved = lambda: any(tmp_path.glob("run.old-*"))  # noqa: E731
+        wait_for(lambda: moved() and max(logged_steps(run_dir), default=0) >= 1, 180, "step 1")
+        role_process(run_dir, "learner").kill()
+        fresh.proc.wait(timeout=300)
+    finally:
+        fresh.proc.kill()
+    assert fresh.proc.returncode == 0, fresh.stderr[-3000:]
+    (aside,) = tmp_path.glob("run.old-*")
+    assert json.loads((aside / "run.json").read_text())["run_id"] == run_id
+    assert (aside / "checkpoints" / "final" / "config.json").is_file()
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["run_id"] != run_id and report["ledger"]["trained"] == 4 * 16
+    assert "resumed step=" not in (run_dir / "logs" / "learner.log").read_text()
+
+
+def with_redis_trained_once(run_dir: Path) -> None:
+    """Every step of the run is in the final model once, each group trained once."""
+    from services.tools.run_dir import run_redis
+
+    with run_redis(run_dir) as config:
+        assert config.shared.redis_url
+        client = redis.Redis.from_url(config.shared.redis_url)
+        assert_trained_once(client, "tiny", STEPS, 16)
+        client.close()
+
+
+def test_two_runs_on_one_redis_do_not_mix(tmp_path: Path, tiny_model: Path) -> None:
+    server = start_redis()
+    try:
+        no_eval = ["--set", "controller.eval.enabled=false"]
+        quick = ["--steps", "2", "--redis-url", server.url, *no_eval]
+        first = run([*up_argv(tmp_path / "a", tiny_model), *quick], timeout=180)
+        assert first.returncode == 0, first.stderr[-2000:]
+        run_id = json.loads((tmp_path / "a" / "run.json").read_text())["run_id"]
+        second = run([*up_argv(tmp_path / "b", tiny_model), *quick], timeout=180)
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-2000:]
+        assert f"already holds run tiny (id {run_id})" in lines[0]
+        assert "--set shared.run_name=NAME" in lines[0]
+        assert not (tmp_path / "b" / "report.json").exists()
+        own = [*quick, "--set", "shared.run_name=other"]
+        third = run([*up_argv(tmp_path / "b", tiny_model), *own], timeout=180)
+        assert third.returncode == 0, third.stderr[-2000:]
+        for name, run_dir in (("tiny", tmp_path / "a"), ("other", tmp_path / "b")):
+            report = json.loads((run_dir / "report.json").read_text())
+            assert report["run"] == name and report["ledger"]["ok"]
+            assert report["ledger"]["trained"] == 2 * 16
+    finally:
+        server.stop()
