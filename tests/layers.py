@@ -42,6 +42,7 @@ UNIT_MODULES = frozenset(
         "test_report.py",
         "test_reward_shaping.py",
         "test_reward_verifiers.py",
+        "test_run_identity.py",
         "test_staleness.py",
         "test_weight_pull.py",
     }

@@ -129,8 +129,7 @@ def checkpoint_state(tag: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
     deepspeed = tag / "mp_rank_00_model_states.pt"
     if deepspeed.is_file():
-        # Our own file (DeepSpeed pickles its client state beside the weights).
-        state = torch.load(deepspeed, map_location="cpu", weights_only=False)
+        state = torch.load(deepspeed, map_location="cpu", weights_only=True)  # tensors, no code
         return dict(state["module"]), {k: state.get(k) for k in ("step", "version", "run_id")}
     if (tag / "state.json").is_file():
         from learner.model_io import load_state
