@@ -4,6 +4,7 @@ last words as the reason (the end-to-end runs are in tests/test_messy_data.py)."
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -112,7 +113,8 @@ def test_the_stall_line_leads_with_the_outcome_of_the_last_seconds(
     seconds, from the ledger's live counters, all filtered all_wrong."""
     keys = RunKeys("r")
     redis_client.hset(keys.ledger, mapping={"admitted": 40, "filtered:all_correct": 40})
-    redis_client.set(f"{keys.registry('rollout')}:a", '{"instance": "a", "accepting": true, "version": 0}')
+    server = {"instance": "a", "accepting": True, "version": 0}
+    redis_client.set(f"{keys.registry('rollout')}:a", json.dumps(server))
     watch = StallWatch(stall_after_s=0.3)
     watch.start()
     assert watch.observe(0, [], redis_client, "r") is None  # a sample of the counts
