@@ -141,8 +141,8 @@ class Launch:
     def restart(self, child: Child) -> None:
         """Start a dead child again (same role, same log); it resumes from Redis state.
 
-        A learner also restores its latest checkpoint (the first start never does: a run
-        directory reused with a fresh Redis must not inherit an old model).
+        A learner also restores its latest checkpoint (only ever one of this run's: the
+        checkpoint directory is stamped with the run id, learner/checkpoints.py).
         """
         child.log_file.close()
         resume = ("--set", "learner.checkpoint.resume=true") if child.role == "learner" else ()
