@@ -232,7 +232,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_on_signals(state: Launch) -> dict[int, Any]:
-    """SIGTERM and SIGHUP (a closed terminal) stop `dapo up` like Ctrl-C does; returns the
+    """SIGTERM and SIGHUP (a closed terminal) stop `dapo up` like Ctrl-C does, unless
+    ignored (`nohup` ignores SIGHUP: the run then survives its terminal); returns the
     handlers it replaced (`launch` puts them back, so a caller such as a test keeps its own)."""
 
     def _handler(signum: int, frame: object) -> None:
@@ -240,8 +241,9 @@ def stop_on_signals(state: Launch) -> dict[int, Any]:
         raise KeyboardInterrupt
 
     previous: dict[int, Any] = {s: signal.getsignal(s) for s in STOP_SIGNALS}
-    for s in STOP_SIGNALS[1:]:
-        signal.signal(s, _handler)
+    for s in STOP_SIGNALS:
+        if previous[s] is not signal.SIG_IGN:
+            signal.signal(s, _handler)
     return previous
 
 
@@ -263,7 +265,8 @@ def hurry_on_signals(state: Launch) -> None:
         )
 
     for s in STOP_SIGNALS:
-        signal.signal(s, _handler)
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, _handler)
 
 
 def ensure_model(config: DapoConfig) -> None:
