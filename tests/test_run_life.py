@@ -3,12 +3,14 @@ and by two Ctrl-C, resumed with a changed lr (a changed group size refused), fin
 one report and one ledger across its segments; `dapo eval --run` names the checkpoint it
 evaluates and equals the run's own eval_after; `--fresh` moves the run aside and a learner
 killed in the reused directory never loads the old run's checkpoint; two runs on one
-external Redis do not mix."""
+external Redis do not mix. The last segment SIGKILLs one service drawn at random (chaos)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -134,8 +136,19 @@ def test_a_run_stopped_twice_resumes_to_its_end_with_one_ledger_and_report(
     assert not children_of(run_dir)
 
     # Resumed again to the end: one report and one ledger across the three segments.
-    third = run([*up, *resume_args("0.0005")], env, timeout=300)
-    assert third.returncode == 0, third.stderr[-3000:]
+    # ... with one service, drawn at random, SIGKILLed on the way (the chaos variant).
+    third = Job(run_dir, tiny_model, env, "third", *resume_args("0.0005"))
+    victim = random.Random().choice(["controller", "buffer", "reward", "rollout", "learner"])
+    try:
+        past = lambda: max(logged_steps(run_dir), default=0) > stopped + 2  # noqa: E731
+        wait_for(lambda: past() or third.proc.poll() is not None, 180, "a resumed step")
+        if third.proc.poll() is None:
+            with contextlib.suppress(StopIteration):  # the run may end as we look
+                role_process(run_dir, victim).kill()
+        third.proc.wait(timeout=300)
+    finally:
+        third.proc.kill()
+    assert third.proc.returncode == 0, f"{victim} killed: {third.stderr[-3000:]}"
     report = json.loads((run_dir / "report.json").read_text())
     assert report["run_id"] == run_id and report["ledger"]["ok"]
     assert [s["exit_code"] for s in report["segments"]] == [129, 130, 0]
