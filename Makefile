@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	@touch $@
 
 demo: install
-	$(VENV)/bin/dapo up --preset tiny
+	$(VENV)/bin/dapo up --preset tiny --fresh  # an earlier demo run is moved aside (docs/runs.md)
 
 test: install
 	$(VENV)/bin/ruff check .

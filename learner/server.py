@@ -86,6 +86,8 @@ class Learner:
         Once the run has a version, restore even without `resume` (compose and Kubernetes
         restart the learner with the same command: never publish the base model anew)."""
         published = int(self.client.get(self.keys.version) or 0)
+        run_id = self.client.get(self.keys.run_id)
+        self.checkpoints.run_id = run_id.decode() if run_id is not None else None
         resume = self.config.learner.checkpoint.resume or published > 0
         self.ranks.resume(resume)
         state = self.checkpoints.restore(resume)
@@ -95,8 +97,9 @@ class Learner:
             log.info("resumed step=%d version=%d cursor=%s", self.step, self.version, self.cursor)
         if published > self.version:  # a lost learner got further: its weights are gone
             self.version = published + 1
-            self.client.set(self.keys.version, self.version)
         self.weights.publish(self.version, *self._weights())
+        if self.version != published:  # rollout servers load it before they are ready
+            self.client.set(self.keys.version, self.version)
         VERSION.set(self.version)
 
     def _weights(self) -> tuple[Iterator[RawTensor], int]:

@@ -44,6 +44,7 @@ UNIT_MODULES = frozenset(
         "test_report.py",
         "test_reward_shaping.py",
         "test_reward_verifiers.py",
+        "test_run_identity.py",
         "test_staleness.py",
         "test_weight_pull.py",
     }
@@ -83,6 +84,7 @@ SYSTEM_MODULES = frozenset(
         "test_rollout_cores.py",
         "test_rollout_drain.py",
         "test_run_dir.py",
+        "test_run_life.py",
         "test_vllm_faults.py",
         "test_vllm_pipeline.py",
         "test_when_done_idle.py",

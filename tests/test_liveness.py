@@ -4,6 +4,7 @@ last words as the reason (the end-to-end runs are in tests/test_messy_data.py)."
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -103,3 +104,23 @@ def test_a_crash_looping_service_stops_the_run_with_its_last_words(tmp_path: Pat
     assert launch.failure == (
         "controller failed 1 times: dapo controller: error: data.parquet: missing columns: x"
     )
+
+
+def test_the_stall_line_leads_with_the_outcome_of_the_last_seconds(
+    redis_client: redis.Redis,
+) -> None:
+    """An old error does not lead the line: the groups of the last `stall_after_s`
+    seconds, from the ledger's live counters, all filtered all_wrong."""
+    keys = RunKeys("r")
+    redis_client.hset(keys.ledger, mapping={"admitted": 40, "filtered:all_correct": 40})
+    server = {"instance": "a", "accepting": True, "version": 0}
+    redis_client.set(f"{keys.registry('rollout')}:a", json.dumps(server))
+    watch = StallWatch(stall_after_s=0.3)
+    watch.start()
+    assert watch.observe(0, [], redis_client, "r") is None  # a sample of the counts
+    redis_client.hincrby(keys.ledger, "admitted", 48)
+    redis_client.hincrby(keys.ledger, "filtered:all_wrong", 48)
+    time.sleep(0.4)
+    line = watch.observe(0, [], redis_client, "r")
+    assert line is not None, "stalled past stall_after_s"
+    assert line.startswith("no training step for 0s: every group (48) filtered all_wrong in the")

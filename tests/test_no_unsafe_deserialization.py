@@ -25,6 +25,10 @@ ALLOWED: dict[tuple[str, str], str] = {
         "trusted storage (docs/security.md). There is no weights-only mode for its optimizer "
         "and engine state."
     ),
+    ("services/tools/eval_source.py", "torch.load"): (
+        "`dapo eval --run` reads a DeepSpeed checkpoint's model states with "
+        "weights_only=True: tensors and plain containers, no code is unpickled."
+    ),
 }
 
 

@@ -79,7 +79,9 @@ def test_run_directory_is_locked_reported_after_stop_and_readable_after_the_run(
         assert result.returncode == 0, result.stderr[-2000:]
         results.append(json.loads(out_file.read_text()))
     first, again = results
-    assert first["model"] == str(tiny_model)  # interrupted: no final export, the start model
+    # Interrupted: no final export; its latest checkpoint (the one written on stop).
+    assert (first["checkpoint"], first["step"], first["version"]) == (f"step{last}", last, last)
+    assert first["model"] == str(run_dir / "eval-models" / f"step{last}")
     assert (first["data"], first["verifier"], first["max_tokens"]) == (
         "synthetic:max3",
         "first_integer",

@@ -96,6 +96,13 @@ class RunKeys:
         `dapo up` stops with a non-zero exit and that line."""
         return self._key("failed")
 
+    @property
+    def run_id(self) -> str:
+        """The id of the run that owns this key space (`dapo up` sets it at its first
+        start; a second run with the same run_name is refused, a learner checks its
+        checkpoints against it)."""
+        return self._key("run_id")
+
     def registry(self, role: str) -> str:
         """Key prefix of live instances of a role (each key has a heartbeat TTL)."""
         return self._key("registry", role)

@@ -1,7 +1,8 @@
 """Service discovery through Redis: each instance keeps a key alive with a heartbeat.
 
 A process that dies stops refreshing its key, which then expires after `ttl_s`; so the
-controller never routes to a dead rollout server for longer than one TTL.
+controller never routes to a dead rollout server for longer than one TTL. Each entry
+names the run id of its key space (`run_id`); `discover` skips another run's.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Registration:
         self._thread = threading.Thread(target=self._beat, daemon=True, name=f"heartbeat-{role}")
 
     def start(self) -> Registration:
+        run_id = current_run(self.client, self.keys)
+        if run_id is not None:
+            self.info["run_id"] = run_id
         self.refresh()
         self._thread.start()
         return self
@@ -64,11 +68,19 @@ class Registration:
             pass
 
 
+def current_run(client: redis.Redis, keys: RunKeys) -> str | None:
+    """The id of the run that owns the key space (None: no `dapo up` claimed it)."""
+    raw = client.get(keys.run_id)
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def discover(client: redis.Redis, keys: RunKeys, role: str) -> list[dict[str, Any]]:
-    """Live instances of a role, sorted by instance name."""
+    """Live instances of a role of this run, sorted by instance name."""
     found = []
+    run_id = current_run(client, keys)
     for key in client.scan_iter(match=f"{keys.registry(role)}:*", count=100):
         raw = client.get(key)
         if raw is not None:
             found.append(json.loads(raw))
-    return sorted(found, key=lambda info: info["instance"])
+    mine = [i for i in found if run_id is None or i.get("run_id", run_id) == run_id]
+    return sorted(mine, key=lambda info: info["instance"])

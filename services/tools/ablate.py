@@ -103,7 +103,10 @@ def run_one(plan: Plan, held_out: HeldOut, rung: str, seed: int) -> dict[str, An
     run_dir = plan.out_dir / rung / f"seed{seed}"
     started = time.monotonic()
     code = launch(
-        config, run_dir=str(run_dir), on_step=eval_hook(held_out, engine, curve, plan.eval_every)
+        config,
+        run_dir=str(run_dir),
+        on_step=eval_hook(held_out, engine, curve, plan.eval_every),
+        mode="fresh",  # a rerun of the ladder moves the earlier run aside
     )
     wall = time.monotonic() - started
     report = json.loads((run_dir / "report.json").read_text())

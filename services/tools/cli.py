@@ -78,6 +78,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.tools.config import load_config
     from services.tools.launcher import launch
     from services.tools.liveness import StallWatch
+    from services.tools.resume import Mode
 
     overrides = flag_overrides(args, None)
     if args.eval_every is not None:
@@ -87,8 +88,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = load_config(args.config, preset=args.preset, overrides=overrides)
     cli_args.preflight_up(config, args.run_dir)
     watch = StallWatch(args.stall_after, args.stall_timeout, token=config.security.auth.secret())
+    mode: Mode = "resume" if args.resume else "fresh" if args.fresh else "new"
     return launch(
-        config, run_dir=args.run_dir, steps=args.steps, rollouts=args.rollouts, watch=watch
+        config,
+        run_dir=args.run_dir,
+        steps=args.steps,
+        rollouts=args.rollouts,
+        watch=watch,
+        mode=mode,
     )
 
 
@@ -210,6 +217,24 @@ def add_liveness_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_run_life_args(p: argparse.ArgumentParser) -> None:
+    """`dapo up` on a directory that holds a run (docs/runs.md, "The life of a run")."""
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its latest checkpoint (its ledger, data "
+        "position and eval curve go on; safe setting changes are applied, run-changing ones "
+        "refused); starts a new run when the directory holds none",
+    )
+    which.add_argument(
+        "--fresh",
+        action="store_true",
+        help="move the run in --run-dir aside to DIR.old-<time> (nothing is deleted) and "
+        "start a new run",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dapo", description="DAPO reinforcement learning as a set of services.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -243,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(controller.eval.every_steps; 0 = off)",
     )
     add_liveness_args(p)
+    add_run_life_args(p)
     p.set_defaults(func=cmd_up)
 
     add_ablate_parser(sub)

@@ -1,6 +1,7 @@
 """`dapo eval`'s flags: each one's default is stated in `--help`, and `--run runs/NAME`
-replaces the defaults by what that run trained and evaluated with (model, data, verifier,
-lengths, sampling, engine, seed). A flag given on the command line always wins."""
+replaces the defaults by what that run trained and evaluated with (data, verifier,
+lengths, sampling, engine, seed) and evaluates its latest checkpoint (`--checkpoint`:
+eval_source.py). A flag given on the command line always wins."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from services.common.errors import DapoError
 
 if TYPE_CHECKING:
     from services.tools.config import DapoConfig
+    from services.tools.eval_source import EvalSource
 
 VERIFIERS = ("dapo", "math_verify", "cascade", "first_integer")
 
@@ -47,6 +49,7 @@ class EvalArgs:
     limit: int | None
     engine_options: tuple[str, ...]
     out: str | None
+    source: EvalSource | None = None  # with --run: which of its models, named
 
 
 def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
@@ -58,7 +61,15 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
         "verifier, response length, eval sampling and seed).",
     )
     p.add_argument("--run", metavar="DIR", help="take the defaults from a run (runs/NAME)")
-    p.add_argument("--model", metavar="DIR", help="model directory [--run: the final export]")
+    p.add_argument(
+        "--model", metavar="DIR", help="model directory [--run: the model --checkpoint names]"
+    )
+    p.add_argument(
+        "--checkpoint",
+        metavar="WHICH",
+        help="with --run: latest (its latest checkpoint, or its final export when it finished "
+        "there), final, base (its initial model) or stepN [latest]",
+    )
     p.add_argument(
         "--data", metavar="F", help="parquet/jsonl, or synthetic:TASK [--run: its eval data]"
     )
@@ -94,16 +105,12 @@ def add_eval_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def run_defaults(config: DapoConfig) -> dict[str, Any]:
-    """What a run trained and evaluated with, as `dapo eval` defaults."""
-    from learner.trainer import export_dir
+    """What a run trained and evaluated with, as `dapo eval` defaults (the model aside)."""
     from services.controller.dataset import eval_data_spec
 
     cfg = config.controller.eval
-    export = export_dir(config)
-    final = export is not None and (export / "config.json").is_file()
     verifier = config.shared.verifier
     return {
-        "model": str(export) if final else config.model_path,
         "data": eval_data_spec(cfg, config.controller.dataset),
         "n": cfg.n,
         "max_tokens": config.shared.max_response_length,
@@ -120,11 +127,19 @@ def run_defaults(config: DapoConfig) -> dict[str, Any]:
 def resolve_eval_args(args: argparse.Namespace) -> EvalArgs:
     """Flags over the run's values (with --run) over DEFAULTS."""
     base = dict(DEFAULTS)
+    source = None
     if args.run is not None:
+        from services.tools.eval_source import resolve_source
         from services.tools.run_dir import load_run
 
-        base.update(run_defaults(load_run(Path(args.run))))
-    given = {k: v for k, v in vars(args).items() if v is not None}
+        config = load_run(Path(args.run))
+        base.update(run_defaults(config))
+        if args.model is None:
+            source = resolve_source(Path(args.run), config, args.checkpoint)
+            base["model"] = source.model
+    elif args.checkpoint is not None:
+        raise DapoError("--checkpoint names a model of a run: give --run DIR too")
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "checkpoint"}
     values = {**base, **given}
     for name in ("model", "data"):
         if values.get(name) is None:
@@ -146,4 +161,5 @@ def resolve_eval_args(args: argparse.Namespace) -> EvalArgs:
         limit=values["limit"],
         engine_options=tuple(args.engine_option),
         out=args.out,
+        source=source,
     )

@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,6 +192,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from services.tools.eval_args import resolve_eval_args
 
     a = resolve_eval_args(args)
+    if a.source is not None:
+        print(a.source.describe(Path(args.run)), file=sys.stderr)
     check_max_tokens(a.model, a.max_tokens)
     records = load_eval_data(a.data, a.limit)
     config = engine_config(a.engine, a.engine_options)
@@ -208,6 +211,8 @@ def run_eval(args: argparse.Namespace) -> int:
     )
     settings = {"data": a.data, "max_tokens": a.max_tokens, "temperature": a.temperature}
     result.update(settings, top_p=a.top_p, chat_template=a.chat_template, seed=a.seed)
+    if a.source is not None:  # what the run's model is: its step and policy version
+        result.update(checkpoint=a.source.checkpoint, step=a.source.step, version=a.source.version)
     summary = {k: v for k, v in result.items() if k != "per_prompt"}
     print(json.dumps(summary, indent=2))
     if a.out:
@@ -326,8 +331,12 @@ def run_eval_plan(plan: EvalPlan, config: DapoConfig, fetch_final: bool) -> dict
     try:
         if fetch_final:
             fetch_latest_weights(config, engine)
-        params = SamplingParams(
-            n=plan.n, temperature=plan.temperature, top_p=plan.top_p, max_tokens=plan.max_tokens
+        params = SamplingParams(  # seeded as `dapo eval --run` is: the same number
+            n=plan.n,
+            temperature=plan.temperature,
+            top_p=plan.top_p,
+            max_tokens=plan.max_tokens,
+            seed=config.shared.seed,
         )
         result = evaluate_engine(engine, plan.records, params, plan.verifier, plan.chat)
     finally:

@@ -4,8 +4,9 @@ Each service is `python -m services.tools.cli <role> --config <run>/config.yaml`
 (picked free and printed), registering itself in Redis so the others find it. The
 launcher shows a progress bar from the learner's metrics stream and supervises: a child
 that dies is started again (up to `max_restarts` times) and resumes from the run's state
-in Redis. It stops everything on Ctrl-C or when the learner reports the last step, and
-writes `<run>/report.json`. No child outlives it: each gets SIGTERM, then SIGKILL.
+in Redis. It stops everything on Ctrl-C, SIGTERM or SIGHUP (a second one hurries) or when
+the learner reports the last step, and writes `<run>/report.json`. No child outlives it:
+each gets SIGTERM, then SIGKILL. `--resume`/`--fresh` and the run's id: resume.py.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from services.tools.report import (
     time_accounting,
     write_plots,
 )
-from services.tools.run_dir import RunLock, fresh_redis_dir, latest_checkpoint_step
+from services.tools.resume import Mode, Segment, begin, record_segment
+from services.tools.run_dir import RunLock, latest_checkpoint_step, redis_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,10 @@ class Launch:
     # Shows stalls and their causes; stops a run a service gave up on (liveness.py).
     watch: StallWatch = field(default_factory=lambda: StallWatch(STALL_AFTER_S))
     failure: str | None = None  # why the run stopped, when it did not finish
+    segment: Segment | None = None  # which run this is, from which step (resume.py)
+    claimed: bool = False  # the Redis key space is this run's: its report may be written
+    signum: int | None = None  # the stop signal received (SIGINT: None)
+    hurry: bool = False  # a second stop signal: no checkpoint wait, no report
 
     @property
     def config_path(self) -> Path:
@@ -135,8 +141,8 @@ class Launch:
     def restart(self, child: Child) -> None:
         """Start a dead child again (same role, same log); it resumes from Redis state.
 
-        A learner also restores its latest checkpoint (the first start never does: a run
-        directory reused with a fresh Redis must not inherit an old model).
+        A learner also restores its latest checkpoint (only ever one of this run's: the
+        checkpoint directory is stamped with the run id, learner/checkpoints.py).
         """
         child.log_file.close()
         resume = ("--set", "learner.checkpoint.resume=true") if child.role == "learner" else ()
@@ -172,9 +178,9 @@ class Launch:
         learner_grace = max(grace_s, self.config.learner.launch.shutdown_timeout_s + 5)
         for child in self.children:
             deadline = started + (learner_grace if child.role == "learner" else grace_s)
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while child.proc.poll() is None and time.monotonic() < deadline and not self.hurry:
+                time.sleep(0.05)
+            if child.proc.poll() is None:
                 child.proc.kill()
                 child.proc.wait()
             child.log_file.close()
@@ -222,14 +228,45 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def raise_on_sigterm() -> Any:
-    """SIGTERM to `dapo up` cleans up like Ctrl-C does; returns the handler it replaced
-    (`launch` puts it back, so a caller such as a test process keeps its own)."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals(state: Launch) -> dict[int, Any]:
+    """SIGTERM and SIGHUP (a closed terminal) stop `dapo up` like Ctrl-C does, unless
+    ignored (`nohup` ignores SIGHUP: the run then survives its terminal); returns the
+    handlers it replaced (`launch` puts them back, so a caller such as a test keeps its own)."""
 
     def _handler(signum: int, frame: object) -> None:
+        state.signum = signum
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGTERM, _handler)
+    previous: dict[int, Any] = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        if previous[s] is not signal.SIG_IGN:
+            signal.signal(s, _handler)
+    return previous
+
+
+def hurry_on_signals(state: Launch) -> None:
+    """While stopping, a second signal stops the services at once: one line says what that
+    skips (the learner's checkpoint, the report); the run resumes from its last checkpoint."""
+
+    def _handler(signum: int, frame: object) -> None:
+        if state.hurry:
+            return
+        state.hurry = True
+        step = latest_checkpoint_step(state.config)
+        since = f"its last checkpoint (step {step})" if step else "the start (no checkpoint yet)"
+        print(
+            f"stopping now: no checkpoint of the current step, no report; `dapo up --resume` "
+            f"continues from {since}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    for s in STOP_SIGNALS:
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, _handler)
 
 
 def ensure_model(config: DapoConfig) -> None:
@@ -257,14 +294,15 @@ def _model_is_current(path: str, preset: str) -> bool:
     return False
 
 
-def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
-    """Start Redis if needed and write the resolved config every child reads."""
+def prepare(config: DapoConfig, run_dir: Path, launch: Launch, keep_redis: bool = False) -> None:
+    """Start Redis if needed (from the run's own data when resuming) and write the
+    resolved config every child reads."""
     updates: dict[str, Any] = {}
     if config.shared.redis_url is None:
         launch.redis_server = start_redis(
             appendonly=config.shared.redis_appendonly,
             password=config.security.redis.secret(),
-            data_dir=fresh_redis_dir(run_dir),  # `dapo ledger --run` reads it after the run
+            data_dir=redis_dir(run_dir, keep_redis),  # `dapo ledger --run` reads it later
         )
         updates["redis_url"] = launch.redis_server.url
     data = config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
@@ -278,6 +316,39 @@ def prepare(config: DapoConfig, run_dir: Path, launch: Launch) -> None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     launch.config_path.write_text(dump_config(file_data))
     launch.config = data
+
+
+def claim_redis(config: DapoConfig, segment: Segment) -> None:
+    """Stamp the run's id on its Redis key space: a new run only on an unused one, a
+    resumed run only on its own (whose stop marks are cleared)."""
+    client = connect_run(config)
+    keys = RunKeys(config.shared.run_name)
+    raw = client.get(keys.run_id)
+    owner = raw.decode() if raw is not None else None
+    if segment.resumed and owner != segment.run_id:
+        held = f"run id {owner}" if owner else "no state of it"
+        raise DapoError(
+            f"the Redis at {redis_place(config)} holds {held}, not run {segment.run_id}: "
+            "resume it with the Redis it ran on, or start a new run with --fresh"
+        )
+    used = owner is not None or client.exists(keys.version, keys.ledger, keys.metrics)
+    if not segment.resumed and used:
+        other = f"(id {owner})" if owner else "(of an older dapo up)"
+        raise DapoError(
+            f"the Redis at {redis_place(config)} already holds run {config.shared.run_name} "
+            f"{other}: give this run its own key space (--set shared.run_name=NAME) or "
+            "another Redis database (redis://HOST:PORT/N)"
+        )
+    client.delete(keys.done, keys.failed)
+    client.set(keys.run_id, segment.run_id)
+
+
+def redis_place(config: DapoConfig) -> str:
+    """host:port/db of the run's Redis (never its password)."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(config.shared.redis_url or "")
+    return f"{url.hostname}:{url.port}{url.path or ''}"
 
 
 def last_metrics(client: Any, keys: RunKeys) -> dict[str, Any] | None:
@@ -301,7 +372,9 @@ def monitor(launch: Launch) -> int:
     keys = RunKeys(config.shared.run_name)
     total = config.learner.total_steps
     launch.watch.start()
-    with tqdm(total=total, desc="dapo up", unit="step", dynamic_ncols=True) as bar:
+    first = launch.segment.start_step if launch.segment else 0
+    bar_args = {"desc": "dapo up", "unit": "step", "dynamic_ncols": True, "initial": first}
+    with tqdm(total=total, **bar_args) as bar:
         while True:
             if launch.redis_died():
                 bar.write("redis-server died; restarted it from its append-only file")
@@ -448,10 +521,16 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
     ]
     ledger = read_ledger(client, config.shared.run_name)
     traces = [json.loads(f[b"json"]) for _, f in client.xrange(keys.steps)]
+    segment = launch.segment
+    segments = segment.record.segments if segment else []
+    wall = round(time.monotonic() - started, 2)
     report = {
         "run": config.shared.run_name,
+        "run_id": segment.run_id if segment else None,
         "exit_code": code,
-        "wall_seconds": round(time.monotonic() - started, 2),
+        # The whole run's: every segment's (this one's last entry is not yet recorded).
+        "wall_seconds": round(sum(s.get("wall_s", 0.0) for s in segments[:-1]) + wall, 2),
+        "segments": [*segments[:-1], {**(segments[-1] if segments else {}), "wall_s": wall}],
         "steps": steps,
         "kept_history": launch.history,
         "ledger": ledger.as_dict(),
@@ -484,18 +563,20 @@ def launch(
     rollouts: int = 1,
     on_step: Callable[[Launch, int, bool], None] | None = None,
     watch: StallWatch | None = None,
+    mode: Mode = "new",
 ) -> int:
     """Run the whole system until the learner's last step; clean up whatever happens.
 
     The training data is checked first (a DapoError before any process starts); `watch`
-    says when a stall is shown and whether it stops the run (default: shown after 30 s).
+    says when a stall is shown and whether it stops the run (default: shown after 30 s);
+    `mode` starts a new run, resumes the directory's run, or moves it aside (resume.py).
     """
     if steps is not None:
         config.learner.total_steps = steps
     out = Path(run_dir or Path("runs") / config.shared.run_name)
     lock = RunLock(out).acquire()
     try:
-        return run_locked(config, out, rollouts, on_step, watch)
+        return run_locked(config, out, rollouts, on_step, watch, mode)
     finally:
         lock.release()
 
@@ -506,42 +587,79 @@ def run_locked(
     rollouts: int,
     on_step: Callable[[Launch, int, bool], None] | None,
     watch: StallWatch | None = None,
+    mode: Mode = "new",
 ) -> int:
     """`launch` once it holds the run directory."""
+    segment = begin(config, out, mode)
     ensure_model(config)
     checks.report(checks.check_run(config, checks.local_gpus(config)), "up")
     checks.report_data(config, "up")
     started = time.monotonic()
-    state = Launch(config, out, on_step=on_step)
+    state = Launch(config, out, on_step=on_step, segment=segment)
     state.watch = watch or StallWatch(STALL_AFTER_S, token=config.security.auth.secret())
     code = 1
-    previous = raise_on_sigterm()
+    previous = stop_on_signals(state)
     try:
-        plan = eval_plan(config)
-        if plan is not None:
-            state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
-        prepare(config, out, state)
-        state.start_all(rollouts)
-        code = monitor(state)
-        if plan is not None and code == 0:
-            state.evals["eval_after"] = run_eval_plan(plan, state.config, fetch_final=True)
+        code = run_segment(state, rollouts)
     except KeyboardInterrupt:
-        print("interrupted; stopping every service", file=sys.stderr)
-        code = 130
+        print("interrupted; stopping every service (again: at once)", file=sys.stderr)
+        code = 128 + (state.signum or signal.SIGINT)
     finally:
-        report = None
-        # Services first: the learner checkpoints on SIGTERM, and the report must hold
-        # every step it committed (the checkpoint's included); Redis last.
-        state.stop_children()
-        if state.config.shared.redis_url:
-            try:
-                report = write_report(state, started, code)
-            except Exception as exc:  # reporting must never block the clean-up
-                print(f"could not write the report: {exc}", file=sys.stderr)
-        state.stop_redis()
-        signal.signal(signal.SIGTERM, previous)
+        hurry_on_signals(state)
+        report = finish(state, started, code)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if report is not None:
         print(f"report: {report}")
     if state.failure is not None:
         print(f"dapo up: error: {state.failure}", file=sys.stderr)
     return code
+
+
+def run_segment(state: Launch, rollouts: int) -> int:
+    """Evaluate, start Redis and the services, train to the end; the exit code."""
+    config, segment = state.config, state.segment
+    assert segment is not None
+    prepare(config, state.run_dir, state, keep_redis=segment.resumed)
+    claim_redis(state.config, segment)
+    state.claimed = True
+    record_segment(state.run_dir, segment, total_steps=config.learner.total_steps)
+    plan = eval_plan(config)
+    previous = previous_report(state.run_dir) if segment.resumed else {}
+    if "eval_before" in previous:
+        state.evals["eval_before"] = previous["eval_before"]
+    elif plan is not None:
+        state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
+    state.history = [h for h in previous.get("kept_history", []) if h["step"] <= segment.start_step]
+    state.start_all(rollouts)
+    code = monitor(state)
+    if plan is not None and code == 0:
+        state.evals["eval_after"] = run_eval_plan(plan, state.config, fetch_final=True)
+    return code
+
+
+def previous_report(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "report.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def finish(state: Launch, started: float, code: int) -> Path | None:
+    """Services first (the learner checkpoints on SIGTERM, and the report must hold every
+    step it committed), then the report (unless hurried), Redis last; the report's path."""
+    report = None
+    state.stop_children()
+    if state.claimed and state.segment is not None:
+        record_segment(
+            state.run_dir,
+            state.segment,
+            end_step=latest_checkpoint_step(state.config) or 0,
+            exit_code=code,
+            wall_s=round(time.monotonic() - started, 2),
+        )
+    if state.claimed and not state.hurry:
+        try:
+            report = write_report(state, started, code)
+        except Exception as exc:  # reporting must never block the clean-up
+            print(f"could not write the report: {exc}", file=sys.stderr)
+    state.stop_redis()
+    return report

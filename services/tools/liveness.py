@@ -1,8 +1,10 @@
 """`dapo up` never hangs silently: the data is checked before any service starts, a stall
 is shown with its cause, and a run that cannot make progress stops with one line saying why.
 
-Bad data is a one-line error before launch; a stall past `stall_after_s` shows each
-service's `last_error` and the ledger's counts; the run exits non-zero when a service
+Bad data is a one-line error before launch; a stall past `stall_after_s` leads with the
+dominant cause of the last `stall_after_s` seconds from the ledger's live counters (every
+group filtered all_wrong, dropped stale, no rollout server ready...), then each service's
+`last_error` and the ledger's counts; the run exits non-zero when a service
 marked it hopeless (the run's `failed` key) or, when asked, after `stall_timeout_s`
 without a step. docs/reliability.md, "Data checked at load" and "A stall says why".
 """
@@ -20,7 +22,8 @@ from typing import Any, Protocol
 
 from services.common.data_screen import ScreenedData
 from services.common.keys import RunKeys
-from services.common.ledger import read_ledger
+from services.common.ledger import Ledger, read_ledger
+from services.common.registry import discover
 from services.common.tokenizer import PromptTokenizer, load_tokenizer
 from services.controller.dataset import load_training_data
 from services.tools.config import DapoConfig
@@ -91,6 +94,50 @@ def describe_error(error: dict[str, Any], now: float) -> str:
     return f"{error['kind']} ×{error['count']}, {age:.0f}s ago: {error['message']}"
 
 
+OUTCOMES = ("filtered", "dropped", "rejected")
+
+
+def ledger_counts(ledger: Ledger) -> dict[str, int]:
+    """The ledger's cumulative counts by outcome (`filtered all_wrong`, `dropped stale`,
+    `rejected prompt_too_long`, `kept`, `trained`, `admitted`)."""
+    out = {"admitted": ledger.admitted, "kept": ledger.kept, "trained": ledger.trained}
+    by_outcome = (ledger.filtered, ledger.dropped, ledger.rejected)
+    for outcome, counts in zip(OUTCOMES, by_outcome, strict=True):
+        out.update({f"{outcome} {reason}": n for reason, n in counts.items()})
+    return out
+
+
+def counts_since(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+    return {k: v - then.get(k, 0) for k, v in now.items() if v - then.get(k, 0) > 0}
+
+
+def dominant_cause(
+    delta: dict[str, int], window_s: float, rollouts: list[dict[str, Any]], version: int
+) -> str:
+    """What happened to the groups of the last `window_s` seconds, in words: the outcome
+    that took most of them (`every group (48) filtered all_wrong in the last 30s`), or
+    that no rollout server is ready, or that nothing was decided at all."""
+    window = f"in the last {window_s:.0f}s"
+    ready = [r for r in rollouts if r.get("accepting")]
+    if not ready:
+        served = ", ".join(f"v{r.get('version', 0)}" for r in rollouts) or "none registered"
+        return f"no rollout server ready (policy v{version}; rollout servers: {served})"
+    outcomes = {k: n for k, n in delta.items() if k.split(" ")[0] in OUTCOMES}
+    decided = sum(outcomes.values()) + delta.get("kept", 0)
+    if decided == 0:
+        return f"no group decided {window} ({delta.get('admitted', 0)} admitted)"
+    if not outcomes or max(outcomes.values()) < delta.get("kept", 0):
+        trained = delta.get("trained", 0)
+        return f"{delta.get('kept', 0)} of {decided} groups kept {window}, {trained} trained"
+    name, count = max(outcomes.items(), key=lambda item: item[1])
+    share = f"every group ({count})" if count == decided else f"{count} of {decided} groups"
+    line = f"{share} {name} {window}"
+    if name.endswith(" stale"):
+        versions = sorted({int(r.get("version", 0)) for r in ready})
+        line += f" (policy v{version}, rollout servers at {versions}: lag {version - versions[0]})"
+    return line
+
+
 @dataclass
 class StallWatch:
     """Seconds since the last completed step, and why, from the services' /status.
@@ -110,6 +157,9 @@ class StallWatch:
     cause: str = ""
     signature: tuple[str, ...] = ()
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
+    # (time, ledger counts) of each probe: the live window the cause is read from
+    history: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    last_sample: float = 0.0
 
     def start(self) -> None:
         """Count from now (the services were just started)."""
@@ -127,6 +177,10 @@ class StallWatch:
     ) -> str | None:
         """A line to show while the run is stalled, when its cause changed (else None)."""
         stalled, now = self.stalled_s(step), time.monotonic()
+        if now - self.last_sample >= min(PROBE_EVERY_S, self.stall_after_s / 3):
+            self.last_sample = now  # the counts the next stall's cause is read against
+            self.history.append((now, ledger_counts(read_ledger(client, run))))
+            self.history = [h for h in self.history if now - h[0] <= 3 * self.stall_after_s]
         interval = min(PROBE_EVERY_S, self.stall_after_s)
         if stalled < self.stall_after_s or now - self.last_probe < interval:
             return None
@@ -151,7 +205,10 @@ class StallWatch:
         """Each service's latest error, then where the groups are (the ledger); and the
         error kinds alone (what a change of cause is)."""
         now = time.time()
-        parts, kinds = [], []
+        ledger = read_ledger(client, run)
+        keys = RunKeys(run)
+        cause = self.live_cause(ledger, discover(client, keys, "rollout"))
+        parts, kinds = [cause], [cause.split(" in the last")[0]]
         for service in services:
             status = self._status(service)
             error = status.get("last_error") if status else None
@@ -161,13 +218,21 @@ class StallWatch:
             elif status is None:
                 parts.append(f"{service.name}: no answer on /status")
                 kinds.append(f"{service.name}: silent")
-        ledger = read_ledger(client, run)
         parts.append(
             f"groups admitted {ledger.admitted}, in flight {ledger.in_flight}, "
             f"rejected {ledger.rejected_total}, filtered {ledger.filtered_total}, "
             f"waiting to train {ledger.pending_train}"
         )
         return "; ".join(parts), tuple(kinds)
+
+    def live_cause(self, ledger: Ledger, rollouts: list[dict[str, Any]]) -> str:
+        """The dominant cause over the last `stall_after_s` seconds: the counts now less
+        the newest sample at least that old (else the oldest one kept)."""
+        now, counts = time.monotonic(), ledger_counts(ledger)
+        old = [h for h in self.history if now - h[0] >= self.stall_after_s]
+        base = old[-1] if old else (self.history[0] if self.history else (now, counts))
+        delta = counts_since(counts, base[1])
+        return dominant_cause(delta, now - base[0], rollouts, ledger.version)
 
     def _status(self, service: ServiceLog) -> dict[str, Any] | None:
         key = (service.name, service.pid)

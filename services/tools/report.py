@@ -146,7 +146,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     """The lines printed at the end of `dapo up`."""
     ledger = report["ledger"]
     lines = [
-        f"run {report['run']}: {steps_text(report['steps'])} in {report['wall_seconds']:.0f}s, "
+        f"run {report['run']}: {steps_text(report['steps'])} in {report['wall_seconds']:.0f}s"
+        f"{segments_text(report.get('segments', []))}, "
         f"ledger {'holds' if ledger['ok'] else 'MISMATCH: ' + '; '.join(ledger['problems'])}",
         f"groups: admitted {ledger['admitted']}, trained {ledger['trained']}, "
         f"filtered {sum(ledger['filtered'].values())}, dropped {sum(ledger['dropped'].values())}"
@@ -192,6 +193,14 @@ def steps_text(steps: list[dict[str, Any]]) -> str:
     )
 
 
+def segments_text(segments: list[dict[str, Any]]) -> str:
+    """` (2 segments: 19.6s + 15.9s)` for a resumed run; nothing for a run of one."""
+    if len(segments) < 2:
+        return ""
+    walls = " + ".join(f"{s.get('wall_s', 0.0):.1f}s" for s in segments)
+    return f" ({len(segments)} segments: {walls})"
+
+
 def sampling_summary(
     steps: list[dict[str, Any]], ledger: dict[str, Any], need: int, budget: float | None
 ) -> dict[str, Any]:
@@ -201,7 +210,8 @@ def sampling_summary(
     trained = sum(int(s.get("groups", need)) for s in steps)
     short = [s["step"] for s in steps if int(s.get("groups", need)) < need]
     return {
-        "generated_per_trained": round(decided / max(trained, 1), 2),
+        "generated_per_trained": round(decided / trained, 2) if trained else None,
+        "generated": decided,
         "train_batch_groups": need,
         "generation_budget": budget,
         "short_steps": len(short),
@@ -210,7 +220,10 @@ def sampling_summary(
 
 def sampling_line(summary: dict[str, Any]) -> str:
     """The dynamic-sampling line of the summary."""
-    line = f"dynamic sampling: {summary['generated_per_trained']:.2f} groups generated per trained"
+    ratio = summary["generated_per_trained"]
+    if ratio is None:  # nothing trained: a ratio would divide by zero
+        return f"dynamic sampling: {summary.get('generated', 0)} groups generated, none trained"
+    line = f"dynamic sampling: {ratio:.2f} groups generated per trained"
     if summary["generation_budget"] is None:
         return line + " (no generation budget: every batch refilled until full)"
     return line + (
@@ -239,10 +252,16 @@ def staleness_line(report: dict[str, Any]) -> str:
     beyond = sum(int(s.get("beyond_soft", 0)) for s in steps)
     lag = max((int(s.get("policy_lag_max", 0)) for s in steps), default=0)
     mismatch = [s["engine_mismatch"] for s in steps if s.get("mismatch_tokens")]
-    mean = f"{sum(mismatch) / len(mismatch):.2e}" if mismatch else "n/a"
+    mean = f"{sum(mismatch) / len(mismatch):.2e}" if mismatch else "n/a (no token compared)"
+    informative = ledger.get("kept", 0) + ledger.get("filtered", {}).get("stale", 0)
+    rate = (
+        f"{100 * ledger.get('stale_drop_rate', 0.0):.2f}%"
+        if informative
+        else "of none: no informative group yet"
+    )
     return (
         f"staleness: {ledger.get('stale_dropped', 0)} informative groups dropped past the hard "
-        f"bound ({100 * ledger.get('stale_drop_rate', 0.0):.2f}%), {beyond} trained past the "
+        f"bound ({rate}), {beyond} trained past the "
         f"soft bound; policy lag up to {lag}; engine mismatch {mean} (mean |Δ log-prob|)"
     )
 

@@ -1,16 +1,20 @@
 """A run directory (`runs/NAME`) and what `dapo up` keeps in it beside logs and report:
-the lock that makes it one run's at a time, the Redis data the run's own redis-server
-appends to, and the learner's latest checkpoint. `dapo ledger --run` and `dapo eval
---run` read a finished run from here.
+the lock that makes it one run's at a time, `run.json` (the run's id and segments), the
+Redis data the run's own redis-server appends to, and the learner's checkpoints. `dapo
+ledger --run` and `dapo eval --run` read a run from here; docs/runs.md.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -120,3 +124,70 @@ def run_redis(run_dir: Path) -> Iterator[DapoConfig]:
 def with_redis_url(config: DapoConfig, url: str) -> DapoConfig:
     updates: dict[str, Any] = {"redis_url": url}
     return config.model_copy(update={"shared": config.shared.model_copy(update=updates)})
+
+
+# ---------------------------------------------------------------- the run's identity
+RUN_FILE = "run.json"  # the run's id and its segments (one per `dapo up`)
+
+
+@dataclass
+class RunRecord:
+    """Who the run in a directory is: its id (minted at its first start, stamped in its
+    Redis, checkpoints and report) and each `dapo up` segment that ran it."""
+
+    run_id: str
+    run_name: str
+    segments: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "run_name": self.run_name, "segments": self.segments}
+
+
+def mint_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def read_record(run_dir: Path) -> RunRecord | None:
+    path = run_dir / RUN_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return RunRecord(str(data["run_id"]), str(data["run_name"]), list(data.get("segments", [])))
+
+
+def write_record(run_dir: Path, record: RunRecord) -> None:
+    tmp = run_dir / f"{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(record.as_dict(), indent=2))
+    tmp.replace(run_dir / RUN_FILE)
+
+
+# What a directory holds once a `dapo up` ran in it (an older one wrote no run.json).
+RUN_MARKS = (RUN_FILE, "report.json", "checkpoints")
+
+
+def holds_run(run_dir: Path) -> bool:
+    return any((run_dir / mark).exists() for mark in RUN_MARKS)
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move everything of the run in `run_dir` (its lock excepted: we hold it) into a
+    sibling `<run_dir>.old-<UTC stamp>`; nothing is deleted."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+    n = 1
+    while aside.exists():
+        aside, n = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}"), n + 1
+    aside.mkdir(parents=True)
+    for entry in run_dir.iterdir():
+        if entry.name != LOCK_FILE:
+            entry.rename(aside / entry.name)
+    return aside
+
+
+def redis_dir(run_dir: Path, keep: bool) -> Path:
+    """The run's Redis data directory: kept for a resumed run, else emptied."""
+    if not keep:
+        return fresh_redis_dir(run_dir)
+    path = run_dir / REDIS_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    return path
