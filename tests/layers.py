@@ -32,6 +32,7 @@ UNIT_MODULES = frozenset(
         "test_correction.py",
         "test_deploy_grafana.py",
         "test_deploy_stack_checks.py",
+        "test_devices.py",
         "test_docs_reward.py",
         "test_engine_base.py",
         "test_frame_reader.py",
