@@ -59,6 +59,7 @@ SYSTEM_MODULES = frozenset(
         "test_dead_rollout.py",
         "test_deploy_compose.py",
         "test_deploy_images.py",
+        "test_gpu_check.py",
         "test_deploy_k8s_commands.py",
         "test_deploy_scrape.py",
         "test_eval.py",
