@@ -24,6 +24,10 @@ if [[ "${1:-}" == "--fetch" ]]; then
   # DeepSpeed is published as an sdist only: its pure-Python wheel (ops built at run time).
   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps -w "$dir" \
     "deepspeed==$(sed -n 's/^ARG DEEPSPEED_VERSION=//p' "$ROOT/deploy/docker/Dockerfile.gpu")"
+  # What the machine's torch already brings is not carried (numpy alone is 17 MB).
+  for have in numpy sympy mpmath filelock fsspec networkx jinja2 markupsafe typing_extensions; do
+    rm -f "$dir/$have"-*.whl
+  done
   size=$(du -sm "$dir" | cut -f1)
   echo "gpu_check: $size MiB of wheels in $dir (limit $LIMIT_MIB)"
   [[ "$size" -le "$LIMIT_MIB" ]] || { echo "gpu_check: over $LIMIT_MIB MiB" >&2; exit 1; }
