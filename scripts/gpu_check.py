@@ -89,15 +89,23 @@ def dapo_up(out: Path, device: str, steps: int, rollouts: int, timeout_s: float)
         "--run-dir", str(run_dir), "--steps", str(steps), "--rollouts", str(rollouts),
         *up_overrides(device, f"gpu-check-{rollouts}", out / "models" / "tiny"),
     ]  # fmt: skip
-    started = time.perf_counter()
+    started, seen = time.perf_counter(), {}
     with (out / f"up-rollouts-{rollouts}.log").open("w") as log:
-        code = subprocess.run(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s
-        )
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:  # each GPU role's CUDA_VISIBLE_DEVICES, while it runs
+            seen.update(role_gpus(proc.pid))
+            if time.perf_counter() - started > timeout_s:
+                proc.kill()
+                raise TimeoutError(f"dapo up still running after {timeout_s:.0f} s")
+            time.sleep(0.5)
     report = json.loads((run_dir / "report.json").read_text())
     ledger = report["ledger"]
     result = {
-        "exit_code": code.returncode,
+        "exit_code": proc.returncode,
+        "visible_gpus": {
+            role: sorted(gpus for r, gpus in seen.values() if r == role)
+            for role in ("learner", "rollout")
+        },
         "wall_s": round(time.perf_counter() - started, 1),
         "steps": len(report["steps"]),
         "ledger_ok": ledger["ok"],
@@ -105,9 +113,26 @@ def dapo_up(out: Path, device: str, steps: int, rollouts: int, timeout_s: float)
         "eval_before": report.get("eval_before"),
         "eval_after": report.get("eval_after"),
     }
-    if code.returncode != 0 or not ledger["ok"] or result["steps"] != steps:
+    if proc.returncode != 0 or not ledger["ok"] or result["steps"] != steps:
         raise RuntimeError(f"dapo up did not train as it should: {json.dumps(result)[:600]}")
     return result
+
+
+def role_gpus(pid: int) -> dict[int, tuple[str, str]]:
+    """pid → (role, CUDA_VISIBLE_DEVICES) of the learner and rollout servers `dapo up`
+    (process `pid`) started: what the launcher assigned them (services/tools/gpus.py)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process(pid).children():
+        try:
+            cmd, env = child.cmdline(), child.environ()
+        except psutil.Error:  # gone, or not started yet
+            continue
+        role = cmd[3] if cmd[1:3] == ["-m", "services.tools.cli"] and len(cmd) > 3 else ""
+        if role in ("learner", "rollout"):
+            found[child.pid] = (role, env.get("CUDA_VISIBLE_DEVICES", "unset"))
+    return found
 
 
 def two_rollouts_fit(device: str) -> str | None:
@@ -278,7 +303,7 @@ def raw_copy(nbytes: int, device: str) -> dict[str, Any]:
         sync(device)
         times.append(time.perf_counter() - started)
     seconds = statistics.median(times)
-    return {"seconds": round(seconds, 4), "bytes_per_s": round(nbytes / seconds)}
+    return {"seconds": round(seconds, 7), "bytes_per_s": round(nbytes / seconds)}
 
 
 def weight_path(model_dir: Path, device: str) -> dict[str, Any]:
@@ -295,7 +320,7 @@ def weight_path(model_dir: Path, device: str) -> dict[str, Any]:
         "model_bytes": nbytes,
         "seconds_per_version": one["seconds"],
         "raw_h2d": raw,
-        "raw_over_path": round(raw["seconds"] / one["seconds"], 4),
+        "raw_over_path": round(raw["seconds"] / one["seconds"], 5),
         "one_server": {k: v for k, v in one.items() if k not in ("runs", "cold")},
     }
 

@@ -6,7 +6,8 @@
 Each image installs its set for its own platform: the CPU images (Dockerfile.cpu, .slim)
 on Python 3.11, the GPU image on Ubuntu 24.04's Python 3.12 with CUDA torch. Resolving
 both for one platform (the old single file) pinned packages the GPU image cannot install.
-Versions come from the Dockerfiles' ARGs and pyproject.toml; nothing else names them.
+Versions come from the Dockerfiles' ARGs and pyproject.toml. The CPU set resolves PyPI's
+torch (same version as the CPU index's wheel, whose CUDA pins then go unused).
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(420)
 def test_gpu_check_runs_dapo_up_first_in_its_cpu_mode(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable}
+    # Two GPU ids on a machine without CUDA: dapo up hands them out (the learner one, the
+    # rollout server the other) and every process still runs on the CPU.
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "0,1"}
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--steps", "1",
          "--parts", "acd", "--out", str(tmp_path)],
@@ -34,6 +36,7 @@ def test_gpu_check_runs_dapo_up_first_in_its_cpu_mode(tmp_path: Path) -> None:
     ]  # fmt: skip
     up = figures["a_up"]
     assert up["exit_code"] == 0 and up["steps"] == 1 and up["ledger_ok"]
+    assert up["visible_gpus"] == {"learner": ["0"], "rollout": ["1"]}
     assert up["eval_before"]["version"] == 0 and up["eval_after"]["version"] == 1
     steps = figures["c_engine_learner"]["learner_steps"]
     assert [r["engine"] for r in steps] == ["DeepSpeedPolicy"] * 2
