@@ -73,8 +73,6 @@ def up_overrides(device: str, run_name: str, model: Path) -> list[str]:
         "learner.deepspeed.zero_stage": 2,
         "learner.dtype": dtype,
         "learner.device": "auto",
-        "learner.linger_s": 0,
-        "learner.checkpoint.dir": "",
     }
     if device != "cuda":  # the CPU mode keeps its held-out evaluations short
         sets["controller.eval.limit"] = 32
