@@ -78,3 +78,14 @@ def test_the_learner_runs_a_rank_per_gpu_it_reserves(env, tmp_path) -> None:
     proc.kill()
     proc.wait()
     assert (tmp_path / "l2").read_text().split() == ["none", "1"]
+
+
+def test_compose_wires_the_learner_gpus_and_a_reset_that_frees_nothing() -> None:
+    import yaml
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    learner = services["learner"]
+    devices = learner["deploy"]["resources"]["reservations"]["devices"][0]
+    assert devices["device_ids"] == ["${LEARNER_GPU_IDS:-0}"]
+    assert learner["environment"]["DAPO_LEARNER_GPU_IDS"] == "${LEARNER_GPU_IDS:-0}"
+    assert services["gpu-slots-reset"]["entrypoint"] == ["dapo-entrypoint", "gpu-slots"]
