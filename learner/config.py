@@ -279,6 +279,14 @@ class LearnerConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="Training dtype (DeepSpeed keeps fp32 master weights)."
     )
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Where the policy and the reference model run: auto = this rank's GPU "
+        "(cuda:LOCAL_RANK) when CUDA is present, else cpu; cpu, cuda (the rank's GPU) or "
+        "cuda:N. DeepSpeed trains on its accelerator's device: cpu there, or cuda where it "
+        "has none, is an error.",
+    )
     total_steps: int = Field(1000, ge=1, description="Training steps before the run ends.")
     generation_budget: float | None = Field(
         None,

@@ -25,6 +25,7 @@ from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states, output_head
 from learner.model_io import enable_activation_checkpointing, save_hf, unique_weights
 from learner.optim import adamw, warmup_factor
+from services.common.errors import DapoError
 from services.common.net import free_port
 from services.weight_transport.buckets import runs_by_size
 
@@ -36,9 +37,10 @@ def init_distributed(cfg: LearnerConfig) -> None:
 
     if get_accelerator().device_name() == "cpu" and not cfg.deepspeed.cpu_shm_allreduce:
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
+    backend = group_backend(get_accelerator().device_name())
     if not torch.distributed.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ:
         torch.distributed.init_process_group(
-            "gloo" if get_accelerator().device_name() == "cpu" else None,
+            backend,
             store=attempt_store(),
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
@@ -47,11 +49,28 @@ def init_distributed(cfg: LearnerConfig) -> None:
         # A world of one, without writing launcher variables into os.environ: child
         # processes (e.g. services started by this one) must not inherit them.
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
         )
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's engine asserts it is set
-    backend = "gloo" if get_accelerator().device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend)
+
+
+def group_backend(accelerator: str) -> str:
+    """The process group's backend for DeepSpeed's accelerator: NCCL on CUDA (ZeRO's
+    collectives on GPU tensors), gloo on CPU. `learner.dist.backend_device` follows it."""
+    return "nccl" if accelerator == "cuda" else "gloo"
+
+
+def device_mismatch(setting: str, accelerator: str) -> str | None:
+    """Why `learner.device` cannot hold under DeepSpeed, which trains on its accelerator's
+    device (cuda when the machine has one); None when it can."""
+    if setting == "auto" or setting.split(":")[0] == accelerator:
+        return None
+    return (
+        f"learner.device={setting}, but DeepSpeed's accelerator here is {accelerator}: "
+        f"use learner.device=auto, or learner.engine=torch"
+        + (", or DS_ACCELERATOR=cpu in the learner's environment" if setting == "cpu" else "")
+    )
 
 
 def attempt_store() -> torch.distributed.Store:
@@ -100,7 +119,10 @@ class DeepSpeedPolicy:
 
     def __init__(self, model: PreTrainedModel, cfg: LearnerConfig) -> None:
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
+        if why := device_mismatch(cfg.device, get_accelerator().device_name()):
+            raise DapoError(why)
         init_distributed(cfg)
         self.cfg, self.schedule_step = cfg, 0
         self.weight_copy_overlaps = copy_overlaps(cfg.deepspeed.zero_stage)
@@ -108,8 +130,6 @@ class DeepSpeedPolicy:
         if cfg.batching.gradient_checkpointing:
             enable_activation_checkpointing(model)
         if cfg.batching.packing:
-            from deepspeed.accelerator import get_accelerator
-
             packed_attention(model, get_accelerator().device_name())
         self.optimizer = adamw(model.parameters(), cfg)
         self.engine, *_ = deepspeed.initialize(

@@ -9,6 +9,7 @@ length-prefixed protobuf bytes — never pickle (`broadcast_object_list` pickles
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Sequence
 from typing import Protocol
@@ -63,12 +64,12 @@ class Single:
 
 
 class TorchDist:
-    """torch.distributed's default group; `device` is where NCCL wants the tensors."""
+    """torch.distributed's default group; `device` is where its backend wants the tensors."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: torch.device) -> None:
         import torch.distributed as dist
 
-        self.dist, self.device = dist, torch.device(device)
+        self.dist, self.device = dist, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
@@ -103,13 +104,43 @@ class TorchDist:
         self.dist.destroy_process_group()
 
 
-def data_parallel(device: str = "cpu") -> DataParallel:
-    """`TorchDist` when torch.distributed is up with more than one rank, else `Single`."""
+def data_parallel() -> DataParallel:
+    """`TorchDist` when torch.distributed is up with more than one rank (its tensors where
+    the group's backend needs them), else `Single`."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return TorchDist(device)
+        return TorchDist(backend_device(str(dist.get_backend()), local_rank()))
     return Single()
+
+
+# ------------------------------------------------------------------ devices, decided once
+def local_rank() -> int:
+    """This process's rank on its machine (torchrun's LOCAL_RANK; 0 alone)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def backend_device(backend: str, rank: int) -> torch.device:
+    """Where a group's collectives take their tensors: NCCL only moves CUDA tensors (the
+    rank's own GPU); gloo moves CPU tensors. A group of both ("cpu:gloo,cuda:nccl")
+    takes the GPU's."""
+    names = {part.rpartition(":")[2] for part in backend.lower().split(",")}
+    return torch.device("cuda", rank) if "nccl" in names else torch.device("cpu")
+
+
+def learner_device(setting: str, cuda_available: bool, rank: int) -> torch.device:
+    """`learner.device` made concrete: auto is the rank's GPU when CUDA is present, else
+    the CPU; `cuda` is the rank's GPU; `cuda:N` and `cpu` are taken as they are."""
+    if setting == "auto":
+        setting = "cuda" if cuda_available else "cpu"
+    if setting.startswith("cuda") and not cuda_available:
+        raise DapoError(f"learner.device={setting}, but CUDA is not available here")
+    return torch.device("cuda", rank) if setting == "cuda" else torch.device(setting)
+
+
+def this_rank_device(setting: str) -> torch.device:
+    """`learner_device` for this process."""
+    return learner_device(setting, torch.cuda.is_available(), local_rank())
 
 
 # ------------------------------------------------------------------ the batch on the wire

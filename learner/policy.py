@@ -45,6 +45,11 @@ class Policy(CausalLM, Protocol):
     weight_copy_overlaps: bool
 
     @property
+    def device(self) -> torch.device:
+        """Where the trained weights live (`learner.device`, or DeepSpeed's accelerator)."""
+        ...
+
+    @property
     def module(self) -> PreTrainedModel:
         """The transformers model being trained, in train mode (checkpointing acts only
         while `training` is true)."""

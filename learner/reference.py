@@ -23,14 +23,16 @@ from learner.model_io import load_model
 class Reference(LocalCausalLM):
     """Forward-only hidden states and output head of the model the run started from."""
 
-    def __init__(self, model: PreTrainedModel, device: str = "cpu") -> None:
+    def __init__(self, model: PreTrainedModel, device: torch.device | str = "cpu") -> None:
         torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
         packed_attention(model, device)  # padded rows take plain SDPA through it too
         self.model = model.eval().requires_grad_(False)
 
     @classmethod
-    def load(cls, model_path: str | Path, dtype: str = "float32") -> Reference:
-        return cls(load_model(model_path, dtype))
+    def load(cls, model_path: str | Path, dtype: str, device: torch.device) -> Reference:
+        """On `device`: the policy's (the Trainer passes it), so the KL term's log-probs
+        meet the policy's on one device."""
+        return cls(load_model(model_path, dtype), device)
 
     @torch.no_grad()
     def hidden_states(

@@ -41,7 +41,9 @@ class TorchPolicy(LocalCausalLM):
 
     weight_copy_overlaps = True  # the weights are whole in this process: any thread reads
 
-    def __init__(self, model: PreTrainedModel, cfg: LearnerConfig, device: str = "cpu"):
+    def __init__(
+        self, model: PreTrainedModel, cfg: LearnerConfig, device: torch.device | str = "cpu"
+    ):
         if (world := launched_world_size()) > 1:
             raise DapoError(
                 f"learner.engine=torch trains in one process, but {world} ranks were "
@@ -50,9 +52,10 @@ class TorchPolicy(LocalCausalLM):
             )
         if cfg.batching.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        torch.nn.Module.to(model, device)  # (transformers' typed `to` hides Module's)
+        self.device = torch.device(device)  # build_policy passes learner.device's
+        torch.nn.Module.to(model, self.device)  # (transformers' typed `to` hides Module's)
         if cfg.batching.packing:
-            packed_attention(model, device)
+            packed_attention(model, self.device)
         self.model = model
         self.model.train()
         self.cfg = cfg

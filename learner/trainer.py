@@ -88,7 +88,11 @@ class Trainer:
         self.learner_config = config.learner.model_copy(update={"objective": objective})
         self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
         kl_on = config.learner.objective.kl_coef > 0
-        self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
+        self.reference = (
+            Reference.load(self.model_path, config.learner.dtype, self.policy.device)
+            if kl_on
+            else None
+        )
 
     def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
         """One step on `groups` with the weights of policy `version`."""

