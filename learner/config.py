@@ -104,6 +104,16 @@ class ObjectiveConfig(StrictModel):
         "(shared staleness hard bound > 0), none otherwise.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL to a reference model (DAPO: none).")
+    old_logprobs: Literal["recompute", "auto"] = Field(
+        "auto",
+        description="π_old: 'recompute' scores every response with the learner's weights "
+        "each step; 'auto' uses the engine's log-probs instead when every token was sampled "
+        "by the version being trained and the last measured engine/learner gap (max |Δ log "
+        "p|, re-measured every 10 steps) is within old_logprobs_max_gap.",
+    )
+    old_logprobs_max_gap: float = Field(
+        1e-4, gt=0, description="Largest per-token |log π_engine − log π_learner| for 'auto'."
+    )
 
 
 class OptimizerConfig(StrictModel):

@@ -45,6 +45,7 @@ from learner.correction import (
 )
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
+from learner.old_logprobs import OldLogprobGate, gap_from_int, gap_to_int, same_version_gap
 from learner.policy import CausalLM, Policy
 from learner.step_metrics import StepMetrics, StepSums, report_batch, report_sums
 from services.common.types import Group
@@ -61,10 +62,12 @@ def train_step(
     dp: DataParallel | None = None,
     reference: CausalLM | None = None,
     version: int = 0,
+    old_logprobs: OldLogprobGate | None = None,
 ) -> StepMetrics:
     """Recompute π_old (and π_ref), then one optimizer update per mini-batch.
 
-    `version` is the policy version of the weights being trained (for the lag metrics).
+    `version` is the policy version of the weights being trained (for the lag metrics);
+    with `old_logprobs` (the trainer's gate) the recompute is skipped when it says so.
     """
     started = time.monotonic()
     dp = dp or Single()
@@ -73,9 +76,17 @@ def train_step(
     shares = [[seqs[i] for i in share] for share in plan]
     metrics = StepMetrics()
     rank_seqs = [s for share in shares for s in share]
-    recompute_old_logprobs(
-        policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
-    )
+    reuse = old_logprobs is not None and old_logprobs.reuse(seqs, version, reference is not None)
+    if not reuse:
+        recompute_old_logprobs(
+            policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
+        )
+    if old_logprobs is not None:
+        measured = None if reuse else same_version_gap(rank_seqs, version)
+        old_logprobs.record(
+            None if reuse else gap_from_int(dp.all_reduce_max(gap_to_int(measured)))
+        )
+    metrics.old_logprobs_reused = int(reuse)
     off_policy, lag_max = off_policy_sums(rank_seqs, version)
     metrics.policy_lag_max = dp.all_reduce_max(lag_max)
     totals = StepSums(off_policy=off_policy)

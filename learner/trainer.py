@@ -17,6 +17,7 @@ from pathlib import Path
 from learner.backends import build_policy
 from learner.config import LearnerSettings
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
+from learner.old_logprobs import OldLogprobGate
 from learner.policy import Policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
@@ -89,6 +90,7 @@ class Trainer:
         self.dp = dp or data_parallel()  # after the policy: DeepSpeed joins the group
         kl_on = config.learner.objective.kl_coef > 0
         self.reference = Reference.load(self.model_path, config.learner.dtype) if kl_on else None
+        self.old_logprobs = OldLogprobGate.from_config(config.learner.objective)
 
     def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
         """One step on `groups` with the weights of policy `version`."""
@@ -104,6 +106,7 @@ class Trainer:
             dp=self.dp,
             reference=self.reference,
             version=version,
+            old_logprobs=self.old_logprobs,
         )
         self.policy.advance_schedule()
         return metrics
