@@ -270,13 +270,14 @@ def loss_counts(seqs: Sequence[TrainSequence], overlong_filtering: bool = True) 
 
 
 def use_packing(cfg: LearnerConfig) -> bool:
-    """Whether micro-batches are packed: asked for, and nothing in the loss reduces per row."""
+    """Whether micro-batches may be packed: asked for (or `auto`), and nothing in the loss
+    reduces per row. `learner.batch_plan.packs` decides `auto` per batch."""
     c = cfg.objective.correction
     per_row_weights = isinstance(c, SequenceTIS) or (
         isinstance(c, MaskedIS) and c.level == "sequence"
     )
     return (
-        cfg.batching.packing
+        cfg.batching.packing is not False
         and cfg.objective.loss_agg_mode != "seq_mean_token_mean"
         and not per_row_weights
     )

@@ -133,10 +133,11 @@ class BatchingConfig(StrictModel):
         512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
     )
     micro_batch_tokens: int = Field(32768, ge=1, description="Token budget of a micro-batch.")
-    packing: bool = Field(
+    packing: bool | Literal["auto"] = Field(
         True,
         description="Pack whole sequences into one row per micro-batch (no padding; "
-        "position ids restart per sequence); off: rows padded to the longest.",
+        "position ids restart per sequence); off: rows padded to the longest; auto: pack "
+        "when padding would cost more than packing's overhead (learner.batch_plan.packs).",
     )
     logprob_chunk_tokens: int = Field(
         512,

@@ -29,7 +29,7 @@ from learner.batch import (
     sequences_from_groups,
     use_packing,
 )
-from learner.batch_plan import packed_micro_batches, token_budget_micro_batches
+from learner.batch_plan import packed_micro_batches, packs, token_budget_micro_batches
 from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS
 from learner.logprobs import sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs
@@ -114,6 +114,25 @@ def test_batched_packing_equals_collating_each_sequence(overlong: bool) -> None:
 )
 def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
     assert use_packing(LearnerConfig(**kw)) is packed
+
+
+def test_auto_packing_packs_when_padding_costs_more_than_packing() -> None:
+    """`packing: auto` by modelled cost per token: padded positions of the token-budget
+    plan against real tokens × (1 + overhead); never where the loss reduces per row."""
+    auto = LearnerConfig(batching={"packing": "auto", "micro_batch_tokens": 4096})
+    uniform, skewed = [10] * 64, [10, 6] * 32  # no padding; 25 % of positions padded
+    assert not packs(auto, uniform) and packs(auto, skewed)
+    assert packs(auto, [100] + [60] * 8) and not packs(auto, [100] + [99] * 8)
+    per_row = auto.model_copy(
+        update={
+            "objective": auto.objective.model_copy(update={"loss_agg_mode": "seq_mean_token_mean"})
+        }
+    )
+    assert not packs(per_row, skewed)
+    assert packs(LearnerConfig(), uniform)  # packing: true packs whatever the lengths
+    assert not packs(LearnerConfig(batching={"packing": False}), skewed)
+    with pytest.raises(ValueError, match="packing"):
+        LearnerConfig(batching={"packing": "sometimes"})
 
 
 def test_packed_micro_batches_fill_the_budget() -> None:
