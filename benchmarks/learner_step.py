@@ -185,6 +185,7 @@ def bench_tiny_step(root: Path, reps: int) -> dict[str, Any]:
     from learner.deepspeed_policy import DeepSpeedPolicy
     from learner.init_model import init_model
     from learner.model_io import load_model
+    from learner.old_logprobs import OldLogprobGate
     from learner.step import train_step
     from services.common.presets import TINY
 
@@ -204,11 +205,18 @@ def bench_tiny_step(root: Path, reps: int) -> dict[str, Any]:
         opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas)
         vocab = int(plain.config.vocab_size)
         groups = tiny_groups(vocab, eos=1)
+        # Informative only: the step with π_old taken from the engine (`old_logprobs: auto`
+        # once it measured no gap; the gate is told so, the batch's log-probs are stand-ins).
+        policies["packed_reusing_pi_old"] = DeepSpeedPolicy(load_model(model_dir), cfg)
+        variants["packed_reusing_pi_old"] = cfg
         cpu: dict[str, list[float]] = {k: [] for k in (*variants, "plain_torch")}
         for rep in range(reps + 1):  # the first of each is a warm-up
             for name, policy in policies.items():
+                gate = OldLogprobGate.from_config(cfg.objective) if "reusing" in name else None
+                if gate is not None:
+                    gate.record(0.0)
                 started = time.process_time()
-                train_step(policy, groups, variants[name], 0, 1.0, 4, seed=rep)
+                train_step(policy, groups, variants[name], 0, 1.0, 4, seed=rep, old_logprobs=gate)
                 if rep:
                     cpu[name].append(time.process_time() - started)
             started = time.process_time()
@@ -226,6 +234,7 @@ def bench_tiny_step(root: Path, reps: int) -> dict[str, Any]:
         "median_cpu_seconds": median,
         "ratio": median["packed"] / median["plain_torch"],
         "padded_ratio": median["padded"] / median["plain_torch"],
+        "reusing_pi_old_ratio": median["packed_reusing_pi_old"] / median["plain_torch"],
     }
 
 
