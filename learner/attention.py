@@ -33,9 +33,10 @@ def segment_bounds(position_ids: Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], int(position_ids.shape[-1])], strict=True))
 
 
-def length_buckets(bounds: list[tuple[int, int]], ratio: float = BUCKET_RATIO) -> list[list[int]]:
-    """Indices into `bounds`, longest first, cut where a length falls below `ratio` × the
-    bucket's longest."""
+def length_buckets(bounds: list[tuple[int, int]], ratio: float | None = None) -> list[list[int]]:
+    """Indices into `bounds`, longest first, cut where a length falls below `ratio` (default
+    `BUCKET_RATIO`) × the bucket's longest."""
+    ratio = BUCKET_RATIO if ratio is None else ratio
     order = sorted(range(len(bounds)), key=lambda i: (bounds[i][0] - bounds[i][1], i))
     buckets: list[list[int]] = []
     for i in order:
