@@ -20,6 +20,7 @@ from learner.batch import TrainSequence
 from learner.config import ObjectiveConfig
 
 RECHECK_EVERY = 10  # steps a measured gap stays trusted
+CLIP_SHARE = 0.1  # the bound must be below this share of min(ε_low, ε_high)
 _GAP_UNIT = 1e-9  # gaps cross ranks as integers of this unit (all_reduce_max takes ints)
 
 
@@ -59,7 +60,13 @@ class OldLogprobGate:
 
     @classmethod
     def from_config(cls, objective: ObjectiveConfig) -> OldLogprobGate:
-        return cls(objective.old_logprobs_max_gap, enabled=objective.old_logprobs == "auto")
+        """Off unless `auto`, and unless the bound is well inside the clip range: a ratio
+        off by e^gap must not cross a clip boundary that a ratio of exactly 1 would not."""
+        clip = min(objective.clip_ratio_low, objective.clip_ratio_high)
+        tight = objective.old_logprobs_max_gap < CLIP_SHARE * clip
+        return cls(
+            objective.old_logprobs_max_gap, enabled=objective.old_logprobs == "auto" and tight
+        )
 
     def reuse(self, seqs: Sequence[TrainSequence], version: int, has_reference: bool) -> bool:
         """Whether this step may take the engine's log-probs as π_old (the same answer on

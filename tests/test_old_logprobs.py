@@ -103,9 +103,11 @@ def test_auto_recomputes_for_stale_tokens_references_and_when_off() -> None:
     seqs[3].token_versions = None
     seqs[4].rollout_logprobs = None
     assert not gate.reuse(seqs, 0, has_reference=False)  # no engine log-probs to use
-    off = OldLogprobGate.from_config(_config(old_logprobs="recompute").objective)
-    off.record(0.0)
-    assert not off.reuse(sequences_from_groups(_engine_groups(model, cfg)), 0, False)
+    fresh = sequences_from_groups(_engine_groups(model, cfg))
+    for objective in ({"old_logprobs": "recompute"}, {"clip_ratio_low": 0.0}):
+        off = OldLogprobGate.from_config(_config(**objective).objective)
+        off.record(0.0)
+        assert not off.reuse(fresh, 0, False), objective  # off, or a bound too near the clip
 
 
 def test_the_gap_is_measured_on_same_version_tokens_only() -> None:
