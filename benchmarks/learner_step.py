@@ -1,7 +1,8 @@
 """Learner benchmarks: training throughput, padding, weight publication.
 
 1. Tokens/s of the learner's DAPO step against a plain torch loop on the same model,
-   batch and optimizer (≥ 0.8×); 2. padding fraction of a length-skewed batch with token
+   batch and optimizer (≥ 0.8×); 1b. CPU seconds of the tiny preset's step against the
+   plain padded torch step (≤ 1.2×); 2. padding fraction of a length-skewed batch with token
    budget micro-batches (≤ 10 %); 3. a rollout server's fetch of a ≥ 100 MB model over the
    weight socket against raw loopback TCP of the same bytes (≥ 0.5×; code in
    benchmarks/_weight_publication.py). Writes benchmarks/results/learner_step.json.
@@ -29,6 +30,7 @@ RESULTS = result_path("learner_step")
 
 
 TARGET_SPEEDUP, TARGET_PADDING, TARGET_WIRE = 0.8, 0.10, 0.5
+TARGET_TINY_CPU = 1.2  # the tiny preset's step CPU ÷ a plain padded torch step (issue 37)
 
 
 def skewed_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -153,6 +155,89 @@ def bench_throughput(root: Path, reps: int) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ 1b. the tiny step
+def tiny_groups(vocab: int, eos: int, seed: int = 0) -> list[Any]:
+    """The tiny preset's batch: 16 groups of 16, `d,d,d=` prompts (6 tokens), 1-4 tokens
+    answers (most end on EOS), half of each group rewarded."""
+    from services.common.types import Group, Sample, logprob_array, token_array
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(16):
+        prompt = [rng.randrange(3, vocab) for _ in range(6)]
+        samples = []
+        for k in range(16):
+            n = rng.randint(1, 4)
+            tokens = [rng.randrange(3, vocab) for _ in range(n - 1)] + [eos]
+            logprobs = logprob_array([-2.0] * n)
+            sample = Sample(token_array(tokens), logprobs, "", "stop", 0, float(k % 2), k % 2 == 1)
+            samples.append(sample)
+        groups.append(Group(f"g{g}", f"p{g}", "", prompt, "", samples=samples))
+    return groups
+
+
+def bench_tiny_step(root: Path, reps: int) -> dict[str, Any]:
+    """CPU seconds of the tiny preset's learner step (its config, model and batch shape,
+    one torch thread as the preset) against the plain padded torch step, interleaved."""
+    import torch
+
+    from learner.config import LearnerConfig
+    from learner.deepspeed_policy import DeepSpeedPolicy
+    from learner.init_model import init_model
+    from learner.model_io import load_model
+    from learner.old_logprobs import OldLogprobGate
+    from learner.step import train_step
+    from services.common.presets import TINY
+
+    model_dir = init_model(root / "tiny", preset="tiny", seed=0)
+    variants = {
+        "packed": LearnerConfig(**TINY["learner"]),
+        "padded": LearnerConfig(
+            **{**TINY["learner"], "batching": {**TINY["learner"]["batching"], "packing": False}}
+        ),
+    }
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(TINY["shared"]["torch_threads"]))
+    try:
+        policies = {k: DeepSpeedPolicy(load_model(model_dir), c) for k, c in variants.items()}
+        plain = load_model(model_dir)
+        cfg = variants["packed"]
+        opt = torch.optim.AdamW(plain.parameters(), lr=cfg.optimizer.lr, betas=cfg.optimizer.betas)
+        vocab = int(plain.config.vocab_size)
+        groups = tiny_groups(vocab, eos=1)
+        # Informative only: the step with π_old taken from the engine (`old_logprobs: auto`
+        # once it measured no gap; the gate is told so, the batch's log-probs are stand-ins).
+        policies["packed_reusing_pi_old"] = DeepSpeedPolicy(load_model(model_dir), cfg)
+        variants["packed_reusing_pi_old"] = cfg
+        cpu: dict[str, list[float]] = {k: [] for k in (*variants, "plain_torch")}
+        for rep in range(reps + 1):  # the first of each is a warm-up
+            for name, policy in policies.items():
+                gate = OldLogprobGate.from_config(cfg.objective) if "reusing" in name else None
+                if gate is not None:
+                    gate.record(0.0)
+                started = time.process_time()
+                train_step(policy, groups, variants[name], 0, 1.0, 4, seed=rep, old_logprobs=gate)
+                if rep:
+                    cpu[name].append(time.process_time() - started)
+            started = time.process_time()
+            plain_torch_step(plain, opt, groups, cfg)
+            if rep:
+                cpu["plain_torch"].append(time.process_time() - started)
+    finally:
+        torch.set_num_threads(threads)
+    median = {k: statistics.median(v) for k, v in cpu.items()}
+    return {
+        "model": "the tiny preset's (init_model tiny): Qwen2 2 layers, hidden 64",
+        "batch": {"groups": 16, "responses": 256, "mini_batches": 2, "prompt_tokens": 6},
+        "torch_threads": int(TINY["shared"]["torch_threads"]),
+        "cpu_seconds": cpu,
+        "median_cpu_seconds": median,
+        "ratio": median["packed"] / median["plain_torch"],
+        "padded_ratio": median["padded"] / median["plain_torch"],
+        "reusing_pi_old_ratio": median["packed_reusing_pi_old"] / median["plain_torch"],
+    }
+
+
 # ------------------------------------------------------------------ 2. padding
 def bench_padding() -> dict[str, Any]:
     from learner.batch_plan import fixed_size_micro_batches, padding_fraction
@@ -172,9 +257,10 @@ def bench_padding() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ main
-def checks(thr: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
+def checks(thr: dict, tiny: dict, pad: dict, pub: dict) -> list[dict[str, Any]]:
     return [
         at_least("learner_vs_plain_torch_tokens_per_s", thr["ratio"], TARGET_SPEEDUP, 4),
+        at_most("tiny_step_cpu_vs_plain_torch", tiny["ratio"], TARGET_TINY_CPU, 4),
         at_most("padding_fraction_with_token_budget", pad["with_token_budget"], TARGET_PADDING, 4),
         at_least("publication_vs_raw_tcp_bytes_per_s", pub["ratio"], TARGET_WIRE, 4),
         at_least("publication_model_megabytes", pub["model_bytes"] / 1e6, 100, 4),
@@ -207,22 +293,28 @@ def main(argv: list[str] | None = None) -> int:
         pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
         print(json.dumps(pub, indent=2), f"\nload average {os.getloadavg()}")
         return 0 if pub["ratio"] >= TARGET_WIRE else 1
+    load_at_start = os.getloadavg()[0]  # the machine is shared: say how busy it was
     pad = bench_padding()
     print(f"padding: {pad}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         thr = bench_throughput(Path(tmp), args.reps)
     print(f"throughput ratio: {thr['ratio']:.3f}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = bench_tiny_step(Path(tmp), max(args.reps, 5))
+    print(f"tiny step CPU ratio: {tiny['ratio']:.3f}", flush=True)
     pub = bench_publication(args.versions, args.bucket_bytes, tuned) | {"malloc_tuned": tuned}
     result = {
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
+            "load_avg_1m_at_start": load_at_start,
             "load_avg_1m": os.getloadavg()[0],
         },
         "throughput": thr,
+        "tiny_step": tiny,
         "padding": pad,
         "publication": pub,
-        "checks": checks(thr, pad, pub),
+        "checks": checks(thr, tiny, pad, pub),
     }
     return write_result(RESULTS, result)
 

@@ -104,6 +104,16 @@ class ObjectiveConfig(StrictModel):
         "(shared staleness hard bound > 0), none otherwise.",
     )
     kl_coef: float = Field(0.0, ge=0, description="KL to a reference model (DAPO: none).")
+    old_logprobs: Literal["recompute", "auto"] = Field(
+        "auto",
+        description="π_old: 'recompute' scores every response with the learner's weights "
+        "each step; 'auto' uses the engine's log-probs instead when every token was sampled "
+        "by the version being trained and the last measured engine/learner gap (max |Δ log "
+        "p|, re-measured every 10 steps) is within old_logprobs_max_gap.",
+    )
+    old_logprobs_max_gap: float = Field(
+        1e-4, gt=0, description="Largest per-token |log π_engine − log π_learner| for 'auto'."
+    )
 
 
 class OptimizerConfig(StrictModel):
@@ -123,10 +133,11 @@ class BatchingConfig(StrictModel):
         512, ge=1, description="Responses per gradient update (paper: 16 updates per step)."
     )
     micro_batch_tokens: int = Field(32768, ge=1, description="Token budget of a micro-batch.")
-    packing: bool = Field(
+    packing: bool | Literal["auto"] = Field(
         True,
         description="Pack whole sequences into one row per micro-batch (no padding; "
-        "position ids restart per sequence); off: rows padded to the longest.",
+        "position ids restart per sequence); off: rows padded to the longest; auto: pack "
+        "when padding would cost more than packing's overhead (learner.batch_plan.packs).",
     )
     logprob_chunk_tokens: int = Field(
         512,

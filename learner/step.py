@@ -33,9 +33,8 @@ from learner.batch import (
     collate_packed,
     loss_tokens,
     sequences_from_groups,
-    use_packing,
 )
-from learner.batch_plan import MicroBatch, global_counts, plan_micro_batches, plan_step
+from learner.batch_plan import MicroBatch, global_counts, packs, plan_micro_batches, plan_step
 from learner.config import LearnerConfig, NoCorrection, ObjectiveConfig
 from learner.correction import (
     OffPolicySums,
@@ -45,6 +44,7 @@ from learner.correction import (
 )
 from learner.dist import DataParallel, Single
 from learner.logprobs import chunk_count, sequence_logprobs
+from learner.old_logprobs import OldLogprobGate, gap_from_int, gap_to_int, same_version_gap
 from learner.policy import CausalLM, Policy
 from learner.step_metrics import StepMetrics, StepSums, report_batch, report_sums
 from services.common.types import Group
@@ -61,10 +61,12 @@ def train_step(
     dp: DataParallel | None = None,
     reference: CausalLM | None = None,
     version: int = 0,
+    old_logprobs: OldLogprobGate | None = None,
 ) -> StepMetrics:
     """Recompute π_old (and π_ref), then one optimizer update per mini-batch.
 
-    `version` is the policy version of the weights being trained (for the lag metrics).
+    `version` is the policy version of the weights being trained (for the lag metrics);
+    with `old_logprobs` (the trainer's gate) the recompute is skipped when it says so.
     """
     started = time.monotonic()
     dp = dp or Single()
@@ -73,9 +75,17 @@ def train_step(
     shares = [[seqs[i] for i in share] for share in plan]
     metrics = StepMetrics()
     rank_seqs = [s for share in shares for s in share]
-    recompute_old_logprobs(
-        policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
-    )
+    reuse = old_logprobs is not None and old_logprobs.reuse(seqs, version, reference is not None)
+    if not reuse:
+        recompute_old_logprobs(
+            policy, rank_seqs, cfg, pad_id, temperature, dp, fallback=seqs[0], reference=reference
+        )
+    if old_logprobs is not None:
+        measured = None if reuse else same_version_gap(rank_seqs, version)
+        old_logprobs.record(
+            None if reuse else gap_from_int(dp.all_reduce_max(gap_to_int(measured)))
+        )
+    metrics.old_logprobs_reused = int(reuse)
     off_policy, lag_max = off_policy_sums(rank_seqs, version)
     metrics.policy_lag_max = dp.all_reduce_max(lag_max)
     totals = StepSums(off_policy=off_policy)
@@ -115,15 +125,17 @@ def reduce_sums(sums: StepSums, dp: DataParallel) -> StepSums:
 
 def micro_plan(
     seqs: list[TrainSequence], fallback: TrainSequence, cfg: LearnerConfig, dp: DataParallel
-) -> list[MicroBatch]:
-    """This rank's micro-batches, cut for packing or for padding as configured."""
-    packed = use_packing(cfg)
-    return plan_micro_batches(seqs, fallback, cfg.batching.micro_batch_tokens, dp, packed)
+) -> tuple[list[MicroBatch], bool]:
+    """This rank's micro-batches, cut for packing or for padding, and which of the two."""
+    packed = packs(cfg, [s.length for s in seqs])
+    return plan_micro_batches(seqs, fallback, cfg.batching.micro_batch_tokens, dp, packed), packed
 
 
-def collate_micro(batch: list[TrainSequence], pad_id: int, cfg: LearnerConfig) -> LossInputs:
+def collate_micro(
+    batch: list[TrainSequence], pad_id: int, cfg: LearnerConfig, packed: bool
+) -> LossInputs:
     """One micro-batch's tensors: one packed row, or rows padded to the longest."""
-    if use_packing(cfg):
+    if packed:
         return collate_packed(batch, pad_id, cfg.objective.overlong_filtering)
     return collate(batch, pad_id, cfg.objective.overlong_filtering)
 
@@ -149,8 +161,9 @@ def recompute_old_logprobs(
 ) -> None:
     """Fill each sequence's π_old (and π_ref when a reference is given)."""
     dp = dp or Single()
-    for batch, real in micro_plan(seqs, fallback or seqs[0], cfg, dp):
-        inputs = collate_micro(batch, pad_id, cfg)
+    plan, packed = micro_plan(seqs, fallback or seqs[0], cfg, dp)
+    for batch, real in plan:
+        inputs = collate_micro(batch, pad_id, cfg, packed)
         logprobs, _ = score(policy, inputs, cfg, temperature, dp)
         if not real:
             continue
@@ -194,10 +207,10 @@ def accumulate(
     """
     dp = dp or Single()
     counts = counts or global_counts(seqs, cfg.objective.overlong_filtering, dp)
-    plan = micro_plan(seqs, fallback or seqs[0], cfg, dp)
+    plan, packed = micro_plan(seqs, fallback or seqs[0], cfg, dp)
     sums = StepSums()
     for k, (batch, real) in enumerate(plan):
-        inputs = collate_micro(batch, pad_id, cfg)
+        inputs = collate_micro(batch, pad_id, cfg, packed)
         logprobs, entropy = score(policy, inputs, cfg, temperature, dp)
         inputs = inputs.to(logprobs.device)
         loss, stats, kl, w = micro_batch_loss(logprobs, inputs, cfg, counts, max_response_length)

@@ -50,6 +50,7 @@ class StepMetrics:
     kl: float = 0.0
     updates: int = 0
     skipped_updates: int = 0  # mini-batches with no loss token left (all overlong-filtered)
+    old_logprobs_reused: int = 0  # 1: the engine's log-probs were π_old (no recompute)
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from learner.backends import build_policy
 from learner.config import LearnerSettings
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
+from learner.old_logprobs import OldLogprobGate
 from learner.policy import Policy
 from learner.reference import Reference
 from learner.step import StepMetrics, train_step
@@ -93,6 +94,7 @@ class Trainer:
             if kl_on
             else None
         )
+        self.old_logprobs = OldLogprobGate.from_config(config.learner.objective)
 
     def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
         """One step on `groups` with the weights of policy `version`."""
@@ -108,6 +110,7 @@ class Trainer:
             dp=self.dp,
             reference=self.reference,
             version=version,
+            old_logprobs=self.old_logprobs,
         )
         self.policy.advance_schedule()
         return metrics

@@ -40,6 +40,7 @@ UNIT_MODULES = frozenset(
         "test_frame_reader.py",
         "test_no_probes.py",
         "test_no_unsafe_deserialization.py",
+        "test_old_logprobs.py",
         "test_packing.py",
         "test_recycled.py",
         "test_report.py",

@@ -14,7 +14,13 @@ import torch
 from learner_fixtures import make_groups
 from test_learner_logprobs import TEMPERATURE, _cfg, tiny_qwen
 
-from learner.attention import VARLEN_SDPA, packed_attention, segment_bounds
+from learner.attention import (
+    VARLEN_SDPA,
+    length_buckets,
+    packed_attention,
+    segment_bounds,
+    varlen_sdpa_forward,
+)
 from learner.batch import (
     TrainSequence,
     assign_old_logprobs,
@@ -23,7 +29,7 @@ from learner.batch import (
     sequences_from_groups,
     use_packing,
 )
-from learner.batch_plan import packed_micro_batches, token_budget_micro_batches
+from learner.batch_plan import packed_micro_batches, packs, token_budget_micro_batches
 from learner.config import LearnerConfig, MaskedIS, SequenceTIS, TokenTIS
 from learner.logprobs import sequence_logprobs
 from learner.step import accumulate, recompute_old_logprobs
@@ -53,6 +59,46 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
     assert segment_bounds(x.position_ids[0]) == [(0, 5), (5, 7)]
 
 
+def _packed_by_sequence(seqs, overlong: bool):  # type: ignore[no-untyped-def]
+    """The reference: the padded collate of each sequence alone, laid end to end."""
+    parts = [collate([s], 0, overlong) for s in seqs]
+
+    def cat(name: str):  # type: ignore[no-untyped-def]
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else torch.cat(values, dim=1)
+
+    return {
+        name: cat(name)
+        for name in ("input_ids", "attention_mask", "response_mask", "loss_mask", "advantages")
+        + ("old_logprobs", "rollout_logprobs", "ref_logprobs")
+    }
+
+
+@pytest.mark.parametrize("overlong", [True, False])
+def test_batched_packing_equals_collating_each_sequence(overlong: bool) -> None:
+    """Every field of the one-pass packed collate equals the per-sequence collate's."""
+    seqs = sequences_from_groups(make_groups(seed=3))
+    seqs[1].truncated = True
+    seqs[2].old_logprobs = torch.linspace(-1, 0, len(seqs[2].response_ids))
+    for s in seqs[3:]:
+        s.old_logprobs = torch.full((len(s.response_ids),), -0.5)
+    x = collate_packed(seqs, 0, overlong)
+    x.check()
+    for name, want in _packed_by_sequence(seqs, overlong).items():
+        got = getattr(x, name)
+        assert (got is None) == (want is None), name
+        if want is not None:
+            assert torch.equal(got, want), name
+    assert x.truncated.tolist() == [s.truncated for s in seqs]
+    assert x.response_lengths.tolist() == [len(s.response_ids) for s in seqs]
+    lengths = [s.length for s in seqs]
+    assert x.starts.tolist() == [sum(lengths[:i]) for i in range(len(seqs))]
+    assert x.position_ids is not None
+    assert x.position_ids.tolist() == [[t for n in lengths for t in range(n)]]
+    seqs[0].rollout_logprobs = None  # one sequence without engine log-probs: no row
+    assert collate_packed(seqs, 0).rollout_logprobs is None
+
+
 @pytest.mark.parametrize(
     ("kw", "packed"),
     [
@@ -68,6 +114,25 @@ def test_collate_packed_lays_sequences_end_to_end() -> None:
 )
 def test_rows_are_packed_unless_the_loss_reduces_per_row(kw: dict, packed: bool) -> None:
     assert use_packing(LearnerConfig(**kw)) is packed
+
+
+def test_auto_packing_packs_when_padding_costs_more_than_packing() -> None:
+    """`packing: auto` by modelled cost per token: padded positions of the token-budget
+    plan against real tokens × (1 + overhead); never where the loss reduces per row."""
+    auto = LearnerConfig(batching={"packing": "auto", "micro_batch_tokens": 4096})
+    uniform, skewed = [10] * 64, [10, 6] * 32  # no padding; 25 % of positions padded
+    assert not packs(auto, uniform) and packs(auto, skewed)
+    assert packs(auto, [100] + [60] * 8) and not packs(auto, [100] + [99] * 8)
+    per_row = auto.model_copy(
+        update={
+            "objective": auto.objective.model_copy(update={"loss_agg_mode": "seq_mean_token_mean"})
+        }
+    )
+    assert not packs(per_row, skewed)
+    assert packs(LearnerConfig(), uniform)  # packing: true packs whatever the lengths
+    assert not packs(LearnerConfig(batching={"packing": False}), skewed)
+    with pytest.raises(ValueError, match="packing"):
+        LearnerConfig(batching={"packing": "sometimes"})
 
 
 def test_packed_micro_batches_fill_the_budget() -> None:
@@ -127,21 +192,56 @@ def test_packed_dapo_gradient_equals_padded(checkpointing: bool) -> None:
 
 
 def test_varlen_attention_stays_within_each_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No SDPA call spans more than one sequence, and none gets a mask."""
-    calls: list[tuple[int, bool]] = []
+    """One SDPA call per length bucket and layer, none with a mask, each row one sequence."""
+    calls: list[tuple[int, int, bool]] = []
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, **kw):  # type: ignore[no-untyped-def]
-        calls.append((q.shape[-2], attn_mask is None))
+        calls.append((q.shape[0], q.shape[-2], attn_mask is None))
         return real(q, k, v, attn_mask=attn_mask, **kw)
 
     model = tiny_qwen(True)
     assert packed_attention(model, "cpu") == VARLEN_SDPA
     policy = TorchPolicy(model, _cfg(3))
     seqs = sequences_from_groups(make_groups(seed=4))
+    packed = collate_packed(seqs, 0)
+    assert packed.position_ids is not None
+    buckets = length_buckets(segment_bounds(packed.position_ids[0]))
+    assert 1 < len(buckets) < len(seqs)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     with torch.no_grad():
-        sequence_logprobs(policy, collate_packed(seqs, 0), TEMPERATURE, 3)
-    longest = max(s.length for s in seqs)
-    assert len(calls) == 2 * len(seqs)  # 2 layers × one call per sequence
-    assert max(q for q, _ in calls) == longest and all(no_mask for _, no_mask in calls)
+        sequence_logprobs(policy, packed, TEMPERATURE, 3)
+    assert len(calls) == 2 * len(buckets)  # 2 layers × one call per bucket
+    assert sum(rows for rows, _, _ in calls) == 2 * len(seqs)  # a row per sequence
+    assert max(q for _, q, _ in calls) == max(s.length for s in seqs)
+    assert all(no_mask for _, _, no_mask in calls)
+
+
+def _per_sequence_attention(query, key, value, lengths):  # type: ignore[no-untyped-def]
+    """The reference: causal SDPA on each sequence alone (what sdpa_varlen did before)."""
+    outs, start = [], 0
+    for n in lengths:
+        q, k, v = (t[:, :, start : start + n] for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=n > 1)
+        outs.append(out.transpose(1, 2))
+        start += n
+    return torch.cat(outs, dim=1)
+
+
+def test_bucketed_attention_equals_attention_per_sequence() -> None:
+    """Values and gradients of the bucketed call = SDPA on each sequence alone (lengths
+    1 to 40, several buckets), and a second row reuses no stale plan."""
+    module = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    for lengths in ([7, 1, 40, 3, 19, 20, 2, 33], [5, 5, 1]):
+        total = sum(lengths)
+        qkv = [torch.randn(1, 2, total, 8, generator=gen, requires_grad=True) for _ in range(3)]
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        got, _ = varlen_sdpa_forward(module, *qkv, None, position_ids=positions)
+        want = _per_sequence_attention(*qkv, lengths)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        weights = torch.randn(want.shape, generator=gen)
+        got_grads = torch.autograd.grad((got * weights).sum(), qkv)
+        want_grads = torch.autograd.grad((want * weights).sum(), qkv)
+        for a, b in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import threading
 
@@ -94,6 +95,53 @@ def test_trim_deletes_only_acked_entries_and_keeps_the_pending_count(
     assert trim_acked(redis_client, "t", "g", retain=0) == 1  # the 4 undelivered stay
     assert [e.id for e in consumer.read(10)] == ids[6:]
     assert unconsumed(redis_client, "t", "g") == 4
+
+
+def test_trim_never_drops_an_unacked_entry_and_keeps_the_newest(
+    redis_client: redis.Redis,
+) -> None:
+    """Random adds, reads, out-of-order acks and trims on a real Redis: every trim deletes
+    exactly the acked entries older than both the oldest unacked one and the newest
+    `retain`, and never an entry that is pending or undelivered."""
+    rng = random.Random(7)
+    consumer = StreamConsumer(redis_client, "r", "g", "c")
+    live: list[str] = []  # every entry's id still in the stream, oldest first
+    unacked: set[str] = set()  # pending or not yet delivered
+    pending: list[str] = []
+    for _ in range(300):
+        for _ in range(rng.randint(0, 4)):
+            entry = add(redis_client, "r", {"n": b"x"})
+            live.append(entry)
+            unacked.add(entry)
+        pending += [e.id for e in consumer.read(rng.randint(1, 4))]
+        acked = [i for i in pending if rng.random() < 0.5]  # out of order
+        consumer.ack(acked)
+        pending = [i for i in pending if i not in acked]
+        unacked -= set(acked)
+        retain = rng.choice([0, 3, 10])
+        oldest_unacked = next((k for k, i in enumerate(live) if i in unacked), len(live))
+        expected = max(min(oldest_unacked, len(live) - retain), 0)
+        assert trim_acked(redis_client, "r", "g", retain) == expected
+        live = live[expected:]
+        assert [e[0].decode() for e in redis_client.xrange("r")] == live
+        assert unacked <= set(live)
+
+
+def test_trim_within_the_retained_length_reads_nothing(redis_client: redis.Redis) -> None:
+    """At most `retain` entries: one XLEN, no entry read (it re-read 1,000 every second)."""
+    for i in range(20):
+        add(redis_client, "q", {"n": str(i)})
+    consumer = StreamConsumer(redis_client, "q", "g", "c")
+    consumer.ack([e.id for e in consumer.read(20)])
+    redis_client.config_resetstat()
+    assert trim_acked(redis_client, "q", "g", retain=1000) == 0
+    used = {k.removeprefix("cmdstat_") for k in redis_client.info("commandstats")}
+    assert used <= {"xlen", "config", "info"}, used
+    redis_client.config_resetstat()
+    assert trim_acked(redis_client, "q", "g", retain=15) == 5
+    stats = redis_client.info("commandstats")
+    assert "cmdstat_xrevrange" not in stats
+    assert stats["cmdstat_xrange"]["calls"] == 1  # inside the script: the 5 deleted and 1
 
 
 def test_registry_expires_dead_instances(redis_client: redis.Redis) -> None:

@@ -124,20 +124,31 @@ def acked_floor(client: redis.Redis, stream: str, group: str) -> tuple[int, int]
     return floor
 
 
+# Delete the oldest entries below the floor ARGV[1] but keep the newest ARGV[2]: the cut is
+# the floor, or the entry just past the XLEN - retain oldest if that comes first. Reads
+# (inside Redis) only the entries it deletes plus one, never the retained ones.
+_TRIM = """
+local excess = redis.call('XLEN', KEYS[1]) - tonumber(ARGV[2])
+if excess <= 0 then return 0 end
+local below = redis.call('XRANGE', KEYS[1], '-', '(' .. ARGV[1], 'COUNT', excess + 1)
+local cut = ARGV[1]
+if #below > excess then cut = below[excess + 1][1] end
+return redis.call('XTRIM', KEYS[1], 'MINID', cut)
+"""
+
+
 def trim_acked(client: redis.Redis, stream: str, group: str, retain: int) -> int:
     """Delete the group's acked entries except the newest `retain`; returns how many.
 
     Unacked and undelivered entries are never touched, so consumer-group state (and the
-    ledger's pending counts built on it) is exactly what it was.
+    ledger's pending counts built on it) is exactly what it was. A stream of at most
+    `retain` entries costs one XLEN; otherwise the cut is made inside Redis by id
+    (`XTRIM MINID`), reading only the entries it deletes (the buffer trims every second).
     """
-    if not client.exists(stream):
+    if client.xlen(stream) <= retain:  # also a stream that does not exist
         return 0
     floor = acked_floor(client, stream, group)
     if floor is None:
         return 0
-    if retain > 0:
-        tail = client.xrevrange(stream, "+", "-", count=retain)
-        if len(tail) < retain:
-            return 0
-        floor = min(floor, _id(tail[-1][0]))
-    return int(client.xtrim(stream, minid=f"{floor[0]}-{floor[1]}", approximate=False))
+    cut = f"{floor[0]}-{floor[1]}"
+    return int(client.eval(_TRIM, 1, stream, cut, max(retain, 0)))
