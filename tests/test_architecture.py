@@ -126,9 +126,12 @@ def test_a_bad_config_is_one_line_and_exit_2() -> None:
 
 
 @pytest.mark.parametrize("role", ["controller", "buffer", "reward"])
-def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServer) -> None:
+def test_torch_free_roles_start_without_torch(
+    role: str, redis_server: RedisServer, tiny_model: Path
+) -> None:
     """Started for real (`-X importtime` logs every import to stderr) until it announces
-    it is ready, then stopped with SIGTERM."""
+    it is ready, then stopped with SIGTERM. The controller renders prompts with the model's
+    tokenizer (transformers' tokenizers, never its torch models)."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -146,6 +149,8 @@ def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServ
             "0",
             "--set",
             "reward.num_workers=1",
+            "--set",
+            f"shared.model_path={tiny_model}",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -171,4 +176,5 @@ def test_torch_free_roles_start_without_torch(role: str, redis_server: RedisServ
     assert ready.startswith(f"dapo {role} ready"), (ready, imports[-3000:])
     imported = {line.rsplit("|", 1)[-1].strip() for line in imports.splitlines() if "|" in line}
     assert {"redis", "fastapi"} <= imported  # the log holds the whole start-up
-    assert not {"torch", "transformers", "deepspeed"} & imported
+    assert not {"torch", "deepspeed"} & imported
+    assert role == "controller" or "transformers" not in imported

@@ -108,11 +108,10 @@ def load_tokenizer(model_path: str | Path | None, chat: bool) -> PromptTokenizer
     if not model.is_dir():
         raise DapoError(f"shared.model_path {model}: model directory not found")
     try:
-        from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()  # "None of PyTorch ... found": expected here
-        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        tokenizer = tokenizer_class(model).from_pretrained(str(model))
     except ImportError:
         raise DapoError("tokenizing prompts needs the `transformers` package") from None
     except Exception as exc:  # transformers raises several types for a missing tokenizer
@@ -123,3 +122,19 @@ def load_tokenizer(model_path: str | Path | None, chat: bool) -> PromptTokenizer
             "(set controller.apply_chat_template=false for raw prompts)"
         )
     return PromptTokenizer(tokenizer, str(model), chat)
+
+
+def tokenizer_class(model: Path) -> type[PreTrainedTokenizerBase]:
+    """The class `tokenizer_config.json` names (what AutoTokenizer would pick), else the
+    generic fast tokenizer: AutoTokenizer reads the model's config first, and that import
+    brings in torch wherever torch is installed; the controller stays torch-free."""
+    import transformers
+
+    try:
+        name = json.loads((model / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    found = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
+        return found
+    return transformers.PreTrainedTokenizerFast
