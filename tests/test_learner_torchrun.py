@@ -3,8 +3,9 @@ ZeRO-2), inside a live `dapo up --learner-ranks 2`.
 
 - SIGTERM to torchrun (what a pod deletion or `docker stop` sends): every rank takes part
   in one checkpoint that holds every committed step, torchrun exits 143 well inside its
-  shutdown timeout (no SIGKILL), `dapo up` restarts it, the group resumes and the run
-  finishes with the ledger exact and no policy version published twice.
+  shutdown timeout (no SIGKILL) and within the budget the learner logs for it, `dapo up`
+  restarts it, the group resumes and the run finishes with the ledger exact and no
+  policy version published twice.
 - SIGKILL of rank 1 (a crash): torchrun stops rank 0, restarts the whole group, which
   resumes from the last checkpoint, and the run finishes with the ledger exact.
 """
@@ -12,6 +13,7 @@ ZeRO-2), inside a live `dapo up --learner-ranks 2`.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -125,6 +127,13 @@ def test_sigterm_to_torchrun_checkpoints_on_every_rank_then_resumes(
         tag = tmp_path / "run" / "checkpoints" / f"step{at_stop}"
         shards = sorted(p.name for p in tag.glob("*optim_states.pt"))
         assert len(shards) == 2 and any("rank_1" in s for s in shards), shards
+        # It was written within the budget the learner computed from its shutdown timeout.
+        stop_write = re.search(
+            r"stop checkpoint step(\d+) written in ([\d.]+)s \(budget ([\d.]+)s", log
+        )
+        assert stop_write is not None, log[-3000:]
+        assert int(stop_write[1]) == at_stop
+        assert float(stop_write[2]) <= float(stop_write[3]) <= SHUTDOWN_TIMEOUT_S
         assert f"resumed step={at_stop}" in log
         assert "restarted learner" in out
         check_finished_exactly(client, run)
