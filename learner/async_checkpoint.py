@@ -51,9 +51,13 @@ def tensor_bytes(state: object) -> int:
 
 
 def torch_save(state: object, path: Path) -> None:
-    """torch.save to a temporary name, then rename: a file is whole or absent."""
+    """torch.save to a temporary name, on disk (fsync: `latest` never names a file the
+    page cache still holds), then renamed: a file is whole or absent."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
+    with tmp.open("wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 
