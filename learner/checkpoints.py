@@ -91,7 +91,7 @@ class Checkpointer:
         return self.enabled and step % self.config.learner.checkpoint.every == 0
 
     def poll(self) -> None:
-        """After each step on every rank: ack a background write finished everywhere."""
+        """Before each step on every rank: ack a background write finished everywhere."""
         if self.enabled:
             self._settled(self.trainer.settle(wait=False))
 

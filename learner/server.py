@@ -119,11 +119,11 @@ class Learner:
         seed = self.config.shared.seed + self.step
         self.publisher.settle()  # the last version's weights are copied: they may change
         self.ranks.train(seed, self.version, groups)
+        self.checkpoints.poll()  # a background checkpoint written on every rank: ack it
         metrics = self.trainer.train(groups, seed, self.version)
         if any_rank_stopping(self.trainer.dp, self._stop):  # before commit's collectives
             log.info("stop requested: checkpointing after this step")
             self._stop_seen()
-        self.checkpoints.poll()  # a background checkpoint written on every rank: ack it
         lag = max(staleness(g, self.version) for g in groups)
         beyond = sum(self.stream.verdict(g, self.version) == "stale_trained" for g in groups)
         STALE_TRAINED.inc(beyond)

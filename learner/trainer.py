@@ -189,9 +189,9 @@ class Follower:
                 return command.arg
             if command.op == OP_TRAIN:
                 version, groups = command.train_batch()
+                self.trainer.settle(wait=False)  # as rank 0's `Checkpointer.poll`
                 self.trainer.train(groups, seed=command.arg, version=version)
                 any_rank_stopping(self.trainer.dp, self.stopping)
-                self.trainer.settle(wait=False)
                 self._gather()
             elif command.op == OP_CHECKPOINT:
                 self.trainer.checkpoint(command.body.decode(), {}, wait=command.arg == 1)

@@ -32,6 +32,7 @@ def _config(model: Path, run: str, ckpt: Path, **learner: object) -> DapoConfig:
         "shared.train_batch_groups": BATCH,
         "learner.checkpoint.every": 2,
         "learner.checkpoint.dir": str(ckpt),
+        "learner.checkpoint.async_write": "true",
         "learner.total_steps": 50,
         **{f"learner.{k}": v for k, v in learner.items()},
     }
