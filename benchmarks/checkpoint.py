@@ -59,33 +59,23 @@ def trainer_for(model: Path, checkpoints: Path) -> Any:
     return Trainer(load_config(None, overrides=[f"{k}={v}" for k, v in sets.items()]))
 
 
-def groups(n: int = 1) -> list[Any]:
+def groups(vocab: int) -> list[Any]:
     """One group of 4 responses of 16 tokens after a 16-token prompt (a short step)."""
     import numpy as np
 
     from services.common.types import Group, Sample
 
-    out = []
-    for g in range(n):
-        samples = [
-            Sample(
-                np.arange(5, 21),
-                np.full(16, -2.0, np.float32),
-                "",
-                "stop",
-                0,
-                float(k % 2),
-                k % 2 == 1,
-            )
-            for k in range(4)
-        ]
-        out.append(Group(f"g{g}", f"p{g}", "", list(range(30, 46)), "", samples=samples))
-    return out
+    ids = np.arange(16) % (vocab - 1) + 1
+    samples = [
+        Sample(ids, np.full(16, -2.0, np.float32), "", "stop", 0, float(k % 2), k % 2 == 1)
+        for k in range(4)
+    ]
+    return [Group("g0", "p0", "", ids.tolist(), "", samples=samples)]
 
 
 def timed_step(trainer: Any, seed: int) -> float:
     started = time.perf_counter()
-    trainer.train(groups(), seed)
+    trainer.train(groups(trainer.policy.module.config.vocab_size), seed)
     return time.perf_counter() - started
 
 
