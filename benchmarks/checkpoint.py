@@ -4,9 +4,9 @@
    fsynced, then `latest`) of the tiny preset's model and of a ~0.18B model with
    Qwen2.5-0.5B's layer shape (12 of its 24 layers, vocabulary 4096: the 0.5B's ~6 GB fp32
    + Adam state, copied, does not fit this shared machine), DeepSpeed ZeRO-0 fp32 on CPU;
-   the write rate in MB/s. 2. The learner step's time with no write ÷ while a background
-   checkpoint of that model is written (≥ 0.9). Writes benchmarks/results/checkpoint.json.
-   Method: benchmarks/README.md, "`checkpoint`".
+   the write rate in MB/s. 2. The learner step's time with no write (before and after)
+   ÷ while a background checkpoint of that model is written (≥ 0.9). Writes
+   benchmarks/results/checkpoint.json. Method: benchmarks/README.md, "`checkpoint`".
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def write_once(trainer: Any, tag: str) -> dict[str, Any]:
 
 
 def beside_a_write(trainer: Any, steps: int) -> dict[str, Any]:
-    """Step times with no write, then while a background checkpoint is written."""
+    """Step times with no write (before and after: the machine's load drifts), and
+    while a background checkpoint is written."""
     timed_step(trainer, 0)  # warm-up (and Adam's state exists)
     alone = [timed_step(trainer, 1 + i) for i in range(steps)]
     started = time.perf_counter()
@@ -105,6 +106,7 @@ def beside_a_write(trainer: Any, steps: int) -> dict[str, Any]:
         during.append(timed_step(trainer, 100 + len(during)))
     result = trainer.settle(wait=True)
     write_s = result.seconds if result is not None else float("nan")
+    alone += [timed_step(trainer, 200 + i) for i in range(steps)]  # the load drifts
     return {
         "alone_seconds": alone,
         "during_write_seconds": during,
