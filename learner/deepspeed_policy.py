@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner.async_checkpoint import PendingWrite, snapshot
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import final_hidden_states, output_head
@@ -240,6 +241,23 @@ class DeepSpeedPolicy:
         state = dict(client_state, schedule_step=self.schedule_step)
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=state)
 
+    def checkpoint_snapshot(
+        self, directory: str | Path, tag: str, client_state: dict
+    ) -> list[PendingWrite]:
+        """What `save_checkpoint` writes, copied to host memory and not yet written, nor
+        `latest` (a collective, like it: DeepSpeed's barriers; each rank its shard)."""
+        state = dict(client_state, schedule_step=self.schedule_step)
+        real = self.engine.checkpoint_engine
+        deferred, pending = deferred_engine(real)
+        self.engine.checkpoint_engine = deferred
+        try:
+            self.engine.save_checkpoint(
+                str(directory), tag=tag, client_state=state, save_latest=False
+            )
+        finally:
+            self.engine.checkpoint_engine = real
+        return pending
+
     def load_checkpoint(self, directory: str | Path) -> dict | None:
         """Restore the latest checkpoint; its client state, or None if there is none."""
         if not (Path(directory) / "latest").is_file():
@@ -250,6 +268,35 @@ class DeepSpeedPolicy:
         self.schedule_step = int(client.get("schedule_step", 0))
         self._set_lr()
         return client
+
+
+def deferred_engine(real: Any) -> tuple[Any, list[PendingWrite]]:
+    """A DeepSpeed checkpoint engine that copies each state it is given to save (into the
+    list returned with it) instead of writing it; loads and directories go to `real`."""
+    pending: list[PendingWrite] = []
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class Deferred(CheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.name = "DapoDeferred"
+
+        def create(self, info: Any) -> None:
+            pass
+
+        def save(self, state_dict: Any, path: str) -> None:
+            pending.append(PendingWrite(Path(path), snapshot(state_dict)))
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            return real.load(path, map_location)
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+        def makedirs(self, path: str, exist_ok: bool = False) -> None:
+            real.makedirs(path, exist_ok=exist_ok)
+
+    return Deferred(), pending
 
 
 def _owned(tensor: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ from torch import Tensor
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from learner.async_checkpoint import PendingWrite
+
 
 class CausalLM(Protocol):
     """A causal LM cut before its output head: what log-prob scoring needs."""
@@ -80,6 +82,13 @@ class Policy(CausalLM, Protocol):
 
     def save_checkpoint(self, directory: str | Path, tag: str, client_state: dict) -> None:
         """Everything needed to resume, plus `client_state`; `latest` is written last."""
+        ...
+
+    def checkpoint_snapshot(
+        self, directory: str | Path, tag: str, client_state: dict
+    ) -> list[PendingWrite]:
+        """What `save_checkpoint` writes, copied to host memory for a background writer;
+        neither written nor `latest` (learner/async_checkpoint.py)."""
         ...
 
     def load_checkpoint(self, directory: str | Path) -> dict | None:

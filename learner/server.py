@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,9 +119,11 @@ class Learner:
         seed = self.config.shared.seed + self.step
         self.publisher.settle()  # the last version's weights are copied: they may change
         self.ranks.train(seed, self.version, groups)
+        self.checkpoints.poll()  # a background checkpoint written on every rank: ack it
         metrics = self.trainer.train(groups, seed, self.version)
         if any_rank_stopping(self.trainer.dp, self._stop):  # before commit's collectives
             log.info("stop requested: checkpointing after this step")
+            self._stop_seen()
         lag = max(staleness(g, self.version) for g in groups)
         beyond = sum(self.stream.verdict(g, self.version) == "stale_trained" for g in groups)
         STALE_TRAINED.inc(beyond)
@@ -181,9 +184,13 @@ class Learner:
         VERSION.set(self.version)
         STALENESS.set(staleness)
 
-    def checkpoint(self) -> None:
-        """Checkpoint to disk, then ack and count the entries it holds."""
-        self.checkpoints.checkpoint(self.step, self.version, self.cursor)
+    def checkpoint(self, final: bool = False) -> None:
+        """Checkpoint (`final`: and wait for it), then ack the entries it holds."""
+        self.checkpoints.checkpoint(self.step, self.version, self.cursor, final)
+
+    def _stop_seen(self) -> None:
+        if self.checkpoints.stop_seen is None:  # the stop checkpoint's budget starts here
+            self.checkpoints.stop_seen = time.monotonic()
 
     def run(self, stop: threading.Event) -> None:
         """Train to `total_steps` or until stopped, then checkpoint; the other ranks exit
@@ -206,8 +213,10 @@ class Learner:
                     m.tokens_per_s,
                     m.seconds,
                 )
+            if stop.is_set():
+                self._stop_seen()
             self.publisher.wait()  # the last version is served before the run ends
-            self.checkpoint()
+            self.checkpoint(final=True)  # also waits for a background one
             if self.step >= total:
                 self.ranks.export()
                 self.trainer.export()
@@ -224,7 +233,7 @@ class Learner:
             "version": self.version,
             "step": self.step,
             "cursor": self.cursor,
-            "unacked": len(self.checkpoints.unacked),
+            "unacked": self.checkpoints.not_acked,
             "batch_held": len(self.stream.held),
             "last_step": self.last.as_dict() if self.last else None,
         }

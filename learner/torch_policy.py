@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from learner.async_checkpoint import PendingWrite, snapshot
 from learner.attention import packed_attention
 from learner.config import LearnerConfig
 from learner.logprobs import LocalCausalLM
@@ -109,6 +110,18 @@ class TorchPolicy(LocalCausalLM):
         tmp.write_text(tag)
         tmp.replace(root / "latest")
 
+    def checkpoint_snapshot(
+        self, directory: str | Path, tag: str, client_state: dict
+    ) -> list[PendingWrite]:
+        """What `save_checkpoint` writes, copied to host memory, not yet written."""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "client": client_state,
+        }
+        return [PendingWrite(Path(directory) / tag, snapshot(state), save_state_dir)]
+
     def load_checkpoint(self, directory: str | Path) -> dict | None:
         """Restore the latest checkpoint; its client state, or None if there is none."""
         latest = Path(directory) / "latest"
@@ -119,3 +132,10 @@ class TorchPolicy(LocalCausalLM):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["client"]
+
+
+def save_state_dir(state: object, directory: Path) -> None:
+    """`save_state` into `directory`, made first (a `PendingWrite`'s saver)."""
+    assert isinstance(state, dict)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_state(state, directory)

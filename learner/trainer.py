@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from learner.async_checkpoint import BackgroundWriter, WriteResult, write_latest
 from learner.backends import build_policy
 from learner.config import LearnerSettings
 from learner.dist import DataParallel, data_parallel, pack_groups, unpack_groups
@@ -25,6 +26,7 @@ from services.common.errors import DapoError
 from services.common.types import Group
 
 OP_STOP, OP_TRAIN, OP_CHECKPOINT, OP_EXPORT = range(4)
+WRITE_BUSY, WRITE_FAILED = 1, 2  # a rank's checkpoint write, as `Trainer.settle` reduces it
 HEADER = struct.Struct("<Bq")  # op, argument
 VERSION = struct.Struct("<q")  # OP_TRAIN's body starts with the weights' policy version
 
@@ -95,6 +97,7 @@ class Trainer:
             else None
         )
         self.old_logprobs = OldLogprobGate.from_config(config.learner.objective)
+        self.writer = BackgroundWriter()  # this rank's checkpoint files
 
     def train(self, groups: list[Group], seed: int, version: int = 0) -> StepMetrics:
         """One step on `groups` with the weights of policy `version`."""
@@ -115,9 +118,38 @@ class Trainer:
         self.policy.advance_schedule()
         return metrics
 
-    def checkpoint(self, tag: str, client_state: dict) -> None:
-        assert self.config.learner.checkpoint.dir
-        self.policy.save_checkpoint(self.config.learner.checkpoint.dir, tag, client_state)
+    def checkpoint(self, tag: str, client_state: dict, wait: bool) -> list[WriteResult]:
+        """Settle the write in flight, then write `tag` (no tag: none) in the background,
+        or wait for it too with `wait`; the writes finished on every rank (collective)."""
+        directory = self.config.learner.checkpoint.dir
+        assert directory
+        done = [self.settle(wait=True)]
+        if tag:
+            writes = self.policy.checkpoint_snapshot(directory, tag, client_state)
+            self.writer.start(tag, writes)
+            if wait:
+                done.append(self.settle(wait=True))
+        return [r for r in done if r is not None]
+
+    def settle(self, wait: bool) -> WriteResult | None:
+        """The write in flight, once finished on every rank (then rank 0 points `latest`
+        at it); None while one is writing. Collective while a write is in flight, which
+        every rank started together; a failed write fails every rank."""
+        if self.writer.tag is None:
+            return None
+        if wait:
+            self.writer.wait()
+        state = WRITE_BUSY if self.writer.busy else WRITE_FAILED * self.writer.failed
+        state = self.dp.all_reduce_max(state)
+        if state == WRITE_BUSY:
+            return None
+        result = self.writer.collect()
+        if state == WRITE_FAILED:
+            raise DapoError(f"checkpoint {result.tag} was not written: {result.error}")
+        if self.dp.rank == 0:
+            assert self.config.learner.checkpoint.dir
+            write_latest(self.config.learner.checkpoint.dir, result.tag)
+        return result
 
     def restore(self, resume: bool) -> dict | None:
         cfg = self.config.learner
@@ -160,11 +192,12 @@ class Follower:
                 return command.arg
             if command.op == OP_TRAIN:
                 version, groups = command.train_batch()
+                self.trainer.settle(wait=False)  # as rank 0's `Checkpointer.poll`
                 self.trainer.train(groups, seed=command.arg, version=version)
                 any_rank_stopping(self.trainer.dp, self.stopping)
                 self._gather()
             elif command.op == OP_CHECKPOINT:
-                self.trainer.checkpoint(command.body.decode(), {})
+                self.trainer.checkpoint(command.body.decode(), {}, wait=command.arg == 1)
             elif command.op == OP_EXPORT:
                 self.trainer.export()
 
@@ -188,8 +221,9 @@ class Commander:
     def train(self, seed: int, version: int, groups: list[Group]) -> None:
         self.tell(Command.train(seed, version, groups))
 
-    def checkpoint(self, tag: str) -> None:
-        self.tell(Command(OP_CHECKPOINT, 0, tag.encode()))
+    def checkpoint(self, tag: str, wait: bool) -> None:
+        """`Trainer.checkpoint(tag, wait=wait)` on every rank (no tag: settle only)."""
+        self.tell(Command(OP_CHECKPOINT, int(wait), tag.encode()))
 
     def export(self) -> None:
         self.tell(Command(OP_EXPORT))

@@ -24,6 +24,7 @@ UNIT_MODULES = frozenset(
     {
         "test_ablation_results.py",
         "test_algorithm.py",
+        "test_async_checkpoint.py",
         "test_batcher_calls.py",
         "test_batching.py",
         "test_bench_results.py",
