@@ -265,3 +265,13 @@ def test_a_key_given_both_ways_is_refused(kwargs: dict, source: str, tmp_path: P
 def test_a_key_given_both_ways_is_refused_in_python() -> None:
     with pytest.raises(ValidationError, match="learner.lr and learner.optimizer.lr both given"):
         LearnerConfig.model_validate({"lr": 1e-3, "optimizer": {"lr": 1e-4}})
+
+
+def test_a_retired_buffer_key_still_loads_with_a_warning(caplog) -> None:
+    """buffer.history_size went with the buffer's pass rates (now recorded at publish)."""
+    from services.buffer.config import BufferConfig
+
+    with caplog.at_level("WARNING"):
+        config = BufferConfig.model_validate({"history_size": 8, "read_count": 32})
+    assert config.read_count == 32
+    assert "buffer.history_size is no longer used" in caplog.text

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.server_config import ServerConfig, StrictModel
 from services.common.settings import RoleSettings
+
+log = logging.getLogger(__name__)
+RETIRED = ("history_size",)  # pass rates are recorded at publish (services/common/atomic.py)
 
 
 class BufferConfig(StrictModel):
@@ -30,6 +34,16 @@ class BufferConfig(StrictModel):
         "older acked entries are deleted, so the streams stay bounded.",
     )
     trim_interval_s: float = Field(1.0, ge=0, description="Least seconds between two trims.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        """Old files that set a retired key still load, with one warning a key."""
+        if not isinstance(data, dict):
+            return data
+        for key in [k for k in RETIRED if k in data]:
+            log.warning("config: buffer.%s is no longer used (ignored)", key)
+        return {k: v for k, v in data.items() if k not in RETIRED}
 
 
 class BufferSettings(RoleSettings):
