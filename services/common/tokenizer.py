@@ -134,7 +134,8 @@ def tokenizer_class(model: Path) -> type[PreTrainedTokenizerBase]:
         name = json.loads((model / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         name = None
-    found = getattr(transformers, name, None) if isinstance(name, str) else None
+    name = name if isinstance(name, str) else "PreTrainedTokenizerFast"
+    found = getattr(transformers, name, None)  # probe-ok: a class the model's file names
     if isinstance(found, type) and issubclass(found, transformers.PreTrainedTokenizerBase):
         return found
     return transformers.PreTrainedTokenizerFast
