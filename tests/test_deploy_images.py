@@ -197,3 +197,11 @@ def test_the_gpu_image_compiles_kernels_at_run_time() -> None:
     assert {"gcc", "python3-dev", "libc6-dev"} <= set(runtime.split())
     docs = (ROOT / "docs" / "deploy.md").read_text()
     assert re.search(r"driver[^.\n]*≥ ?580", docs), "docs/deploy.md names the driver CUDA 13 needs"
+
+
+def test_the_slim_image_can_render_chat_templates() -> None:
+    """The controller (slim image: no torch) renders prompts with transformers'
+    apply_chat_template, which needs jinja2 but does not depend on it; torch brings it into
+    every other environment, so only the slim image lacked it."""
+    slim = {Requirement(r).name for r in requirements("reward")}
+    assert {"transformers", "tokenizers", "jinja2"} <= slim
