@@ -168,7 +168,7 @@ class CheckpointConfig(StrictModel):
     every: int = Field(50, ge=1, description="Checkpoint every K steps (and on stop).")
     resume: bool = Field(False, description="Restore the latest checkpoint in `dir`.")
     async_write: bool = Field(
-        False,
+        True,
         description="Write periodic checkpoints in the background while the next steps "
         "train (the state copied to host memory first; `latest` moves once every rank's "
         "files are written, so a crash meanwhile loses one period more). false: each "

@@ -1,7 +1,8 @@
-"""Background checkpoints of the DeepSpeed learner (CPU, ZeRO-2): the steps after a
-checkpoint train while it is written, `latest` moves only once it is whole, a failed
-write leaves `latest` (and the acks) on the previous checkpoint, which a restarted
-learner resumes from, and a stop waits for the write in flight."""
+"""Background checkpoints of the DeepSpeed learner (CPU; ZeRO-2, and ZeRO-3 where the
+partitioned state matters): the steps after a checkpoint train while it is written, the
+checkpoint holds its own step's state (not the later steps'), `latest` moves only once it
+is whole, a failed write leaves `latest` (and the acks) on the previous checkpoint, which
+a restarted learner resumes from, and a stop waits for the write in flight."""
 
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 BATCH = 2
 
 
-def _config(model: Path, run: str, ckpt: Path, **learner: object) -> DapoConfig:
+def _config(
+    model: Path, run: str, ckpt: Path, stage: int = 2, **learner: object
+) -> DapoConfig:
     sets = {
         **TORCH_FP32_STEP,
         "learner.engine": "deepspeed",
-        "learner.deepspeed.zero_stage": 2,
+        "learner.deepspeed.zero_stage": stage,
         "shared.train_batch_groups": BATCH,
         "learner.checkpoint.every": 2,
         "learner.checkpoint.dir": str(ckpt),
@@ -83,6 +86,48 @@ def test_steps_train_while_a_checkpoint_is_written_and_latest_waits_for_it(
     assert _acked(redis_client, "w") == (4 * BATCH, 0)
     shards = sorted(p.name for p in (tmp_path / "ck" / "step2").iterdir())
     assert any("optim_states" in s for s in shards) and not any(".tmp" in s for s in shards)
+
+
+def _weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {name: t.detach().cpu().clone() for name, t in learner.policy.named_weights()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_background_checkpoint_holds_its_own_step_and_resumes_bitwise(
+    tiny_model: Path,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stage: int,
+) -> None:
+    """Step 3 trains while step 2's checkpoint is written (slowed): the checkpoint holds
+    step 2's weights and optimizer state, so a learner resumed from it has step 2's
+    weights bitwise and trains step 3 again to step 3's weights bitwise."""
+    run = f"z{stage}"
+    fill_train(redis_client, run, BATCH * 4, seed=5)
+    learner = Learner(_config(tiny_model, run, tmp_path / "ck", stage), redis_client)
+    release = threading.Event()
+    slowed_torch_save(monkeypatch, release)
+    _steps(learner, 2)
+    at_step2 = _weights(learner)
+    _steps(learner, 1)  # trains (changing the state in place) while step 2 is written
+    at_step3 = _weights(learner)
+    assert learner.trainer.writer.tag == "step2" and not _same(at_step2, at_step3)
+    release.set()
+    learner.trainer.writer.wait()
+    learner.checkpoints.poll()  # collected: `latest` names step 2
+    assert (tmp_path / "ck" / "latest").read_text() == "step2"
+    del learner
+
+    config = _config(tiny_model, run, tmp_path / "ck", stage, **{"checkpoint.resume": True})
+    resumed = Learner(config, redis_client)
+    assert resumed.step == 2 and _same(_weights(resumed), at_step2)
+    _steps(resumed, 1)
+    assert _same(_weights(resumed), at_step3)
 
 
 def test_a_failed_write_leaves_latest_on_the_last_whole_checkpoint(

@@ -89,6 +89,8 @@ def test_checkpoint_crash_resume_equals_uninterrupted_run(
     first = Learner(config, redis_client)
     first.stream.ack_trained = lambda ids: None  # the crash window between checkpoint and XACK
     _steps(first, 3)
+    first.trainer.writer.wait()  # step 2's checkpoint, written in the background...
+    first.checkpoints.poll()  # ... collected: `latest` moves, the acks are lost
     assert (tmp_path / "b" / "latest").read_text() == "step2"
     assert _counts(redis_client, "b") == (0, 3 * BATCH, 3)
     del first

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 SETS = [
     "controller.eval.every_steps=3",
-    "controller.eval.limit=16",
+    "controller.eval.limit=8",
     "controller.eval.n=4",
     "learner.checkpoint.every=1000",  # only the checkpoints on stop and at the end
 ]
@@ -40,6 +40,13 @@ def logged_steps(run_dir: Path) -> list[int]:
     log = run_dir / "logs" / "learner.log"
     text = log.read_text() if log.exists() else ""
     return [int(m) for m in re.findall(r"step=(\d+) loss=", text)]
+
+
+def complete(run_dir: Path) -> list[int]:
+    """The steps whose checkpoint the learner logged whole (a background write done)."""
+    log = run_dir / "logs" / "learner.log"
+    text = log.read_text() if log.exists() else ""
+    return [int(m) for m in re.findall(r"checkpoint step(\d+) complete", text)]
 
 
 def run(
@@ -157,8 +164,10 @@ def test_a_run_stopped_twice_resumes_to_its_end_with_one_ledger_and_report(
     assert {s["step"] for s in report["steps"]} == set(range(1, STEPS + 1))
     lrs = {s["step"]: s["lr"] for s in report["steps"]}
     assert lrs[stopped] == pytest.approx(1e-3) and lrs[STEPS] == pytest.approx(5e-4)
+    # The curve goes on across segments: no version evaluated twice. (A point still being
+    # sampled when a segment stops is cut, so which versions made it is timing's business.)
     versions = [p["version"] for p in report["eval_curve"]]
-    assert versions == sorted(versions) and len(versions) >= 2 and versions[-1] >= 6
+    assert versions == sorted(set(versions)) and len(versions) >= 2, versions
     ledger = dapo("ledger", "--run", str(run_dir), "--json")
     assert json.loads(ledger.stdout) == report["ledger"]
     with_redis_trained_once(run_dir)
@@ -186,7 +195,8 @@ def test_fresh_moves_a_run_aside_and_a_killed_learner_resumes_only_its_own_run(
     tmp_path: Path, tiny_model: Path, killed_tree_env: dict[str, str]
 ) -> None:
     """The old run's checkpoint (step 3) is moved aside with it; the new run's learner,
-    SIGKILLed at step 2, resumes from the new run's own checkpoint."""
+    SIGKILLed once its step-2 checkpoint is whole (written in the background), resumes
+    from the new run's own checkpoint."""
     run_dir, env = tmp_path / "run", killed_tree_env
     old = Job(
         run_dir, tiny_model, env, "old", "--steps", "3", "--set", "controller.eval.enabled=false"
@@ -198,7 +208,7 @@ def test_fresh_moves_a_run_aside_and_a_killed_learner_resumes_only_its_own_run(
     fresh = Job(run_dir, tiny_model, env, "fresh", "--fresh", "--steps", "5", *every)
     try:
         moved = lambda: any(tmp_path.glob("run.old-*"))  # noqa: E731
-        wait_for(lambda: moved() and max(logged_steps(run_dir), default=0) >= 2, 180, "step 2")
+        wait_for(lambda: moved() and max(complete(run_dir), default=0) >= 2, 180, "step 2")
         role_process(run_dir, "learner").kill()
         fresh.proc.wait(timeout=180)
     finally:
