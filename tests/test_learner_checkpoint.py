@@ -25,9 +25,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 BATCH = 2
 
 
-def _config(
-    model: Path, run: str, ckpt: Path, stage: int = 2, **learner: object
-) -> DapoConfig:
+def _config(model: Path, run: str, ckpt: Path, stage: int = 2, **learner: object) -> DapoConfig:
     sets = {
         **TORCH_FP32_STEP,
         "learner.engine": "deepspeed",
