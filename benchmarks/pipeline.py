@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import at_least, at_most, machine, result_path, write_result
+from services.tools.cpu_meter import cpu_seconds
 
 RESULTS = result_path("pipeline")
 STEPS = 30
@@ -38,26 +39,6 @@ def tiny_config(run: str, model: Path, steps: int, *overrides: str) -> Any:
             *overrides,
         ],
     )
-
-
-def cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of `root` and every live descendant (Linux /proc)."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited meanwhile
-            continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    family, frontier = {root}, {root}
-    while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - family
-        family |= frontier
-    return sum(times.get(pid, 0.0) for pid in family)
 
 
 class CpuMeter:

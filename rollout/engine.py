@@ -153,6 +153,12 @@ class RolloutEngine(Protocol):
         """Fraction (0..1) of the KV-cache pool in use; None for an engine without one."""
         ...
 
+    def model_cpu_seconds(self) -> float | None:
+        """CPU seconds the model's work has taken in this process so far (what `dapo up`
+        subtracts from the server's CPU to report the rest as service overhead); None
+        where the model runs elsewhere (vLLM's engine core process, a GPU)."""
+        ...
+
     def close(self) -> None:
         """Release the engine's processes and memory; it takes no calls afterwards."""
         ...

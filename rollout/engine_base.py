@@ -138,6 +138,10 @@ class EngineBase:
         """No KV-cache pool: each call allocates its own cache."""
         return None
 
+    def model_cpu_seconds(self) -> float | None:
+        """Not measured (an engine that measures it says so)."""
+        return None
+
     def close(self) -> None:
         """Nothing to release beyond what garbage collection frees."""
 

@@ -79,6 +79,14 @@ class RolloutMetrics:
             "dapo_rollout_kv_cache_usage", "Fraction of the KV cache in use", registry=self.registry
         ).set_function(read)
 
+    def model_cpu(self, read: Callable[[], float]) -> None:
+        """Export the CPU seconds of the engine's model work, where the engine measures it."""
+        Gauge(
+            "dapo_rollout_model_cpu_seconds",
+            "CPU seconds the model's work took in this process",
+            registry=self.registry,
+        ).set_function(read)
+
     def generated(self, tokens: int, finish_reason: str) -> None:
         self.tokens.inc(tokens)
         self.samples.labels(finish_reason).inc()

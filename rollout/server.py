@@ -77,6 +77,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.metrics.version.set_function(lambda: self.engine.version)
         if self.engine.kv_cache_usage() is not None:  # None: no KV-cache pool (torch)
             self.metrics.cache_usage(lambda: self.engine.kv_cache_usage() or 0.0)
+        if self.engine.model_cpu_seconds() is not None:  # None: the model runs elsewhere
+            self.metrics.model_cpu(lambda: self.engine.model_cpu_seconds() or 0.0)
 
     def ready(self) -> bool:
         """Can serve: loaded a version and not draining (/readyz, the registry)."""
@@ -320,6 +322,7 @@ class RolloutServer:
             "in_flight": self.servicer.in_flight,
             "queue": self.servicer.batcher.pending(),
             "engine": self.config.rollout.engine.kind,
+            "model_cpu_s": self.engine.model_cpu_seconds(),
             "last_error": self.servicer.errors.snapshot(),
         }
 

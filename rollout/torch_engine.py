@@ -12,6 +12,7 @@ docs/architecture.md, "The torch rollout engine".
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +182,7 @@ class TorchEngine(EngineBase):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else (self.eos_token_ids or [0])[0]
         self._model_lock = threading.Lock()  # one bucket at a time on the model
+        self._model_cpu_s = 0.0  # CPU time of the generating threads, under the lock
 
     @classmethod
     def from_config(
@@ -195,6 +197,12 @@ class TorchEngine(EngineBase):
             partial_rollouts=partial_rollouts,
         )
 
+    def model_cpu_seconds(self) -> float:
+        """The generating thread's CPU time (with torch's intra-op threads at 1, as the
+        CPU presets set them, that is all of the model's; with more, their share is not
+        in it)."""
+        return self._model_cpu_s
+
     # -- generation -------------------------------------------------------------------
 
     def _samples(
@@ -206,7 +214,9 @@ class TorchEngine(EngineBase):
             self._gate.enter()
             try:
                 with self._model_lock:
+                    cpu = time.thread_time()
                     done = self._run_bucket(bucket, prompts, params, seed)
+                    self._model_cpu_s += time.thread_time() - cpu
             finally:
                 self._gate.leave()
             yield from done

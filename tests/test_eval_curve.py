@@ -129,6 +129,12 @@ def test_a_run_records_an_eval_curve_and_its_ledger_stays_exact(
     assert ledger["trained"] == 16 * 16
     assert (run_dir / "plots" / "eval_curve.png").stat().st_size > 1000
     assert f"eval curve: {len(curve)} points" in out
+    # What each role's processes cost per step; the rollout server's model work apart.
+    cpu = report["cpu_per_step"]
+    assert {"controller", "buffer", "reward", "redis", "rollout", "learner"} <= set(cpu["by_role"])
+    assert cpu["model"] > 0 and cpu["by_role"]["learner"] > 0 and cpu["services"] > 0
+    assert cpu["rollout_outside_model"] == pytest.approx(cpu["by_role"]["rollout"] - cpu["model"])
+    assert f"CPU per step (s, over {cpu['steps']} steps): services {cpu['services']:.3f}" in out
     assert re.search(r"eval=\d\.\d\d@v\d+", err)  # the progress bar's last eval
     assert gauges["dapo_controller_eval_step"] >= 2, gauges
     assert 0.0 <= gauges["dapo_controller_eval_accuracy"] <= 1.0

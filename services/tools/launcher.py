@@ -35,6 +35,7 @@ from services.common.redis_server import RedisServer, connect, connect_run, star
 from services.common.security import secret_env, without_secrets
 from services.tools import checks
 from services.tools.config import DapoConfig, dump_config
+from services.tools.cpu_meter import CpuMeter
 from services.tools.evaluate import eval_plan, run_eval_plan
 from services.tools.gpus import launch_gpus
 from services.tools.liveness import StallWatch, run_failure
@@ -95,6 +96,7 @@ class Launch:
     signum: int | None = None  # the stop signal received (SIGINT: None)
     hurry: bool = False  # a second stop signal: no checkpoint wait, no report
     gpus: dict[str, str] = field(default_factory=dict)  # child → CUDA_VISIBLE_DEVICES
+    cpu: CpuMeter = field(default_factory=CpuMeter)  # CPU per step by role (the summary)
 
     @property
     def config_path(self) -> Path:
@@ -139,6 +141,22 @@ class Launch:
             for i in range(rollouts if role == "rollout" else 0):
                 extra = ("--set", f"rollout.engine.cpu_cores={cores[i]}") if cores else ()
                 self.start_child(role, "rollout" if rollouts == 1 else f"rollout-{i}", extra)
+
+    def role_pids(self) -> dict[str, list[int]]:
+        """Each role's process roots, Redis's and this process's (`dapo up`)."""
+        pids: dict[str, list[int]] = {"dapo up": [os.getpid()]}
+        for child in self.children:
+            pids.setdefault(child.role, []).append(child.pid)
+        if self.redis_server is not None:
+            pids["redis"] = [self.redis_server.proc.pid]
+        return pids
+
+    def model_cpu(self) -> float | None:
+        """The rollout servers' model CPU seconds so far (None unless every one says)."""
+        rollouts = [c for c in self.children if c.role == "rollout"]
+        said = [(self.watch.status(c) or {}).get("model_cpu_s") for c in rollouts]
+        known = [float(x) for x in said if x is not None]
+        return sum(known) if rollouts and len(known) == len(rollouts) else None
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
@@ -396,6 +414,8 @@ def monitor(launch: Launch) -> int:
             dead = launch.dead_child()
             if dead is not None and not done and not supervise(launch, dead, bar):
                 return 1
+            if not done:
+                launch.cpu.observe(bar.n, launch.role_pids(), launch.model_cpu)
             if launch.on_step is not None:
                 launch.on_step(launch, bar.n, done)
             if done:
@@ -541,6 +561,7 @@ def write_report(launch: Launch, started: float, code: int) -> Path:
         "ledger": ledger.as_dict(),
         "time_accounting": time_accounting(scored_timings(client, keys), traces, steps),
         "eval_curve": eval_curve(client, keys),
+        "cpu_per_step": launch.cpu.per_step(),
         "checkpoint_step": latest_checkpoint_step(config),
         "dynamic_sampling": sampling_summary(
             steps,

@@ -210,7 +210,7 @@ class StallWatch:
         cause = self.live_cause(ledger, discover(client, keys, "rollout"))
         parts, kinds = [cause], [cause.split(" in the last")[0]]
         for service in services:
-            status = self._status(service)
+            status = self.status(service)
             error = status.get("last_error") if status else None
             if error:
                 parts.append(f"{service.name}: {describe_error(error, now)}")
@@ -234,7 +234,8 @@ class StallWatch:
         delta = counts_since(counts, base[1])
         return dominant_cause(delta, now - base[0], rollouts, ledger.version)
 
-    def _status(self, service: ServiceLog) -> dict[str, Any] | None:
+    def status(self, service: ServiceLog) -> dict[str, Any] | None:
+        """The service's /status (its HTTP port read once from its log's ready line)."""
         key = (service.name, service.pid)
         if key not in self.ports:
             port = announced_http_port(service.log_path)

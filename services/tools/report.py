@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.tools.cpu_meter import cpu_line
+
 CURVES = {
     "reward": ("reward_mean", "mean reward"),
     "accuracy": ("accuracy", "training accuracy (trained groups)"),
@@ -163,6 +165,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f"{m['train']:.3f}, overhead {m['overhead']:.3f} (score {m['score']:.3f} + "
             f"controller {m['controller']:.3f}), waiting for its batch {m['wait']:.3f}"
         )
+    if report.get("cpu_per_step"):
+        lines.append(cpu_line(report["cpu_per_step"]))
     if report.get("dynamic_sampling"):
         lines.append(sampling_line(report["dynamic_sampling"]))
     if report.get("eval_curve"):

@@ -1,0 +1,184 @@
+"""The tiny preset end to end against a minimal single-process DAPO loop.
+
+`dapo up --preset tiny` (what `make demo` runs: every service, its own Redis, the eval
+curve every 10 steps) and benchmarks/_plain_dapo.py (the same model, task, verifier,
+filter, loss and optimiser in one process, refilling each batch until full, evaluating
+the same held-out split every 10 steps) trained for the same steps from the same model,
+interleaved seed by seed (dapo, loop, dapo, loop, ...) with the load before each run.
+
+Checks (issue #37, item 6): generated and trained responses/s of dapo's training phase
+÷ the loop's (≥ 0.5, ≥ 0.7), time to held-out avg@4 ≥ 0.9 ÷ the loop's (≤ 1.5, over the
+seeds both reach it), and every dapo seed reaching 0.9. Details: benchmarks/README.md,
+"`pipeline_tiny`".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._results import at_least, at_most, check, machine, result_path, write_result
+from services.tools.cli import up_argv
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = result_path("pipeline_tiny")
+STEPS = 150
+EVERY = 10
+TARGET = 0.9
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def first_at(curve: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """(step, seconds) of the first curve point at or above `target`."""
+    return next(((step, t) for step, acc, t in curve if acc >= target), None)
+
+
+def run_dapo(work: Path, model: Path, seed: int, steps: int) -> dict[str, Any]:
+    """`dapo up` as a user starts it; rates over its training phase (first step's start
+    to the last commit), times from that start to the commit of each evaluated version."""
+    run_dir, before = work / f"dapo-{seed}", load()
+    argv = [*up_argv(run_dir, model), "--steps", str(steps), "--eval-every", str(EVERY)]
+    argv += ["--set", f"shared.seed={seed}", "--set", f"shared.run_name=bench{seed}"]
+    started = time.time()
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT)
+    wall = time.time() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"dapo up (seed {seed}) failed: {done.stderr[-2000:]}")
+    report = json.loads((run_dir / "report.json").read_text())
+    steps_done, ledger = report["steps"], report["ledger"]
+    start = steps_done[0]["committed_at"] - steps_done[0]["seconds"]
+    phase = steps_done[-1]["committed_at"] - start
+    committed = {s["step"]: s["committed_at"] - start for s in steps_done}
+    curve = [
+        (p["version"], p["avg@4"], committed[p["version"]])
+        for p in report["eval_curve"]
+        if p["version"] in committed
+    ]
+    return {
+        "seed": seed,
+        "load_before": before,
+        "wall_s": round(wall, 2),
+        "to_first_step_s": round(steps_done[0]["committed_at"] - started, 2),
+        "train_phase_s": round(phase, 2),
+        "generated_per_s": ledger["scored"] * 16 / phase,
+        "trained_per_s": ledger["trained"] * 16 / phase,
+        "curve": [(v, round(a, 3), round(t, 2)) for v, a, t in curve],
+        "eval_after": report["eval_after"]["avg@4"],
+        "entropy_last_10": statistics.fmean(s["entropy"] for s in steps_done[-10:]),
+        "ledger_ok": ledger["ok"],
+    }
+
+
+def run_loop(model: Path, seed: int, steps: int) -> dict[str, Any]:
+    """The minimal loop, in this process (one thread, like the preset's learner)."""
+    import torch
+
+    from benchmarks import _plain_dapo as plain
+    from services.tools.config import load_config
+
+    before = load()
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    sets = [f"shared.model_path={model}", f"shared.seed={seed}"]
+    result = plain.run_plain(load_config(preset="tiny", env={}, overrides=sets), steps, EVERY)
+    phase = result.wall_seconds
+    return {
+        "seed": seed,
+        "load_before": before,
+        "train_phase_s": round(phase, 2),
+        "eval_s": round(result.eval_seconds, 2),
+        "generated_per_s": result.responses / phase,
+        "trained_per_s": result.groups_trained * 16 / phase,
+        "curve": [
+            (c["step"], round(c["held_out"], 3), round(c["seconds"], 2)) for c in result.curve
+        ],
+    }
+
+
+def summarize(dapo: list[dict[str, Any]], loop: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios of the pooled rates, the time-to-0.9 ratio over the seeds both reached."""
+
+    def rate(runs: list[dict[str, Any]], key: str) -> float:
+        return sum(r[key] * r["train_phase_s"] for r in runs) / sum(
+            r["train_phase_s"] for r in runs
+        )
+
+    reached = [
+        (first_at(d["curve"], TARGET), first_at(lp["curve"], TARGET))
+        for d, lp in zip(dapo, loop, strict=True)
+    ]
+    both = [(d[1], lp[1]) for d, lp in reached if d and lp]
+    time_ratio = sum(d for d, _ in both) / sum(lp for _, lp in both) if both else None
+    dapo_reached = sum(1 for d, _ in reached if d)
+    generated = rate(dapo, "generated_per_s") / rate(loop, "generated_per_s")
+    trained = rate(dapo, "trained_per_s") / rate(loop, "trained_per_s")
+    return {
+        "reached_0.9": {
+            "dapo": [d and d[0] for d, _ in reached],
+            "loop": [lp and lp[0] for _, lp in reached],
+        },
+        "generated_per_s_ratio": generated,
+        "trained_per_s_ratio": trained,
+        "time_to_0.9_ratio": time_ratio,
+        "checks": [
+            at_least("generated responses/s: dapo / loop", generated, 0.5),
+            at_least("trained responses/s: dapo / loop", trained, 0.7),
+            time_check(time_ratio),
+            at_least(
+                f"dapo seeds reaching 0.9 of {len(dapo)}", float(dapo_reached), float(len(dapo))
+            ),
+        ],
+    }
+
+
+def time_check(ratio: float | None) -> dict[str, Any]:
+    name = "time to held-out 0.9: dapo / loop (seeds both reach)"
+    if ratio is None:  # no seed where both got there: nothing to compare, not a pass
+        return check(name, "no seed reached 0.9 in both", 1.5, False)
+    return at_most(name, ratio, 1.5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dapo bench pipeline_tiny", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="interleaved dapo/loop pairs (seeds 1..N)"
+    )
+    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
+    args = parser.parse_args(argv)
+    from learner.init_model import init_model
+
+    load_start = os.getloadavg()
+    dapo, loop = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-pipeline-tiny-") as tmp:
+        model = init_model(Path(tmp) / "model", preset="tiny", seed=0)
+        for seed in range(1, args.seeds + 1):
+            dapo.append(run_dapo(Path(tmp), model, seed, args.steps))
+            print(json.dumps(dapo[-1]), flush=True)
+            loop.append(run_loop(model, seed, args.steps))
+            print(json.dumps(loop[-1]), flush=True)
+    result = {
+        "benchmark": "pipeline_tiny",
+        "machine": machine(load_start),
+        "steps": args.steps,
+        "eval_every": EVERY,
+        "dapo": dapo,
+        "loop": loop,
+        **summarize(dapo, loop),
+    }
+    return write_result(RESULTS, result)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
