@@ -8,7 +8,8 @@ interleaved seed by seed (dapo, loop, dapo, loop, ...) with the load before each
 
 Checks (issue #37, item 6): generated and trained responses/s of dapo's training phase
 ÷ the loop's (≥ 0.5, ≥ 0.7), time to held-out avg@4 ≥ 0.9 ÷ the loop's (≤ 1.5, over the
-seeds both reach it), and every dapo seed reaching 0.9. Details: benchmarks/README.md,
+seeds both reach it), and every dapo seed reaching 0.9; and item 2's service CPU per
+step (≤ 0.1 s, from `dapo up`'s own `CPU per step`). Details: benchmarks/README.md,
 "`pipeline_tiny`".
 """
 
@@ -75,6 +76,7 @@ def run_dapo(work: Path, model: Path, seed: int, steps: int) -> dict[str, Any]:
         "curve": [(v, round(a, 3), round(t, 2)) for v, a, t in curve],
         "eval_after": report["eval_after"]["avg@4"],
         "entropy_last_10": statistics.fmean(s["entropy"] for s in steps_done[-10:]),
+        "cpu_per_step": report["cpu_per_step"],
         "ledger_ok": ledger["ok"],
     }
 
@@ -120,6 +122,8 @@ def summarize(dapo: list[dict[str, Any]], loop: list[dict[str, Any]]) -> dict[st
     both = [(d[1], lp[1]) for d, lp in reached if d and lp]
     time_ratio = sum(d for d, _ in both) / sum(lp for _, lp in both) if both else None
     dapo_reached = sum(1 for d, _ in reached if d)
+    services = [d["cpu_per_step"].get("services") for d in dapo if d["cpu_per_step"]]
+    service_cpu = max(services) if services and None not in services else None
     generated = rate(dapo, "generated_per_s") / rate(loop, "generated_per_s")
     trained = rate(dapo, "trained_per_s") / rate(loop, "trained_per_s")
     return {
@@ -130,10 +134,12 @@ def summarize(dapo: list[dict[str, Any]], loop: list[dict[str, Any]]) -> dict[st
         "generated_per_s_ratio": generated,
         "trained_per_s_ratio": trained,
         "time_to_0.9_ratio": time_ratio,
+        "service_cpu_per_step_max": service_cpu,
         "checks": [
             at_least("generated responses/s: dapo / loop", generated, 0.5),
             at_least("trained responses/s: dapo / loop", trained, 0.7),
             time_check(time_ratio),
+            service_check(service_cpu),
             at_least(
                 f"dapo seeds reaching 0.9 of {len(dapo)}", float(dapo_reached), float(len(dapo))
             ),
@@ -146,6 +152,15 @@ def time_check(ratio: float | None) -> dict[str, Any]:
     if ratio is None:  # no seed where both got there: nothing to compare, not a pass
         return check(name, "no seed reached 0.9 in both", 1.5, False)
     return at_most(name, ratio, 1.5)
+
+
+def service_check(seconds: float | None) -> dict[str, Any]:
+    """Issue #37 item 2: what the services cost per step beside the model and learner
+    (`dapo up`'s `CPU per step` line), the worst run's."""
+    name = "service CPU s per step, all but learner and model (max over runs)"
+    if seconds is None:
+        return check(name, "not measured", 0.1, False)
+    return at_most(name, seconds, 0.1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,7 @@ class RunState:
         self._lock = threading.Lock()
         self._rates: dict[str, list[float]] = {}
         self._seen = "0-0"  # the last ledger change waited past
+        self.backlog = Backlog(client, keys)
 
     # -- admission's sources
     def snapshot(self) -> Snapshot:
@@ -91,9 +92,6 @@ class RunState:
             self.client, k.inflight, k.cursor, k.ledger, ticket.group_id, meta, cursor.encode()
         )
 
-    def skip(self, cursor: Cursor) -> None:
-        self.client.set(self.keys.cursor, cursor.encode())
-
     def cursor(self) -> Cursor:
         return Cursor.decode(self.client.get(self.keys.cursor))
 
@@ -108,16 +106,12 @@ class RunState:
     @contextmanager
     def generating(self, group_id: str) -> Iterator[None]:
         """An entry in the `generating` stream while the group waits for or is in
-        generation (KEDA's backlog); best effort: a Redis blip never fails the group."""
-        entry = None
-        with suppress(redis.RedisError):
-            entry = self.client.xadd(self.keys.generating, {"group_id": group_id})
+        generation (KEDA's backlog), written by the backlog's flusher (`Backlog`)."""
+        self.backlog.enter(group_id)
         try:
             yield
         finally:
-            if entry is not None:
-                with suppress(redis.RedisError):
-                    self.client.xdel(self.keys.generating, entry)
+            self.backlog.leave(group_id)
 
     def publish(self, group: Group, timing: Timing) -> bool:
         """Leave `inflight` for `scored`, recording the pass rate (once per group id).
@@ -153,7 +147,9 @@ class RunState:
         self.client.set(self.keys.failed, reason)
 
     def reset_generating(self) -> None:
-        self.client.delete(self.keys.generating)  # a previous controller's entries
+        """Drop a previous controller's entries; this one's are flushed from now on."""
+        self.client.delete(self.keys.generating)
+        self.backlog.start()
 
     def publish_dataset(self, counts: dict[str, int]) -> None:
         """The data as loaded into the run's `dataset` hash (the ledger's prompt accounting)."""
@@ -161,3 +157,76 @@ class RunState:
         pipe.delete(self.keys.dataset)
         pipe.hset(self.keys.dataset, mapping=counts)
         pipe.execute()
+
+
+class Backlog:
+    """The `generating` stream (KEDA's scaling signal: one entry per group waiting for or
+    in generation), written in batches: groups entering and leaving generation are
+    queued, and one pipelined round trip every `every_s` adds and deletes them (a group
+    that leaves before its flush is never written). Per group that was an XADD and an
+    XDEL on the group's own path; KEDA polls every 15-30 s. Best effort: a failed flush
+    is tried again at the next, and a Redis blip never fails a group."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, every_s: float = 0.05) -> None:
+        self.client, self.keys, self.every_s = client, keys, every_s
+        self._lock = threading.Lock()
+        self._entering: list[str] = []  # to add
+        self._entries: dict[str, bytes] = {}  # added: group id -> its stream entry
+        self._leaving: set[str] = set()  # left, added or being added
+        self._doomed: list[bytes] = []  # entries to delete (a failed flush's)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def enter(self, group_id: str) -> None:
+        with self._lock:
+            self._entering.append(group_id)
+
+    def leave(self, group_id: str) -> None:
+        with self._lock:
+            if group_id in self._entering:  # not written yet: never will be
+                self._entering.remove(group_id)
+            else:
+                self._leaving.add(group_id)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True, name="backlog")
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop flushing, after a last flush (the stream then holds what is in flight)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """One round trip: the queued groups added, the entries of the left ones deleted.
+        (One flusher at a time: the thread, or `close` once it has stopped.)"""
+        with self._lock:
+            entering, self._entering = self._entering, []
+            gone = [g for g in self._leaving if g in self._entries]
+            self._leaving.difference_update(gone)
+            doomed, self._doomed = self._doomed + [self._entries.pop(g) for g in gone], []
+        if not entering and not doomed:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for group_id in entering:
+            pipe.xadd(self.keys.generating, {"group_id": group_id})
+        if doomed:
+            pipe.xdel(self.keys.generating, *doomed)
+        try:
+            replies = pipe.execute()
+        except redis.RedisError:
+            with self._lock:  # the next flush tries again
+                self._entering[:0] = entering
+                self._doomed += doomed
+            return
+        with self._lock:
+            self._entries.update(zip(entering, replies[: len(entering)], strict=True))

@@ -206,6 +206,7 @@ class Controller:
             if evaluation is not None:
                 evaluation.join(timeout=10)
             self.rewards.close()
+            self.state.backlog.close()
             watcher.join(timeout=2 * WATCH_S)
 
     def _admit_until_done(
@@ -226,13 +227,22 @@ class Controller:
             if not verdict.admit:
                 self._wake.wait(WAKE_S)
                 continue
+            cursor, record = self._next_admissible(prompts)
+            self._submit(pool, stop, self.admit(cursor, record, verdict.version), record)
+
+    def _next_admissible(
+        self, prompts: Iterator[tuple[Cursor, PromptRecord]]
+    ) -> tuple[Cursor, PromptRecord]:
+        """The next prompt difficulty-aware admission does not skip. Skipping costs no
+        Redis: the cursor past the skipped prompts is written with the admission (a
+        restart before it decides them again). Every prompt comes back after the epochs
+        it sits out, so this ends."""
+        while True:
             cursor, record = next(prompts)
             reason = self.admission.skip_reason(record.prompt_id)
-            if reason is not None:
-                SKIPPED.labels(reason).inc()
-                self.state.skip(cursor)
-                continue
-            self._submit(pool, stop, self.admit(cursor, record, verdict.version), record)
+            if reason is None:
+                return cursor, record
+            SKIPPED.labels(reason).inc()
 
     def status(self) -> dict[str, Any]:
         ledger = read_ledger(self.client, self.config.shared.run_name)

@@ -133,6 +133,7 @@ def run_numbers(report: dict[str, Any]) -> dict[str, Any]:
         "steps": len(steps),
         **mechanism_numbers(steps),
         "entropy_end": statistics.fmean(s["entropy"] for s in tail) if tail else None,
+        "entropy_curve": [(s["step"], round(s["entropy"], 4)) for s in steps if "entropy" in s],
         "generated_per_trained": spent / ledger["trained"] if ledger["trained"] else None,
         "train_s": round(span, 1),
         "ledger_ok": ledger["ok"],

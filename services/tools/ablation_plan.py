@@ -104,6 +104,16 @@ ABLATE_PRESETS: dict[str, dict[str, Any]] = {
     }
     for name, base, task in (("tiny_runmax", "tiny_runmax", RUNMAX), ("tiny_mixed", "tiny", MIXED))
 }
+# `--preset demo`: `dapo up --preset tiny` (`make demo`: max3) as it is, its in-run curve
+# replaced by the ablation's own evaluation; for its rungs that differ from it (e.g.
+# `--rungs dynamic_sampling,no_clip_higher`: DAPO, and DAPO with ε_high = ε_low).
+ABLATE_PRESETS["demo"] = {
+    "base": "tiny",
+    "overrides": {"controller.eval.enabled": False, "learner.total_steps": 150},
+    "eval_every": 10,
+    "eval_n": 4,
+    "target": 0.9,
+}
 
 
 @dataclass
@@ -181,7 +191,7 @@ def make_plan(
     if preset == "tiny":  # `dapo up --preset tiny` is the max3 demo; no ladder runs on it
         raise DapoError(
             "ablation preset 'tiny' is now 'tiny_runmax' (the ladder runs on the "
-            "tiny_runmax config preset, not on `dapo up --preset tiny`'s max3 demo); "
+            "tiny_runmax config preset; `demo` is `dapo up --preset tiny`'s max3 demo); "
             f"choose: {', '.join(ABLATE_PRESETS)}"
         )
     if preset not in ABLATE_PRESETS:

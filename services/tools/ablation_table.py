@@ -99,6 +99,12 @@ def summarise_rung(info: Mapping[str, Any], rows: list[dict[str, Any]]) -> dict[
         "steps_to_high": reached_high,
         "reached_high": sum(r is not None for r in reached_high),
     }
+    entropies = [r["entropy_curve"] for r in rows if r.get("entropy_curve")]
+    if len(entropies) == len(rows):  # (runs from before the entropy curve was kept: none)
+        curves_h = [grid_curve(e, grid) for e in entropies]
+        out["entropy_mean"] = [statistics.fmean(c) for c in zip(*curves_h, strict=True)]
+        out["entropy_min"] = [min(c) for c in zip(*curves_h, strict=True)]
+        out["entropy_max"] = [max(c) for c in zip(*curves_h, strict=True)]
     out["final_acc"] = mean_sd([c[-1] for c in curves])
     out["final_acc_ci95"] = bootstrap_ci([c[-1] for c in curves])
     for key in ("generated_per_trained", "entropy_end", "train_s", "wall_s", *MECHANISM):
@@ -224,8 +230,11 @@ def rerender(directory: Path) -> list[Path]:
     return [directory / "table.json", directory / "table.md"]
 
 
-def write_plot(plan: Plan, summary: list[dict[str, Any]], path: Path) -> Path | None:
-    """Held-out accuracy vs step: the seed mean per rung, shaded between min and max."""
+def write_plot(
+    plan: Plan, summary: list[dict[str, Any]], path: Path, what: str = "acc"
+) -> Path | None:
+    """Held-out accuracy (`what="acc"`) or policy entropy (`"entropy"`) vs step: the seed
+    mean per rung, shaded between min and max."""
     try:
         import matplotlib
     except ImportError:
@@ -236,12 +245,15 @@ def write_plot(plan: Plan, summary: list[dict[str, Any]], path: Path) -> Path | 
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for s in summary:
-        (line,) = ax.plot(s["grid"], s["acc_mean"], marker=".", label=s["label"])
-        ax.fill_between(s["grid"], s["acc_min"], s["acc_max"], color=line.get_color(), alpha=0.15)
-    ax.axhline(plan.target, color="grey", lw=0.8, ls="--")
+        (line,) = ax.plot(s["grid"], s[f"{what}_mean"], marker=".", label=s["label"])
+        ax.fill_between(
+            s["grid"], s[f"{what}_min"], s[f"{what}_max"], color=line.get_color(), alpha=0.15
+        )
+    if what == "acc":
+        ax.axhline(plan.target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("training step (policy version)")
-    ax.set_ylabel(f"held-out avg@{plan.eval_n}")
-    ax.set_title(f"DAPO ablation ladder ({plan.name}, {len(plan.seeds)} seeds: mean, min–max)")
+    ax.set_ylabel(f"held-out avg@{plan.eval_n}" if what == "acc" else "entropy (nats/token)")
+    ax.set_title(f"DAPO ablation ({plan.name}, {len(plan.seeds)} seeds: mean, min–max)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -257,5 +269,7 @@ def write_outputs(plan: Plan, rows: list[dict[str, Any]], meta: dict[str, Any]) 
     (out / "table.json").write_text(json.dumps(data, indent=2))
     (out / "table.md").write_text(table_md(data["plan"], data["summary"], meta))
     written = [out / "table.json", out / "table.md"]
-    png = write_plot(plan, data["summary"], out / "accuracy.png")
-    return written + ([png] if png else [])
+    pngs = [write_plot(plan, data["summary"], out / "accuracy.png")]
+    if all("entropy_mean" in s for s in data["summary"]):
+        pngs.append(write_plot(plan, data["summary"], out / "entropy.png", "entropy"))
+    return written + [p for p in pngs if p]

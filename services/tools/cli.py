@@ -158,8 +158,9 @@ def add_ablate_parser(sub: Any) -> None:
         "--preset",
         default="tiny_runmax",
         help="ablation preset: tiny_runmax (the default: the ladder on the config preset of "
-        "that name, `dapo up --preset tiny_runmax`) or tiny_mixed (the earlier ladder on the "
-        "tiny preset with the max3+copy2 task)",
+        "that name, `dapo up --preset tiny_runmax`), tiny_mixed (the earlier ladder on the "
+        "tiny preset with the max3+copy2 task) or demo (`dapo up --preset tiny` as `make "
+        "demo` runs it, 150 steps; e.g. --rungs dynamic_sampling,no_clip_higher)",
     )
     p.add_argument("--seeds", type=types.seed_count, default=5, help="runs per rung (seeds 0..N-1)")
     p.add_argument("--name", help="output name: runs/ablate-<name> (default: the preset)")
