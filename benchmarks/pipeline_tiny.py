@@ -8,9 +8,10 @@ interleaved seed by seed (dapo, loop, dapo, loop, ...) with the load before each
 
 Checks (issue #37, item 6): generated and trained responses/s of dapo's training phase
 ÷ the loop's (≥ 0.5, ≥ 0.7), time to held-out avg@4 ≥ 0.9 ÷ the loop's (≤ 1.5, over the
-seeds both reach it), and every dapo seed reaching 0.9; and item 2's service CPU per
-step (≤ 0.1 s, from `dapo up`'s own `CPU per step`). Details: benchmarks/README.md,
-"`pipeline_tiny`".
+seeds both reach it), and every dapo seed reaching 0.9; item 2's service CPU per step
+(≤ 0.1 s, from `dapo up`'s own `CPU per step`) and item 3's start (`dapo up` to its
+first step ≤ 15 s on an idle machine: the load before each run is recorded).
+Details: benchmarks/README.md, "`pipeline_tiny`".
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def summarize(dapo: list[dict[str, Any]], loop: list[dict[str, Any]]) -> dict[st
     both = [(d[1], lp[1]) for d, lp in reached if d and lp]
     time_ratio = sum(d for d, _ in both) / sum(lp for _, lp in both) if both else None
     dapo_reached = sum(1 for d, _ in reached if d)
+    start_s = max(d["to_first_step_s"] for d in dapo)
     services = [d["cpu_per_step"].get("services") for d in dapo if d["cpu_per_step"]]
     service_cpu = max(services) if services and None not in services else None
     generated = rate(dapo, "generated_per_s") / rate(loop, "generated_per_s")
@@ -140,6 +142,7 @@ def summarize(dapo: list[dict[str, Any]], loop: list[dict[str, Any]]) -> dict[st
             at_least("trained responses/s: dapo / loop", trained, 0.7),
             time_check(time_ratio),
             service_check(service_cpu),
+            at_most("dapo up to its first step, s (max over runs)", start_s, 15.0),
             at_least(
                 f"dapo seeds reaching 0.9 of {len(dapo)}", float(dapo_reached), float(len(dapo))
             ),
