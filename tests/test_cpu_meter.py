@@ -95,3 +95,18 @@ def test_the_torch_engine_measures_its_model_cpu(tiny_model: Path) -> None:
     assert engine.model_cpu_seconds() == 0.0
     engine.generate([[1, 2, 3]] * 4, SamplingParams(n=8, max_tokens=4))
     assert engine.model_cpu_seconds() > 0.0
+
+
+def test_a_sample_without_the_models_cpu_narrows_the_window_to_those_with_it() -> None:
+    """A /status that did not answer in time leaves one sample without `model`: the
+    window is the samples that have it, not a report without the model."""
+    roles = ("controller", "buffer", "reward", "redis", "dapo up", "rollout")
+    samples = [
+        Sample(1, dict.fromkeys(roles, 1.0), model=None),
+        Sample(3, dict.fromkeys(roles, 2.0), model=0.4),
+        Sample(7, dict.fromkeys(roles, 3.0), model=0.8),
+        Sample(9, dict.fromkeys(roles, 4.0), model=None),
+    ]
+    cpu = CpuMeter(samples=samples).per_step()
+    assert cpu is not None and cpu["steps"] == 4 and cpu["model"] == 0.1
+    assert cpu["by_role"]["controller"] == 0.25  # type: ignore[index]

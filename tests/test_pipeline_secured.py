@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -104,8 +105,25 @@ def test_dapo_up_runs_with_mtls_token_and_redis_password(tmp_path: Path, tiny_mo
     written = (run_dir / "config.yaml").read_text()
     assert yaml.safe_load(written)["security"]["tls"]["mtls"] is True
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    # Weights moved over the weight socket, under the same mTLS, with no fallback.
-    assert "over the weight socket" in logs and "unreachable" not in logs
+    # Weights moved over the weight socket, under the same mTLS, with no fallback while
+    # the run trained (once it is done the learner stops, and a rollout server still
+    # pulling the last version may find it gone: that is shutdown, not a fallback).
+    assert "over the weight socket" in logs
+    training = until_done(run_dir / "logs" / "rollout.log", run_dir / "logs" / "learner.log")
+    assert "unreachable" not in training, training[-2000:]
     for secret in (TOKEN, REDIS_PASSWORD):  # never written to the run's files or logs
         assert secret not in written and secret not in logs
         assert secret not in stdout + stderr
+
+
+def until_done(log: Path, learner_log: Path) -> str:
+    """`log` up to the second the learner logged the run done (lines start HH:MM:SS)."""
+    done = re.search(r"^(\d\d:\d\d:\d\d) .*run done", learner_log.read_text(), re.M)
+    assert done, "the learner logged no `run done`"
+    kept = []
+    for line in log.read_text(errors="replace").splitlines():
+        stamp = re.match(r"\d\d:\d\d:\d\d", line)
+        if stamp and stamp.group(0) > done.group(1):
+            break
+        kept.append(line)
+    return "\n".join(kept)

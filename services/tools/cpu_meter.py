@@ -91,7 +91,12 @@ class CpuMeter:
         in the window) is left out, and so is the sum it belongs to."""
         if len(self.samples) < 2:
             return None
-        first, last = self.samples[0], self.samples[-1]
+        # The window: the first and last samples that read the model's CPU (a /status
+        # that did not answer in time leaves a sample without it), else all of them.
+        measured = [s for s in self.samples if s.model is not None]
+        if len(measured) < 2 or measured[-1].step == measured[0].step:
+            measured = self.samples
+        first, last = measured[0], measured[-1]
         steps = last.step - first.step
         roles = {r: (last.by_role[r] - first.by_role.get(r, 0.0)) / steps for r in last.by_role}
         roles = {r: v for r, v in roles.items() if v >= 0}
