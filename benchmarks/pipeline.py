@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import at_least, at_most, machine, result_path, write_result
-from services.tools.cpu_meter import cpu_seconds
 
 RESULTS = result_path("pipeline")
 STEPS = 30
@@ -41,32 +40,19 @@ def tiny_config(run: str, model: Path, steps: int, *overrides: str) -> Any:
     )
 
 
-class CpuMeter:
-    """`dapo up`'s on_step hook: CPU seconds of the whole run (launcher, services, their
-    workers, Redis) each time the step count moves, for CPU seconds per training step."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[int, float]] = []
-
-    def __call__(self, launch: Any, step: int, done: bool) -> None:
-        if step and (not self.samples or step != self.samples[-1][0]):
-            self.samples.append((step, cpu_seconds(os.getpid())))
-
-    def per_step(self) -> float | None:
-        """Between the first step seen and the last but one (the last includes the export)."""
-        window = self.samples[:-1]
-        if len(window) < 2 or window[-1][0] == window[0][0]:
-            return None
-        return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
+def whole_run_cpu(report: dict[str, Any]) -> float | None:
+    """CPU seconds per step of every process of the run (launcher, services, their
+    workers, Redis): the sum of `dapo up`'s own `cpu_per_step` by role."""
+    cpu = report.get("cpu_per_step")
+    return sum(cpu["by_role"].values()) if cpu else None
 
 
 def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
     """One `dapo up` (its own Redis, all five processes); returns its report + rates."""
     from services.tools.launcher import launch
 
-    meter = CpuMeter()
     started = time.perf_counter()
-    code = launch(config, run_dir=str(run_dir), on_step=meter)
+    code = launch(config, run_dir=str(run_dir))
     wall = time.perf_counter() - started
     report = json.loads((run_dir / "report.json").read_text())
     steps = report["steps"]
@@ -91,7 +77,7 @@ def run_up(config: Any, run_dir: Path) -> dict[str, Any]:
         "p_informative": ledger["kept"] / max(decided, 1),
         "ledger_ok": ledger["ok"],
         "final_accuracy": steps[-1]["accuracy"] if steps else None,
-        "cpu_seconds_per_step": meter.per_step(),
+        "cpu_seconds_per_step": whole_run_cpu(report),
     }
 
 

@@ -40,6 +40,13 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def group_size() -> int:
+    """The tiny preset's group size: responses per group, on both sides."""
+    from services.tools.config import load_config
+
+    return load_config(preset="tiny", env={}).shared.group_size
+
+
 def first_at(curve: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
     """(step, seconds) of the first curve point at or above `target`."""
     return next(((step, t) for step, acc, t in curve if acc >= target), None)
@@ -72,8 +79,8 @@ def run_dapo(work: Path, model: Path, seed: int, steps: int) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "to_first_step_s": round(steps_done[0]["committed_at"] - started, 2),
         "train_phase_s": round(phase, 2),
-        "generated_per_s": ledger["scored"] * 16 / phase,
-        "trained_per_s": ledger["trained"] * 16 / phase,
+        "generated_per_s": ledger["scored"] * group_size() / phase,
+        "trained_per_s": ledger["trained"] * group_size() / phase,
         "curve": [(v, round(a, 3), round(t, 2)) for v, a, t in curve],
         "eval_after": report["eval_after"]["avg@4"],
         "entropy_last_10": statistics.fmean(s["entropy"] for s in steps_done[-10:]),
@@ -101,7 +108,7 @@ def run_loop(model: Path, seed: int, steps: int) -> dict[str, Any]:
         "train_phase_s": round(phase, 2),
         "eval_s": round(result.eval_seconds, 2),
         "generated_per_s": result.responses / phase,
-        "trained_per_s": result.groups_trained * 16 / phase,
+        "trained_per_s": result.groups_trained * group_size() / phase,
         "curve": [
             (c["step"], round(c["held_out"], 3), round(c["seconds"], 2)) for c in result.curve
         ],

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from services.tools.cpu_meter import (
     CpuMeter,
     Sample,
@@ -82,7 +84,7 @@ def test_observe_samples_only_when_the_step_moves() -> None:
     meter = CpuMeter(every_s=0.0)
     pids = {"dapo up": [os.getpid()], "me": [os.getpid()]}
     for step in (0, 1, 1, 2, 2, 3):
-        meter.observe(step, pids, lambda: 0.0)
+        meter.observe(step, lambda: pids, lambda: 0.0)
     assert [s.step for s in meter.samples] == [1, 2, 3]
     assert meter.samples[-1].by_role["me"] >= meter.samples[0].by_role["me"] > 0
 
@@ -110,3 +112,20 @@ def test_a_sample_without_the_models_cpu_narrows_the_window_to_those_with_it() -
     cpu = CpuMeter(samples=samples).per_step()
     assert cpu is not None and cpu["steps"] == 4 and cpu["model"] == 0.1
     assert cpu["by_role"]["controller"] == 0.25  # type: ignore[index]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_cpu_seconds_counts_descendants() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 30
+        while cpu_seconds(child.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child_cpu, own = cpu_seconds(child.pid), time.process_time()
+        assert child_cpu >= 0.5
+        tick = 2 / os.sysconf("SC_CLK_TCK")  # /proc counts in clock ticks
+        assert cpu_seconds(os.getpid()) >= child_cpu + own - tick
+    finally:
+        child.kill()
+        child.wait()

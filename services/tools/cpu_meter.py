@@ -66,10 +66,13 @@ class CpuMeter:
     _last: float = 0.0
 
     def observe(
-        self, step: int, pids: Mapping[str, list[int]], model: Callable[[], float | None]
+        self,
+        step: int,
+        pids: Callable[[], Mapping[str, list[int]]],
+        model: Callable[[], float | None],
     ) -> None:
         """A sample when `step` moved past the last sample's and `every_s` has passed.
-        `pids`: each role's process roots (a role's own process only for `dapo up`)."""
+        `pids()`: each role's process roots (a role's own process only for `dapo up`)."""
         now = time.monotonic()
         if step <= 0 or (self.samples and step <= self.samples[-1].step):
             return
@@ -79,7 +82,7 @@ class CpuMeter:
         own = table.get(os.getpid(), (0, 0.0))[1]
         by_role = {
             role: own if role == "dapo up" else sum(tree_cpu(p, table) for p in roots)
-            for role, roots in pids.items()
+            for role, roots in pids().items()
         }
         self.samples.append(Sample(step, by_role, model()))
         self._last = now

@@ -415,7 +415,7 @@ def monitor(launch: Launch) -> int:
             if dead is not None and not done and not supervise(launch, dead, bar):
                 return 1
             if not done:
-                launch.cpu.observe(bar.n, launch.role_pids(), launch.model_cpu)
+                launch.cpu.observe(bar.n, launch.role_pids, launch.model_cpu)
             if launch.on_step is not None:
                 launch.on_step(launch, bar.n, done)
             if done:
