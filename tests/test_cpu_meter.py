@@ -87,6 +87,10 @@ def test_observe_samples_only_when_the_step_moves() -> None:
         meter.observe(step, lambda: pids, lambda: 0.0)
     assert [s.step for s in meter.samples] == [1, 2, 3]
     assert meter.samples[-1].by_role["me"] >= meter.samples[0].by_role["me"] > 0
+    resumed = CpuMeter(every_s=0.0)  # a resumed run's bar starts at its checkpoint's step
+    for step in (28, 28, 29, 30):
+        resumed.observe(step, lambda: pids, lambda: 0.0)
+    assert [s.step for s in resumed.samples] == [29, 30]  # not while its services start
 
 
 def test_the_torch_engine_measures_its_model_cpu(tiny_model: Path) -> None:

@@ -64,6 +64,7 @@ class CpuMeter:
     every_s: float = 1.0
     samples: list[Sample] = field(default_factory=list)
     _last: float = 0.0
+    _origin: int | None = None  # the step first seen: a resumed run starts past 0
 
     def observe(
         self,
@@ -71,10 +72,15 @@ class CpuMeter:
         pids: Callable[[], Mapping[str, list[int]]],
         model: Callable[[], float | None],
     ) -> None:
-        """A sample when `step` moved past the last sample's and `every_s` has passed.
-        `pids()`: each role's process roots (a role's own process only for `dapo up`)."""
+        """A sample when `step` moved past the last sample's (the first: past the step
+        first seen, so a resumed run's window starts at a step it trained, not while its
+        services start) and `every_s` has passed. `pids()`: each role's process roots (a
+        role's own process only for `dapo up`)."""
         now = time.monotonic()
-        if step <= 0 or (self.samples and step <= self.samples[-1].step):
+        if self._origin is None:
+            self._origin = step
+        last = self.samples[-1].step if self.samples else self._origin
+        if step <= last:
             return
         if self.samples and now - self._last < self.every_s:
             return
