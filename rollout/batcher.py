@@ -31,6 +31,26 @@ class _Request:
     cancelled: bool = False
 
 
+class Stream:
+    """One submitted prompt's samples, as they finish (raises the engine's errors).
+    close() (or leaving an iteration early) drops it if it has not reached the engine."""
+
+    def __init__(self, request: _Request) -> None:
+        self._request = request
+
+    def __iter__(self) -> Iterator[StreamedSample]:
+        try:
+            while (item := self._request.out.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.close()  # a no-op once done; skips it if still queued
+
+    def close(self) -> None:
+        self._request.cancelled = True
+
+
 class Batcher:
     """One worker thread that drains a queue of requests into batched engine calls."""
 
@@ -51,20 +71,16 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="batcher")
         self._thread.start()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Iterator[StreamedSample]:
-        """Queue one prompt; yields its samples as they finish (raises engine errors)."""
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
+        """Queue one prompt now (raises BatcherClosed when stopping); the Stream yields its
+        samples as they finish. Queued at once, not when first read: a caller with several
+        prompts submits them all before it reads any, so they can share an engine call."""
         request = _Request(list(prompt), params)
         with self._closing_lock:
             if self._closing:
                 raise BatcherClosed("the rollout server is stopping")
             self._queue.put(request)
-        try:
-            while (item := request.out.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            request.cancelled = True  # a no-op once done; skips it if still queued
+        return Stream(request)
 
     def pending(self) -> int:
         """Requests waiting for their engine call."""

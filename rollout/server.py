@@ -1,10 +1,11 @@
 """The rollout service: gRPC RolloutService over one engine, weight catch-up, registration.
 
 GenerateGroup answers all n samples of a prompt at once, each tagged with the policy
-version that produced it. Weights are pulled by `rollout.weights.WeightSync`: whole and
-newer, or not at all. A server refuses work until it has caught up with the learner
-once, then serves while it fetches newer versions; why the controller routes on
-`accepting`, not `ready`: docs/architecture.md, "The rollout server".
+version that produced it; GenerateGroups does so for several prompts in one call. Weights
+are pulled by `rollout.weights.WeightSync`: whole and newer, or not at all. A server
+refuses work until it has caught up with the learner once, then serves while it fetches
+newer versions; why the controller routes on `accepting`, not `ready`:
+docs/architecture.md, "The rollout server".
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,7 +20,7 @@ import redis
 
 from dapo.v1 import rollout_pb2, rollout_pb2_grpc
 from rollout import adapter
-from rollout.batcher import Batcher, BatcherClosed
+from rollout.batcher import Batcher, BatcherClosed, Stream
 from rollout.config import RolloutSettings, TorchEngineConfig
 from rollout.engine import RolloutEngine, SamplingParams
 from rollout.limits import GenerateLimitExceeded, Limits
@@ -90,21 +90,65 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return False
         return self.sync is None or self.sync.caught_up.is_set()
 
-    # -- GenerateGroup ----------------------------------------------------------------
+    # -- GenerateGroup(s) -------------------------------------------------------------
 
     def GenerateGroup(self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext):
-        prompt, params = self._accept(request, context)
-        done = sorted(self._samples(prompt, params, context), key=lambda s: s[0])
-        return rollout_pb2.GenerateGroupResponse(
-            request_id=request.request_id,
-            prompt_token_ids=prompt,
-            completions=[completion for _, completion in done],
+        return self._answer([request], context)[0]
+
+    def GenerateGroups(
+        self, request: rollout_pb2.GenerateGroupsRequest, context: grpc.ServicerContext
+    ):
+        if not request.groups:
+            self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, "no groups asked")
+        return rollout_pb2.GenerateGroupsResponse(
+            groups=self._answer(list(request.groups), context)
         )
 
+    def _answer(
+        self, requests: list[rollout_pb2.GenerateRequest], context: grpc.ServicerContext
+    ) -> list[rollout_pb2.GenerateGroupResponse]:
+        """Every group's samples: all prompts are queued before any is read, so an engine
+        that merges calls runs them together."""
+        accepted = self._accept(requests, context)
+        streams: list[Stream] = []
+        try:
+            streams = [self.batcher.submit(prompt, params) for prompt, params in accepted]
+            return [
+                rollout_pb2.GenerateGroupResponse(
+                    request_id=request.request_id,
+                    prompt_token_ids=prompt,
+                    completions=self._completions(stream),
+                )
+                for request, (prompt, _), stream in zip(requests, accepted, streams, strict=True)
+            ]
+        except ValueError as exc:  # the engine refused this prompt or these params
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BatcherClosed as exc:  # stopping: the controller re-routes the group
+            abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception as exc:
+            log.exception("generation failed")
+            self.errors.record(f"failed {type(exc).__name__}", str(exc))
+            abort(context, grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
+        finally:
+            for stream in streams:
+                stream.close()  # a failed call's other prompts: not run if still queued
+            self._release(len(requests))
+
+    def _completions(self, stream: Stream) -> list[rollout_pb2.Completion]:
+        """One prompt's completions in sample-index order, decoded."""
+        done = []
+        for sample in stream:
+            out = sample.output
+            self.metrics.generated(len(out.token_ids), out.finish_reason)
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            done.append((sample.sample_index, adapter.completion(out, text)))
+        return [completion for _, completion in sorted(done, key=lambda d: d[0])]
+
     def _accept(
-        self, request: rollout_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> tuple[list[int], SamplingParams]:
-        """Parse, admit and bring the weights to min_version, or abort the call."""
+        self, requests: list[rollout_pb2.GenerateRequest], context: grpc.ServicerContext
+    ) -> list[tuple[list[int], SamplingParams]]:
+        """Parse, admit and bring the weights to the highest min_version, or abort the
+        call (one refused group refuses them all)."""
         if self.draining.is_set():  # UNAVAILABLE: the controller re-routes the group
             self._refuse(
                 context, "draining", grpc.StatusCode.UNAVAILABLE, "rollout server is shutting down"
@@ -117,26 +161,27 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 "rollout server is catching up to the published weights",
             )
         try:
-            prompt, params = self._parse(request)
+            accepted = [self._parse(request) for request in requests]
         except GenerateLimitExceeded as exc:  # names the config field it broke
             self._refuse(context, exc.limit, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TokenizerMismatch as exc:  # every request would be wrong: the run stops
             self._refuse(context, "tokenizer", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        refusal = self._admit()
+        refusal = self._admit(len(requests))
         if refusal is not None:
             self._refuse(context, *refusal)
-        if not self._reach_version(request.min_version, context):
-            self._release()
+        wanted = max(request.min_version for request in requests)
+        if not self._reach_version(wanted, context):
+            self._release(len(requests))
             self._refuse(
                 context,
                 "behind",
                 grpc.StatusCode.UNAVAILABLE,
                 f"serving version {self.engine.version}, the request needs "
-                f">= {request.min_version} and it did not arrive in time",
+                f">= {wanted} and it did not arrive in time",
             )
-        return prompt, params
+        return accepted
 
     def _reach_version(self, wanted: int, context: grpc.ServicerContext) -> bool:
         """Wait (bounded) until the served weights are at least version `wanted`.
@@ -184,41 +229,23 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         return list(request.prompt_token_ids)
 
-    def _admit(self) -> tuple[str, Any, str] | None:
-        """Count the call in flight, or say why not (too many calls)."""
+    def _admit(self, groups: int) -> tuple[str, Any, str] | None:
+        """Count the call's groups in flight, or say why not (too many)."""
         limit = self.config.rollout.max_concurrent_requests
+        if groups > limit:  # never admissible: the caller asks per group instead
+            message = f"{groups} groups in one call > rollout.max_concurrent_requests={limit}"
+            return "invalid", grpc.StatusCode.INVALID_ARGUMENT, message
         with self._lock:
-            if self.in_flight >= limit:
+            if self.in_flight + groups > limit:
                 message = f"{self.in_flight} requests in flight = rollout.max_concurrent_requests"
                 return "busy", grpc.StatusCode.RESOURCE_EXHAUSTED, message
-            self.in_flight += 1
+            self.in_flight += groups
         return None
 
-    def _samples(
-        self, prompt: list[int], params: SamplingParams, context: Any
-    ) -> Iterator[tuple[int, rollout_pb2.Completion]]:
-        """(sample index, completion) as each finishes; releases the admitted call."""
-        try:
-            for sample in self.batcher.submit(prompt, params):
-                out = sample.output
-                self.metrics.generated(len(out.token_ids), out.finish_reason)
-                text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-                yield sample.sample_index, adapter.completion(out, text)
-        except ValueError as exc:  # the engine refused this prompt or these params
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BatcherClosed as exc:  # stopping: the controller re-routes the group
-            abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Exception as exc:
-            log.exception("generation failed")
-            self.errors.record(f"failed {type(exc).__name__}", str(exc))
-            abort(context, grpc.StatusCode.INTERNAL, f"generation failed: {exc}")
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        """A GenerateGroup call admitted by `_admit` is over."""
+    def _release(self, groups: int) -> None:
+        """The groups admitted by `_admit` are over."""
         with self._lock:
-            self.in_flight -= 1
+            self.in_flight -= groups
 
     # -- control ----------------------------------------------------------------------
 

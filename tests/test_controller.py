@@ -176,7 +176,7 @@ def test_groups_ask_for_the_version_current_at_admission(redis_client: redis.Red
     snap = c.state.snapshot()
     assert (snap.version, snap.done) == (7, False) and snap.counts.admitted == 0
     record = c.records[0]
-    group_id = c.admit(Cursor(0, 1), record, snap.version).group_id
+    group_id = c.admit([(Cursor(0, 1), record)], snap.version)[0].group_id
     meta = json.loads(redis_client.hget(RunKeys("c").inflight, group_id))
     assert meta["v"] == 7  # a restarted controller asks for the same min_version
     fingerprint = c.tokenizer.fingerprint
@@ -322,7 +322,7 @@ def test_pass_rates_are_recorded_where_groups_are_published_and_survive_a_restar
     record = c.records[0]
     rates = [0.5, 1.0, 0.25, 0.75, 0.0, 0.0]
     for i, rate in enumerate(rates):
-        group_id = c.admit(Cursor(0, i + 1), record, 0).group_id
+        group_id = c.admit([(Cursor(0, i + 1), record)], 0)[0].group_id
         group = scored_group(record, group_id, [True] * int(4 * rate) + [False] * int(4 - 4 * rate))
         assert c.state.publish(group, Timing(0.1, 0.2))
     assert not c.state.publish(group, Timing(0.1, 0.2))  # a replay records nothing twice

@@ -22,6 +22,8 @@ from services.controller.admission import (
     Snapshot,
     history_length,
     sit_out,
+    staleness_allows,
+    staleness_room,
 )
 from services.controller.clients import Retrier
 from services.controller.config import ControllerSettings
@@ -99,6 +101,26 @@ def test_admission_applies_each_limit_to_its_source() -> None:
     assert admission.check(in_flight=0).done and not admission.check(in_flight=0).admit
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.25, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize(("queued", "undecided"), [(0, 0), (1, 3), (3, 0), (4, 0), (0, 9)])
+def test_the_room_is_what_admitting_one_at_a_time_would_allow(
+    rate: float, queued: int, undecided: int
+) -> None:
+    """A burst admits exactly the groups that checks after each admission would."""
+    counts = PipelineCounts(admitted=queued + undecided, kept=queued)
+    one_by_one = 0
+    while one_by_one < 50 and staleness_allows(counts, rate, 2, 1):
+        one_by_one += 1
+        counts = PipelineCounts(admitted=counts.admitted + 1, kept=queued)
+    start = PipelineCounts(admitted=queued + undecided, kept=queued)
+    assert staleness_room(start, rate, 2, 1, most=50) == one_by_one
+    pipeline = Pipeline(counts=start)
+    admission = Admission(limits(max_in_flight=6), pipeline, Rates())
+    admission.estimator.rate = rate  # no decisions yet: update() keeps it
+    verdict = admission.check(in_flight=1)
+    assert verdict.room == min(one_by_one, 5) and verdict.admit == (verdict.room > 0)
+
+
 def test_a_hard_prompt_sits_out_one_epoch_then_is_retried() -> None:
     rates = Rates({"p1": [0.0, 0.0]})
     admission = Admission(limits(), Pipeline(), rates)
@@ -146,6 +168,8 @@ def sample(correct: bool = False) -> Sample:
 class Rollouts:
     fail: BaseException | None = None
     asked: list[tuple[str, int, int]] = field(default_factory=list)
+    bad: set[str] = field(default_factory=set)  # prompt ids refused
+    batches: list[list[str]] = field(default_factory=list)  # generate_many's request ids
 
     def generate(
         self,
@@ -157,22 +181,50 @@ class Rollouts:
         stop: threading.Event,
     ) -> Generated:
         self.asked.append((request_id, n, min_version))
-        if self.fail is not None:
-            raise self.fail
+        if self.fail is not None or record.prompt_id in self.bad:
+            raise self.fail or GroupRejected(Rejection("prompt_too_long", record.prompt_id))
         return Generated([7, 8], [sample() for _ in range(n)])
+
+    def generate_many(
+        self,
+        asks: Sequence[tuple[str, PromptRecord]],
+        n: int,
+        sampling: SamplingConfig,
+        min_version: int,
+        stop: threading.Event,
+    ) -> list[Generated]:
+        """As a rollout server: one refused group refuses the whole call."""
+        self.batches.append([request_id for request_id, _ in asks])
+        if any(record.prompt_id in self.bad for _, record in asks):
+            raise GroupRejected(Rejection("prompt_too_long", "one of the batch"))
+        return [self.generate(i, r, n, sampling, min_version, stop) for i, r in asks]
 
 
 @dataclass
 class Rewards:
     fail: BaseException | None = None
+    bad: set[str] = field(default_factory=set)  # request ids whose scoring fails for good
+    calls: int = 0
 
     def score(
         self, request_id: str, samples: list[Sample], ground_truth: str, stop: threading.Event
     ) -> list[Sample]:
-        if self.fail is not None:
-            raise self.fail
+        if self.fail is not None or request_id in self.bad:
+            raise self.fail or GroupRejected(Rejection("reward_bad_response", request_id))
         samples[0].correct = True
         return samples
+
+    def score_many(
+        self, asks: Sequence[tuple[str, list[Sample], str]], stop: threading.Event
+    ) -> list[list[Sample] | BaseException]:
+        self.calls += 1
+        out: list[list[Sample] | BaseException] = []
+        for request_id, samples, truth in asks:
+            try:
+                out.append(self.score(request_id, samples, truth, stop))
+            except GroupRejected as exc:
+                out.append(exc)
+        return out
 
 
 @dataclass
@@ -247,6 +299,52 @@ def test_a_stopped_episode_leaves_its_group_in_flight() -> None:
     ep, store, streak = episode(Rollouts(Stopped("e0-0")))
     assert ep.play(TICKET, RECORD, threading.Event()) is Outcome.STOPPED
     assert not store.published and not store.rejected and streak.verdict() is None
+    assert ep.play_many([TICKET, TICKET2], [RECORD, RECORD2], threading.Event()) == [
+        Outcome.STOPPED
+    ] * 2
+    assert not store.published and not store.rejected
+
+
+TICKET2 = Ticket("e0-1", "p2", 0, 6)
+RECORD2 = PromptRecord("p2", "1,1,2=", "2", "max3")
+TICKET3 = Ticket("e0-2", "p3", 0, 6)
+RECORD3 = PromptRecord("p3", "4,1,2=", "4", "max3")
+BATCH = ([TICKET, TICKET2, TICKET3], [RECORD, RECORD2, RECORD3])
+
+
+def test_groups_admitted_together_share_one_generate_call_and_one_score_call() -> None:
+    rollouts, rewards = Rollouts(), Rewards()
+    ep, store, _ = episode(rollouts, rewards)
+    assert ep.play_many(*BATCH, threading.Event()) == [Outcome.PUBLISHED] * 3
+    assert rollouts.batches == [["e0-0", "e0-1", "e0-2"]] and rewards.calls == 1
+    assert [a[2] for a in rollouts.asked] == [6, 6, 6]  # the newest admission version
+    published = [g for g, _ in store.published]
+    assert [(g.group_id, g.prompt_id) for g in published] == [
+        ("e0-0", "p1"),
+        ("e0-1", "p2"),
+        ("e0-2", "p3"),
+    ]
+    assert [g.admitted_version for g in published] == [5, 6, 6]  # each its own
+    assert not store.generating_now and not store.rejected
+
+
+def test_a_refused_batch_is_played_group_by_group_so_the_bad_group_fails_alone() -> None:
+    rollouts = Rollouts(bad={"p2"})
+    ep, store, _ = episode(rollouts)
+    outcomes = ep.play_many(*BATCH, threading.Event())
+    assert outcomes == [Outcome.PUBLISHED, Outcome.REJECTED, Outcome.PUBLISHED]
+    assert [r[:2] for r in store.rejected] == [("e0-1", "p2")]
+    assert store.rejected[0][2].reason == "prompt_too_long"
+    assert sorted(g.group_id for g, _ in store.published) == ["e0-0", "e0-2"]
+
+
+def test_a_group_whose_scoring_fails_in_a_batch_fails_alone() -> None:
+    rollouts, rewards = Rollouts(), Rewards(bad={"e0-2"})
+    ep, store, _ = episode(rollouts, rewards)
+    outcomes = ep.play_many(*BATCH, threading.Event())
+    assert outcomes == [Outcome.PUBLISHED, Outcome.PUBLISHED, Outcome.REJECTED]
+    assert len(rollouts.batches) == 1  # generated once, not again per group
+    assert [(r[0], r[2].reason) for r in store.rejected] == [("e0-2", "reward_bad_response")]
 
 
 # -- the clients' retry rules and the eval curve's use of them ---------------------------
@@ -303,9 +401,12 @@ class Host:
 def test_the_eval_curve_samples_through_the_same_clients() -> None:
     config = load_config(preset="tiny", env={}, overrides=["controller.eval.n=3"])
     host = Host(Rollouts(), Rewards(), config)
-    evaluator = Evaluator(host, [RECORD])  # type: ignore[arg-type]  # no Redis, no router
-    scored = evaluator.sample(RECORD, 4, threading.Event())
-    assert scored is not None and [s.correct for s in scored] == [True, False, False]
-    assert host.rollouts.asked == [("eval-v4-p1", 3, 4)]
+    evaluator = Evaluator(host, [RECORD, RECORD2])  # type: ignore[arg-type]  # no Redis
+    scored = evaluator.sample([RECORD, RECORD2], 4, threading.Event())
+    assert scored is not None and [[s.correct for s in row] for row in scored] == [
+        [True, False, False]
+    ] * 2
+    assert host.rollouts.asked == [("eval-v4-p1", 3, 4), ("eval-v4-p2", 3, 4)]
+    assert host.rollouts.batches == [["eval-v4-p1", "eval-v4-p2"]]  # one call
     host.rollouts.fail = Stopped("eval")
-    assert evaluator.sample(RECORD, 4, threading.Event()) is None
+    assert evaluator.sample([RECORD], 4, threading.Event()) is None

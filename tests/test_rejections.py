@@ -265,7 +265,7 @@ def test_a_resumed_group_whose_prompt_is_gone_is_rejected(
     skipped at load) accounts for the group instead of leaving it in flight for good."""
     c = controller(redis_client, write_parquet(tmp_path / "d.parquet", clean_rows(2)))
     gone = PromptRecord("messy-gone", "1,2,3=", "3", "messy")
-    group_id = c.admit(Cursor(0, 1), gone, 0).group_id
+    group_id = c.admit([(Cursor(0, 1), gone)], 0)[0].group_id
     with ThreadPoolExecutor(2) as pool:
         assert c.resume_inflight(pool, threading.Event()) == 1
     ledger = read_ledger(redis_client, RUN)

@@ -35,6 +35,9 @@ TINY: dict[str, Any] = {
         "eval": {"n": 4, "every_steps": 10},
         "apply_chat_template": False,
         "max_groups_in_flight": 64,
+        # The torch engine merges concurrent calls anyway: 16 groups (256 sequences, its
+        # max_batch_size) per GenerateGroups call and Score call cut the per-group costs.
+        "groups_per_call": 16,
     },
     "rollout": {"engine": {"kind": "torch", "device": "cpu", "dtype": "float32"}},
     "reward": {"num_workers": 1, "overlong_punishment": False},

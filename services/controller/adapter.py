@@ -57,6 +57,17 @@ def samples_from_group(
     ]
 
 
+def samples_from_groups(
+    response: rollout_pb2.GenerateGroupsResponse, batch: rollout_pb2.GenerateGroupsRequest
+) -> list[tuple[list[int], list[Sample]]]:
+    """Each asked group's samples, in request order (ValueError if the answer differs)."""
+    asked = [r.request_id for r in batch.groups]
+    answered = [g.request_id for g in response.groups]
+    if answered != asked:
+        raise ValueError(f"asked for groups {asked}, answered {answered}")
+    return [samples_from_group(g, r.n) for g, r in zip(response.groups, batch.groups, strict=True)]
+
+
 def score_request(
     samples: list[Sample], ground_truth: str, verifier: str, group_id: str
 ) -> reward_pb2.ScoreRequest:

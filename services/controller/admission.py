@@ -10,6 +10,7 @@ staleness manager): no Redis here. Why that bound: docs/architecture.md.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +87,28 @@ def staleness_allows(
     return expected < (max_staleness + 1) * batch_groups
 
 
+def staleness_room(
+    counts: PipelineCounts, rate: float, batch_groups: int, max_staleness: int, most: int = 1 << 20
+) -> int:
+    """How many groups staleness_allows admits one after another, each adding `rate` to
+    the expected work (at most `most`): the j-th (from 0) while expected + j·rate < bound."""
+    bound = (max_staleness + 1) * batch_groups
+
+    def allows(j: int) -> bool:  # the very sum staleness_allows would compare
+        return counts.queued_informative + (counts.undecided + j) * rate < bound
+
+    if not allows(0):
+        return 0
+    if rate <= 0:
+        return most
+    room = min(most, math.ceil((bound - counts.queued_informative) / rate - counts.undecided))
+    while room > 0 and not allows(room - 1):  # float rounding: settle on the exact count
+        room -= 1
+    while room < most and allows(room):
+        room += 1
+    return room
+
+
 def backlog_allows(counts: PipelineCounts, max_backlog: int) -> bool:
     return counts.queued_informative < max_backlog
 
@@ -158,11 +181,13 @@ class PassRateSource(Protocol):
 
 @dataclass(frozen=True)
 class Verdict:
-    """Whether one more group may be admitted now, at which version; `done`: stop."""
+    """Whether one more group may be admitted now (and how many in a row), at which
+    version; `done`: stop."""
 
     admit: bool
     version: int
     done: bool
+    room: int = 1  # groups that may be admitted one after another now (when `admit`)
 
 
 class Admission:
@@ -187,12 +212,13 @@ class Admission:
         snap = self.pipeline.snapshot()
         lim = self.limits
         rate = self.estimator.update(snap.counts.kept, snap.counts.filtered)
-        admit = (
-            in_flight < lim.max_in_flight
-            and backlog_allows(snap.counts, lim.max_backlog)
-            and staleness_allows(snap.counts, rate, lim.batch_groups, lim.max_staleness)
-        )
-        return Verdict(admit and not snap.done, snap.version, snap.done)
+        room = 0
+        if backlog_allows(snap.counts, lim.max_backlog) and not snap.done:
+            concurrency = max(0, lim.max_in_flight - in_flight)
+            room = staleness_room(
+                snap.counts, rate, lim.batch_groups, lim.max_staleness, most=concurrency
+            )
+        return Verdict(room > 0, snap.version, snap.done, room)
 
     def skip_reason(self, prompt_id: str) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out epochs (sit_out).

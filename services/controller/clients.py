@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import Counter
@@ -31,7 +31,7 @@ from services.common.settings import SamplingConfig
 from services.common.types import Sample
 from services.controller import adapter
 from services.controller.episode import Generated
-from services.controller.failures import GroupRejected, Stopped, classify
+from services.controller.failures import GroupRejected, Stopped, classify, unexpected
 from services.controller.routing import Router
 from services.controller.scoring import ScoreBatcher
 
@@ -168,20 +168,69 @@ class RolloutClient:
         )
         return self.retrier.run(lambda: self._attempt(request), "rollout", request_id, stop)
 
+    def generate_many(
+        self,
+        asks: Sequence[tuple[str, PromptRecord]],
+        n: int,
+        sampling: SamplingConfig,
+        min_version: int,
+        stop: threading.Event,
+    ) -> list[Generated]:
+        """generate() for several (request id, record) in one GenerateGroups call, in
+        order. One refused group refuses the call (GroupRejected): ask per group then."""
+        s = self.settings
+        batch = rollout_pb2.GenerateGroupsRequest(
+            groups=[
+                adapter.generate_request(
+                    request_id,
+                    record,
+                    n,
+                    sampling,
+                    s.max_tokens,
+                    s.tokenizer_fingerprint,
+                    min_version=min_version,
+                )
+                for request_id, record in asks
+            ]
+        )
+        name = f"{asks[0][0]} and {len(asks) - 1} more"
+        return self.retrier.run(lambda: self._attempt_many(batch), "rollout", name, stop)
+
     def _attempt(self, request: rollout_pb2.GenerateRequest) -> Generated:
-        with self.router.rollout() as address:
+        timeout = self.settings.timeout_s
+        response = self._routed(1, lambda stub: stub.GenerateGroup.future(request, timeout=timeout))
+        return Generated(*adapter.samples_from_group(response, request.n))
+
+    def _attempt_many(self, batch: rollout_pb2.GenerateGroupsRequest) -> list[Generated]:
+        timeout = self.settings.timeout_s
+        response = self._routed(
+            len(batch.groups), lambda stub: stub.GenerateGroups.future(batch, timeout=timeout)
+        )
+        return [Generated(*group) for group in adapter.samples_from_groups(response, batch)]
+
+    def _routed(
+        self, groups: int, call: Callable[[rollout_pb2_grpc.RolloutServiceStub], grpc.Future]
+    ) -> Any:
+        """call()'s answer from the least-loaded accepting server (`groups` count as its
+        load); a server that answered UNAVAILABLE is routed around."""
+        with self.router.rollout(groups) as address:
             if address is None:
                 raise ConnectionError("no ready rollout server")
             try:
-                stub = self.calls.rollout(address)
-                future = stub.GenerateGroup.future(request, timeout=self.settings.timeout_s)
+                future = call(self.calls.rollout(address))
                 with self.calls.tracked(future):
-                    prompt_ids, samples = adapter.samples_from_group(future.result(), request.n)
-                return Generated(prompt_ids, samples)
+                    return future.result()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.router.shun(address)
                 raise
+
+
+def groups_per_call(wanted: int, n: int, max_tokens: int, max_message_bytes: int) -> int:
+    """`wanted`, or fewer so that a GenerateGroups answer fits in half the message limit
+    (a completion's per-token arrays are at most 16 bytes a token, plus its text)."""
+    per_group = n * (24 * max_tokens + 256)
+    return max(1, min(wanted, max_message_bytes // 2 // per_group))
 
 
 class RewardClient:
@@ -205,6 +254,33 @@ class RewardClient:
             return samples
 
         return self.retrier.run(attempt, "reward", request_id, stop)
+
+    def score_many(
+        self, asks: Sequence[tuple[str, list[Sample], str]], stop: threading.Event
+    ) -> list[list[Sample] | BaseException]:
+        """score() for several (request id, samples, ground truth) at once (their requests
+        share calls); each entry is the scored samples or why that group failed for good."""
+        requests = [
+            adapter.score_request(samples, truth, self.verifier, request_id)
+            for request_id, samples, truth in asks
+        ]
+        out: list[list[Sample] | BaseException] = []
+        for (request_id, samples, truth), answer in zip(
+            asks, self.batcher.score_many(requests), strict=True
+        ):
+            if isinstance(answer, BaseException):  # this group alone, with retries
+                try:
+                    out.append(self.score(request_id, samples, truth, stop))
+                except GroupRejected as exc:
+                    out.append(exc)
+                continue
+            try:
+                adapter.apply_scores(samples, answer)
+            except ValueError as exc:
+                out.append(GroupRejected(classify(exc, "reward") or unexpected(exc)))
+                continue
+            out.append(samples)
+        return out
 
     def _call(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         rewards = self.router.instances("reward")

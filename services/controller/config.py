@@ -40,7 +40,13 @@ class EvalConfig(StrictModel):
         "the run's rollout servers: the eval curve (report, progress bar, metrics); 0 = off.",
     )
     concurrency: int = Field(
-        16, ge=1, description="GenerateGroup calls one in-run evaluation keeps in flight."
+        16, ge=1, description="GenerateGroups calls one in-run evaluation keeps in flight."
+    )
+    groups_per_call: int = Field(
+        64,
+        ge=1,
+        description="Held-out prompts per GenerateGroups call (fewer, when an answer would "
+        "not fit shared.rpc.max_message_bytes).",
     )
     data: str | None = Field(
         None,
@@ -70,6 +76,14 @@ class ControllerConfig(StrictModel):
         2048, ge=1, description="Pause admission while `train` holds this many groups."
     )
     rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one GenerateGroup call.")
+    groups_per_call: int = Field(
+        1,
+        ge=1,
+        description="Groups admitted together and sent in one GenerateGroups call, scored in "
+        "one Score call: fewer calls per group, for an engine that merges calls anyway (the "
+        "torch engine). A call answers when its slowest group is done, so 1 (a call per "
+        "group) with vLLM. Fewer when an answer would not fit shared.rpc.max_message_bytes.",
+    )
     difficulty_window: int = Field(
         2,
         ge=0,

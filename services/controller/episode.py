@@ -13,9 +13,10 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from services.common.data import PromptRecord
@@ -69,11 +70,24 @@ class Generator(Protocol):
         stop: threading.Event,
     ) -> Generated: ...
 
+    def generate_many(
+        self,
+        asks: Sequence[tuple[str, PromptRecord]],
+        n: int,
+        sampling: SamplingConfig,
+        min_version: int,
+        stop: threading.Event,
+    ) -> list[Generated]: ...
+
 
 class Scorer(Protocol):
     def score(
         self, request_id: str, samples: list[Sample], ground_truth: str, stop: threading.Event
     ) -> list[Sample]: ...
+
+    def score_many(
+        self, asks: Sequence[tuple[str, list[Sample], str]], stop: threading.Event
+    ) -> list[list[Sample] | BaseException]: ...
 
 
 class GroupStore(Protocol):
@@ -129,9 +143,73 @@ class Episode:
         generate_s = time.monotonic() - started
         samples = self.scorer.score(ticket.group_id, generated.samples, record.ground_truth, stop)
         timing = Timing(generate_s, time.monotonic() - started - generate_s)
-        group = self.group(ticket, record, generated.prompt_token_ids, samples, wall)
+        return self.finish(ticket, record, generated.prompt_token_ids, samples, wall, timing)
+
+    def finish(
+        self,
+        ticket: Ticket,
+        record: PromptRecord,
+        prompt_ids: list[int],
+        samples: list[Sample],
+        admitted_at: float,
+        timing: Timing,
+    ) -> Group:
+        group = self.group(ticket, record, prompt_ids, samples, admitted_at)
         self.store.publish(group, timing)
         return group
+
+    def play_many(
+        self, tickets: Sequence[Ticket], records: Sequence[PromptRecord], stop: threading.Event
+    ) -> list[Outcome]:
+        """play() for groups admitted together, with one GenerateGroups call and shared
+        Score calls. A refused batch is played again group by group, and a group whose
+        scoring failed fails alone, so one bad group never takes the others down."""
+        if len(tickets) == 1:
+            return [self.play(tickets[0], records[0], stop)]
+        started, wall = time.monotonic(), time.time()
+        try:
+            with ExitStack() as waiting:
+                for ticket in tickets:
+                    waiting.enter_context(self.store.generating(ticket.group_id))
+                generated = self.generator.generate_many(
+                    [(t.group_id, r) for t, r in zip(tickets, records, strict=True)],
+                    self.settings.group_size,
+                    self.settings.sampling,
+                    max(t.version for t in tickets),
+                    stop,
+                )
+            generate_s = time.monotonic() - started
+            scored = self.scorer.score_many(
+                [
+                    (t.group_id, g.samples, r.ground_truth)
+                    for t, r, g in zip(tickets, records, generated, strict=True)
+                ],
+                stop,
+            )
+        except Stopped:
+            return [Outcome.STOPPED] * len(tickets)
+        except Exception as exc:  # a refused batch: each group on its own, so it fails alone
+            log.info("a batch of %d groups failed (%s); playing them one by one", len(tickets), exc)
+            return [self.play(t, r, stop) for t, r in zip(tickets, records, strict=True)]
+        timing = Timing(generate_s, time.monotonic() - started - generate_s)
+        return [
+            self.settle(t, partial(self.finish_scored, t, r, g, s, wall, timing))
+            for t, r, g, s in zip(tickets, records, generated, scored, strict=True)
+        ]
+
+    def finish_scored(
+        self,
+        ticket: Ticket,
+        record: PromptRecord,
+        generated: Generated,
+        scored: list[Sample] | BaseException,
+        admitted_at: float,
+        timing: Timing,
+    ) -> Group:
+        """finish() a group of a batch, or raise why its scoring failed."""
+        if isinstance(scored, BaseException):
+            raise scored
+        return self.finish(ticket, record, generated.prompt_token_ids, scored, admitted_at, timing)
 
     def group(
         self,
@@ -161,8 +239,12 @@ class Episode:
     def play(self, ticket: Ticket, record: PromptRecord, stop: threading.Event) -> Outcome:
         """run(), with every failure turned into a rejection (or, when stopping, a group
         left in flight on purpose)."""
+        return self.settle(ticket, lambda: self.run(ticket, record, stop))
+
+    def settle(self, ticket: Ticket, work: Callable[[], object]) -> Outcome:
+        """work()'s outcome for the group: published, rejected (why), or stopped."""
         try:
-            self.run(ticket, record, stop)
+            work()
         except Stopped:
             return Outcome.STOPPED
         except GroupRejected as exc:

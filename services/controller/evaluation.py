@@ -1,5 +1,6 @@
 """The eval curve: held-out accuracy every `controller.eval.every_steps` policy versions,
-sampled by the run's own rollout servers and verified by its reward service.
+sampled by the run's own rollout servers (prompts batched into GenerateGroups calls) and
+verified by its reward service.
 
 A side channel of the controller, in its own thread: its calls share the training groups'
 routing, retries and score batching, but nothing is admitted, so the buffer, the learner
@@ -26,6 +27,7 @@ from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
 from services.common.tokenizer import PromptTokenizer
 from services.common.types import Sample
+from services.controller.clients import groups_per_call
 from services.controller.config import ControllerSettings
 from services.controller.dataset import dataset_source, eval_data_spec, load_eval_data
 from services.controller.episode import Generator, Scorer
@@ -111,11 +113,19 @@ class Evaluator:
     def evaluate(self, version: int, stop: threading.Event) -> dict[str, Any] | None:
         """One eval point at (at least) `version`; None when stopping cut it short."""
         started, step = time.monotonic(), self.learner_step()
+        shared = self.controller.config.shared
+        size = groups_per_call(
+            self.cfg.groups_per_call,
+            self.cfg.n,
+            shared.max_response_length,
+            shared.rpc.max_message_bytes,
+        )
+        chunks = [self.records[i : i + size] for i in range(0, len(self.records), size)]
         with ThreadPoolExecutor(self.cfg.concurrency, "eval") as pool:
-            groups = list(pool.map(lambda r: self.sample(r, version, stop), self.records))
-        if any(g is None for g in groups) or stop.is_set():
+            answers = list(pool.map(lambda chunk: self.sample(chunk, version, stop), chunks))
+        if any(a is None for a in answers) or stop.is_set():
             return None
-        rows: list[list[Sample]] = [g for g in groups if g is not None]
+        rows: list[list[Sample]] = [row for answer in answers if answer for row in answer]
         versions = [s.policy_version for row in rows for s in row]
         return {
             "version": version,
@@ -133,17 +143,30 @@ class Evaluator:
         }
 
     def sample(
-        self, record: PromptRecord, version: int, stop: threading.Event
-    ) -> list[Sample] | None:
-        """n scored responses to one held-out prompt (None when stopping)."""
+        self, records: list[PromptRecord], version: int, stop: threading.Event
+    ) -> list[list[Sample]] | None:
+        """n scored responses to each held-out prompt, in one GenerateGroups call and
+        shared Score calls (None when stopping; raises when a group failed for good)."""
         cfg, c = self.cfg, self.controller
-        eval_id = f"eval-v{version}-{record.prompt_id}"
+        asks = [(f"eval-v{version}-{r.prompt_id}", r) for r in records]
         sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
         try:
-            generated = c.rollouts.generate(eval_id, record, cfg.n, sampling, version, stop)
-            return c.rewards.score(eval_id, generated.samples, record.ground_truth, stop)
+            generated = c.rollouts.generate_many(asks, cfg.n, sampling, version, stop)
+            scored = c.rewards.score_many(
+                [
+                    (eval_id, g.samples, r.ground_truth)
+                    for (eval_id, r), g in zip(asks, generated, strict=True)
+                ],
+                stop,
+            )
         except Stopped:
             return None
+        rows = []
+        for row in scored:
+            if isinstance(row, BaseException):
+                raise row
+            rows.append(row)
+        return rows
 
     def record(self, point: dict[str, Any]) -> None:
         n = point["n"]

@@ -40,9 +40,9 @@ class Router:
         return cached[1]
 
     @contextmanager
-    def rollout(self) -> Iterator[str | None]:
-        """The accepting rollout server with the fewest of our requests in flight, counted
-        as loaded while the block runs (None when none is registered).
+    def rollout(self, groups: int = 1) -> Iterator[str | None]:
+        """The accepting rollout server with the fewest of our groups in flight, loaded
+        with `groups` more while the block runs (None when none is registered).
 
         `accepting`, not `ready`: a server a version behind still takes the call and
         waits for the weights the request's min_version names (rollout/server.py). A
@@ -56,12 +56,12 @@ class Router:
             now = time.monotonic()
             usable = [a for a in ready if self._shunned.get(a, 0.0) <= now] or ready
             address = min(usable, key=lambda a: self._load[a])
-            self._load[address] += 1
+            self._load[address] += groups
         try:
             yield address
         finally:
             with self._lock:
-                self._load[address] -= 1
+                self._load[address] -= groups
 
     def shun(self, address: str) -> None:
         """Route around `address`, which answered UNAVAILABLE, for one registry TTL: a

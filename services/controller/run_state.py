@@ -84,13 +84,33 @@ class RunState:
     # -- the moves
     def admit(self, ticket: Ticket, cursor: Cursor) -> bool:
         """Record the group in flight, with the cursor and the ledger, atomically."""
-        meta = json.dumps(
-            {"prompt_id": ticket.prompt_id, "epoch": ticket.epoch, "v": ticket.version}
-        )
         k = self.keys
         return admit_inflight(
-            self.client, k.inflight, k.cursor, k.ledger, ticket.group_id, meta, cursor.encode()
+            self.client,
+            k.inflight,
+            k.cursor,
+            k.ledger,
+            ticket.group_id,
+            _meta(ticket),
+            cursor.encode(),
         )
+
+    def admit_many(self, admitted: Sequence[tuple[Ticket, Cursor]]) -> None:
+        """admit() for each, in order, in one round trip (each move is atomic alone; the
+        cursor moves with every group)."""
+        pipe = self.client.pipeline(transaction=False)
+        k = self.keys
+        for ticket, cursor in admitted:
+            admit_inflight(
+                pipe,
+                k.inflight,
+                k.cursor,
+                k.ledger,
+                ticket.group_id,
+                _meta(ticket),
+                cursor.encode(),
+            )
+        pipe.execute()
 
     def cursor(self) -> Cursor:
         return Cursor.decode(self.client.get(self.keys.cursor))
@@ -157,6 +177,11 @@ class RunState:
         pipe.delete(self.keys.dataset)
         pipe.hset(self.keys.dataset, mapping=counts)
         pipe.execute()
+
+
+def _meta(ticket: Ticket) -> str:
+    """What `inflight` keeps of an admitted group (read back by `in_flight`)."""
+    return json.dumps({"prompt_id": ticket.prompt_id, "epoch": ticket.epoch, "v": ticket.version})
 
 
 class Backlog:

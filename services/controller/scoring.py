@@ -69,6 +69,16 @@ class ScoreBatcher:
         self._queue.put(pending)
         return pending.result.result()
 
+    def score_many(
+        self, requests: list[reward_pb2.ScoreRequest]
+    ) -> list[reward_pb2.ScoreResponse | BaseException]:
+        """Each group's results, or what its call raised: all are queued before any is
+        awaited, so they share calls."""
+        pending = [_Pending(r, r.ByteSize()) for r in requests]
+        for p in pending:
+            self._queue.put(p)
+        return [p.result.exception() or p.result.result() for p in pending]
+
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)

@@ -38,6 +38,7 @@ from services.controller.clients import (
     RewardClient,
     RolloutClient,
     RolloutSettings,
+    groups_per_call,
 )
 from services.controller.config import ControllerSettings
 from services.controller.dataset import Cursor, iterate, load_training_data
@@ -105,6 +106,12 @@ class Controller:
             self.streak,
             on_rejected=self._rejected,
         )
+        self.groups_per_call = groups_per_call(
+            cfg.groups_per_call,
+            shared.group_size,
+            shared.max_response_length,
+            shared.rpc.max_message_bytes,
+        )
         self._lock = threading.Lock()
         self._inflight = 0
         self._wake = threading.Event()  # a slot freed, or the ledger moved
@@ -112,26 +119,38 @@ class Controller:
     def version(self) -> int:
         return self.state.version()
 
-    def admit(self, cursor: Cursor, record: PromptRecord, version: int) -> Ticket:
-        """Record the group as in flight (atomically with the cursor and the ledger)."""
-        group_id = f"e{cursor.epoch}-{cursor.index - 1}"
-        ticket = Ticket(group_id, record.prompt_id, cursor.epoch, version)
-        self.state.admit(ticket, cursor)
-        ADMITTED.inc()
-        return ticket
+    def admit(self, batch: list[tuple[Cursor, PromptRecord]], version: int) -> list[Ticket]:
+        """Record the groups as in flight (each atomically with the cursor and the ledger;
+        all in one round trip)."""
+        tickets = [
+            Ticket(f"e{cursor.epoch}-{cursor.index - 1}", record.prompt_id, cursor.epoch, version)
+            for cursor, record in batch
+        ]
+        if len(tickets) == 1:
+            self.state.admit(tickets[0], batch[0][0])
+        else:
+            self.state.admit_many(
+                [(ticket, cursor) for ticket, (cursor, _) in zip(tickets, batch, strict=True)]
+            )
+        ADMITTED.inc(len(tickets))
+        return tickets
 
     def _rejected(self, rejection: Rejection) -> None:
         self.errors.record(f"rejected {rejection.reason}", rejection.detail)
 
-    def _play(self, ticket: Ticket, record: PromptRecord, stop: threading.Event) -> None:
+    def _play(
+        self, tickets: list[Ticket], records: list[PromptRecord], stop: threading.Event
+    ) -> None:
         started = time.monotonic()
         try:
-            if self.episode.play(ticket, record, stop) is Outcome.PUBLISHED:
-                GROUP_SECONDS.observe(time.monotonic() - started)
+            for outcome in self.episode.play_many(tickets, records, stop):
+                if outcome is Outcome.PUBLISHED:
+                    GROUP_SECONDS.observe(time.monotonic() - started)
         except Exception:  # the rejection itself failed (Redis gone): nothing else to do
-            log.exception("group %s could not be rejected; it stays in flight", ticket.group_id)
+            names = ", ".join(t.group_id for t in tickets)
+            log.exception("groups %s could not be rejected; they stay in flight", names)
         finally:
-            self._count(-1)
+            self._count(-len(tickets))
             self._wake.set()
 
     def _count(self, delta: int) -> int:
@@ -141,10 +160,14 @@ class Controller:
             return self._inflight
 
     def _submit(
-        self, pool: ThreadPoolExecutor, stop: threading.Event, ticket: Ticket, record: PromptRecord
+        self,
+        pool: ThreadPoolExecutor,
+        stop: threading.Event,
+        tickets: list[Ticket],
+        records: list[PromptRecord],
     ) -> None:
-        self._count(+1)
-        pool.submit(self._play, ticket, record, stop)
+        self._count(+len(tickets))
+        pool.submit(self._play, tickets, records, stop)
 
     def resume_inflight(self, pool: ThreadPoolExecutor, stop: threading.Event) -> int:
         """Re-run groups a previous controller admitted but never published."""
@@ -160,7 +183,7 @@ class Controller:
                     ticket.prompt_id,
                 )
                 continue
-            self._submit(pool, stop, ticket, record)
+            self._submit(pool, stop, [ticket], [record])
         return len(tickets)
 
     def publish_dataset(self) -> None:
@@ -227,8 +250,10 @@ class Controller:
             if not verdict.admit:
                 self._wake.wait(WAKE_S)
                 continue
-            cursor, record = self._next_admissible(prompts)
-            self._submit(pool, stop, self.admit(cursor, record, verdict.version), record)
+            wanted = min(verdict.room, self.groups_per_call)
+            batch = [self._next_admissible(prompts) for _ in range(wanted)]
+            records = [record for _, record in batch]
+            self._submit(pool, stop, self.admit(batch, verdict.version), records)
 
     def _next_admissible(
         self, prompts: Iterator[tuple[Cursor, PromptRecord]]

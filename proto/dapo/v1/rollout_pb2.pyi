@@ -76,6 +76,18 @@ class GenerateGroupResponse(_message.Message):
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
 
+class GenerateGroupsRequest(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class GenerateGroupsResponse(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GenerateGroupResponse]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GenerateGroupResponse, _Mapping]]] = ...) -> None: ...
+
 class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -42,6 +42,11 @@ class RolloutServiceStub:
                 request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
                 _registered_method=True)
+        self.GenerateGroups = channel.unary_unary(
+                '/dapo.v1.RolloutService/GenerateGroups',
+                request_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupsRequest.SerializeToString,
+                response_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupsResponse.FromString,
+                _registered_method=True)
         self.GetStatus = channel.unary_unary(
                 '/dapo.v1.RolloutService/GetStatus',
                 request_serializer=dapo_dot_v1_dot_rollout__pb2.GetStatusRequest.SerializeToString,
@@ -62,6 +67,13 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateGroups(self, request, context):
+        """GenerateGroup for several prompts at once (each group counts as one call in flight).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStatus(self, request, context):
         """Current version, readiness and load.
         """
@@ -76,6 +88,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GenerateGroup,
                     request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateRequest.FromString,
                     response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.SerializeToString,
+            ),
+            'GenerateGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.GenerateGroups,
+                    request_deserializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupsRequest.FromString,
+                    response_serializer=dapo_dot_v1_dot_rollout__pb2.GenerateGroupsResponse.SerializeToString,
             ),
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
@@ -113,6 +130,33 @@ class RolloutService:
             '/dapo.v1.RolloutService/GenerateGroup',
             dapo_dot_v1_dot_rollout__pb2.GenerateRequest.SerializeToString,
             dapo_dot_v1_dot_rollout__pb2.GenerateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dapo.v1.RolloutService/GenerateGroups',
+            dapo_dot_v1_dot_rollout__pb2.GenerateGroupsRequest.SerializeToString,
+            dapo_dot_v1_dot_rollout__pb2.GenerateGroupsResponse.FromString,
             options,
             channel_credentials,
             insecure,
