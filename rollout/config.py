@@ -95,8 +95,9 @@ class RolloutConfig(StrictModel):
     max_concurrent_requests: int = Field(
         64,
         ge=1,
-        description="GenerateGroup calls served or queued at once; more get RESOURCE_EXHAUSTED, "
-        "so GetStatus and health checks always find a free thread.",
+        description="GenerateGroup(s) calls served or queued at once (a GenerateGroups call "
+        "counts once, however many groups it asks); more get RESOURCE_EXHAUSTED, so GetStatus "
+        "and health checks always find a free thread.",
     )
     partial_rollouts: bool | None = Field(
         None,

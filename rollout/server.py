@@ -132,17 +132,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         finally:
             for stream in streams:
                 stream.close()  # a failed call's other prompts: not run if still queued
-            self._release(len(requests))
+            self._release()
 
     def _completions(self, stream: Stream) -> list[rollout_pb2.Completion]:
-        """One prompt's completions in sample-index order, decoded."""
-        done = []
-        for sample in stream:
-            out = sample.output
+        """One prompt's completions in sample-index order, decoded in one batch (the
+        tokenizer's batch decode: one call per group, not per sample)."""
+        done = sorted(stream, key=lambda sample: sample.sample_index)
+        outputs = [sample.output for sample in done]
+        for out in outputs:
             self.metrics.generated(len(out.token_ids), out.finish_reason)
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            done.append((sample.sample_index, adapter.completion(out, text)))
-        return [completion for _, completion in sorted(done, key=lambda d: d[0])]
+        texts = self.tokenizer.batch_decode(
+            [out.token_ids.tolist() for out in outputs], skip_special_tokens=True
+        )
+        return [adapter.completion(out, text) for out, text in zip(outputs, texts, strict=True)]
 
     def _accept(
         self, requests: list[rollout_pb2.GenerateRequest], context: grpc.ServicerContext
@@ -168,12 +170,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._refuse(context, "tokenizer", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             self._refuse(context, "invalid", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        refusal = self._admit(len(requests))
+        refusal = self._admit()
         if refusal is not None:
             self._refuse(context, *refusal)
         wanted = max(request.min_version for request in requests)
         if not self._reach_version(wanted, context):
-            self._release(len(requests))
+            self._release()
             self._refuse(
                 context,
                 "behind",
@@ -229,23 +231,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         return list(request.prompt_token_ids)
 
-    def _admit(self, groups: int) -> tuple[str, Any, str] | None:
-        """Count the call's groups in flight, or say why not (too many)."""
+    def _admit(self) -> tuple[str, Any, str] | None:
+        """Count the call in flight, or say why not (too many calls: each holds a gRPC
+        thread, however many groups it asks for)."""
         limit = self.config.rollout.max_concurrent_requests
-        if groups > limit:  # never admissible: the caller asks per group instead
-            message = f"{groups} groups in one call > rollout.max_concurrent_requests={limit}"
-            return "invalid", grpc.StatusCode.INVALID_ARGUMENT, message
         with self._lock:
-            if self.in_flight + groups > limit:
+            if self.in_flight >= limit:
                 message = f"{self.in_flight} requests in flight = rollout.max_concurrent_requests"
                 return "busy", grpc.StatusCode.RESOURCE_EXHAUSTED, message
-            self.in_flight += groups
+            self.in_flight += 1
         return None
 
-    def _release(self, groups: int) -> None:
-        """The groups admitted by `_admit` are over."""
+    def _release(self) -> None:
+        """A call admitted by `_admit` is over."""
         with self._lock:
-            self.in_flight -= groups
+            self.in_flight -= 1
 
     # -- control ----------------------------------------------------------------------
 

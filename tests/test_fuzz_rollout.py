@@ -1,4 +1,4 @@
-"""Fuzzing the rollout service's GenerateGroup and GetStatus.
+"""Fuzzing the rollout service's GenerateGroup(s) and GetStatus.
 
 One real server (torch engine, tiny model, tiny limits so a case costs milliseconds).
 Each GenerateGroup request is generated plausible or wild in one field, and its verdict
@@ -226,6 +226,38 @@ def test_fuzz_generate_group(served: tuple[RolloutServer, Any]) -> None:
     # one of those was answered in full (a refusal of one fails the case above).
     assert verdicts.accepted >= EXAMPLES // 4, (verdicts.accepted, verdicts.refused)
     assert len(verdicts.refused) >= 6, verdicts.refused  # the refusals span many reasons
+    assert server.servicer.in_flight == 0
+
+
+def test_fuzz_generate_groups(served: tuple[RolloutServer, Any]) -> None:
+    """Batches of 1-4 fuzzed groups: answered in full, each group as GenerateGroup would
+    answer it alone, when none has a problem; else refused naming a problem of one."""
+    server, channel = served
+    verdicts = Verdicts(server, channel)
+    decode = rollout_pb2.GenerateGroupsResponse.FromString
+    method = channel.unary_unary(f"{SERVICE}/GenerateGroups", response_deserializer=decode)
+
+    def check(groups: list[rollout_pb2.GenerateRequest]) -> None:
+        version = server.engine.version
+        expected = [p for g in groups for p in problems(g, verdicts.tokenizer, version)]
+        batch = rollout_pb2.GenerateGroupsRequest(groups=groups)
+        try:
+            answer = method(batch.SerializeToString(), timeout=60)
+        except grpc.RpcError as exc:
+            verdicts.refusal(exc, expected)
+            return
+        assert not expected, f"answered despite {expected}"
+        verdicts.accepted += 1
+        assert [g.request_id for g in answer.groups] == [g.request_id for g in groups]
+        for request, group in zip(groups, answer.groups, strict=True):
+            assert list(group.prompt_token_ids) == prompt_ids(request)
+            assert len(group.completions) == request.n
+            for completion in group.completions:
+                check_completion(completion, request, verdicts.stops)
+
+    fuzz(check, groups=st.lists(generate_requests(), min_size=1, max_size=4))
+    assert verdicts.accepted >= EXAMPLES // 10, (verdicts.accepted, verdicts.refused)
+    assert len(verdicts.refused) >= 4, verdicts.refused
     assert server.servicer.in_flight == 0
 
 

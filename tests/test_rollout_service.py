@@ -1,8 +1,9 @@
 """The rollout service over real gRPC and HTTP with the torch engine on the tiny model.
 
 GenerateGroup answers n tagged samples, seeded and in order; each limit gives
-INVALID_ARGUMENT naming it; concurrent calls share engine calls; a call past
-max_concurrent_requests is refused; the removed RPCs answer UNIMPLEMENTED. Weights and
+INVALID_ARGUMENT naming it; concurrent calls share engine calls, and so do the groups of
+one GenerateGroups call; a call past max_concurrent_requests is refused; the removed RPCs
+answer UNIMPLEMENTED. Weights and
 catch-up: tests/test_rollout_service_weights.py.
 """
 
@@ -225,6 +226,53 @@ def test_call_past_max_concurrent_requests_is_refused(tiny_model: Path) -> None:
         assert len(held.result().completions) == 2 and not s.engine.gate_timed_out
         status = s.stub.GetStatus(rollout_pb2.GetStatusRequest(), timeout=5)
         assert status.requests_in_flight == 0 and len(s.generate(n=2)) == 2
+
+
+def _batch(*prompts: tuple[int, ...], n: int = 3) -> rollout_pb2.GenerateGroupsRequest:
+    groups = []
+    for i, ids in enumerate(prompts):
+        request = _request(n=n, ids=ids, temperature=1.0)
+        request.request_id = f"g{i}"
+        groups.append(request)
+    return rollout_pb2.GenerateGroupsRequest(groups=groups)
+
+
+def test_generate_groups_answers_each_group_in_order_from_one_engine_call(
+    tiny_model: Path,
+) -> None:
+    with serve(tiny_model, make_config(), wrap=Recording) as s:
+        prompts = [(3, 4), (5, 6, 7), (8,), (4, 3)]
+        answer = s.stub.GenerateGroups(_batch(*prompts), timeout=60)
+        assert [g.request_id for g in answer.groups] == ["g0", "g1", "g2", "g3"]
+        assert [tuple(g.prompt_token_ids) for g in answer.groups] == prompts
+        assert [len(g.completions) for g in answer.groups] == [3] * 4
+        for group in answer.groups:
+            for c in group.completions:
+                out = sample_from_completion(c)
+                assert 1 <= len(out.token_ids) == len(out.logprobs) <= 2
+        assert s.engine.calls == [4]  # all queued before any was read: one merged call
+        assert metric(s, "dapo_rollout_requests_in_flight") == 0
+
+
+def test_one_refused_group_refuses_the_batch_and_nothing_stays_in_flight(
+    tiny_model: Path,
+) -> None:
+    with serve(tiny_model, make_config(max_concurrent_requests=1), wrap=Recording) as s:
+        cases = [
+            (_batch((3, 4), (3, 999)), "vocabulary"),  # the second group is bad
+            (rollout_pb2.GenerateGroupsRequest(), "no groups"),
+        ]
+        for batch, needle in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                s.stub.GenerateGroups(batch, timeout=30)
+            assert err.value.code() == INVALID and needle in (err.value.details() or "")
+            assert s.server.servicer.in_flight == 0
+        assert s.engine.calls == []  # nothing of a refused batch reached the engine
+        # A call holds one gRPC thread however many groups it asks: 3 groups pass a
+        # limit of 1 call.
+        answer = s.stub.GenerateGroups(_batch((3,), (4,), (5,)), timeout=60)
+        assert [len(g.completions) for g in answer.groups] == [3, 3, 3]
+        assert s.server.servicer.in_flight == 0
 
 
 @pytest.mark.parametrize("method", ["Generate", "Pause", "Resume", "UpdateWeights"])

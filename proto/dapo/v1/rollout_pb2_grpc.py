@@ -68,7 +68,7 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateGroups(self, request, context):
-        """GenerateGroup for several prompts at once (each group counts as one call in flight).
+        """GenerateGroup for several prompts in one call (one call in flight, one gRPC thread).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
