@@ -4,7 +4,8 @@
 curve every 10 steps) and benchmarks/_plain_dapo.py (the same model, task, verifier,
 filter, loss and optimiser in one process, refilling each batch until full, evaluating
 the same held-out split every 10 steps) trained for the same steps from the same model,
-interleaved seed by seed (dapo, loop, dapo, loop, ...) with the load before each run.
+interleaved seed by seed (dapo, loop, dapo, loop, ...), each run started once the load
+average fell below 1.5 (at most 90 s of waiting), the load before each run recorded.
 
 Checks (issue #37, item 6): generated and trained responses/s of dapo's training phase
 ÷ the loop's (≥ 0.5, ≥ 0.7), time to held-out avg@4 ≥ 0.9 ÷ the loop's (≤ 1.5, over the
@@ -39,6 +40,16 @@ EVERY = 10
 TARGET = 0.9
 
 
+def settle(below: float = 1.5, most_s: float = 90.0) -> float:
+    """The 1-minute load average once it fell below `below` (waiting at most `most_s`):
+    each run starts on a quiet machine, not in the previous run's tail (the average
+    decays over a minute after a run ends)."""
+    deadline = time.monotonic() + most_s
+    while load() >= below and time.monotonic() < deadline:
+        time.sleep(2)
+    return load()
+
+
 def load() -> float:
     return round(os.getloadavg()[0], 2)
 
@@ -58,7 +69,7 @@ def first_at(curve: list[tuple[int, float, float]], target: float) -> tuple[int,
 def run_dapo(work: Path, model: Path, seed: int, steps: int) -> dict[str, Any]:
     """`dapo up` as a user starts it; rates over its training phase (first step's start
     to the last commit), times from that start to the commit of each evaluated version."""
-    run_dir, before = work / f"dapo-{seed}", load()
+    run_dir, before = work / f"dapo-{seed}", settle()
     argv = [*up_argv(run_dir, model), "--steps", str(steps), "--eval-every", str(EVERY)]
     argv += ["--set", f"shared.seed={seed}", "--set", f"shared.run_name=bench{seed}"]
     started = time.time()
@@ -100,7 +111,7 @@ def run_loop(model: Path, seed: int, steps: int) -> dict[str, Any]:
     from benchmarks import _plain_dapo as plain
     from services.tools.config import load_config
 
-    before = load()
+    before = settle()
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     sets = [f"shared.model_path={model}", f"shared.seed={seed}"]

@@ -241,9 +241,18 @@ class Store:
         finally:
             self.generating_now.discard(group_id)
 
+    fail: BaseException | None = None
+    batches: int = 0
+
     def publish(self, group: Group, timing: Timing) -> bool:
-        self.published.append((group, timing))
-        return True
+        return self.publish_many([(group, timing)])[0]
+
+    def publish_many(self, items: Sequence[tuple[Group, Timing]]) -> list[bool]:
+        if self.fail is not None:
+            raise self.fail
+        self.batches += 1
+        self.published += items
+        return [True] * len(items)
 
     def reject(self, group_id: str, prompt_id: str, rejection: Rejection) -> bool:
         self.rejected.append((group_id, prompt_id, rejection))
@@ -326,6 +335,15 @@ def test_groups_admitted_together_share_one_generate_call_and_one_score_call() -
     ]
     assert [g.admitted_version for g in published] == [5, 6, 6]  # each its own
     assert not store.generating_now and not store.rejected
+    assert store.batches == 1  # one round trip publishes the three
+
+
+def test_a_failed_batch_publish_rejects_each_group_as_a_lone_publish_would() -> None:
+    ep, store, _ = episode()
+    store.fail = ConnectionError("redis gone")
+    outcomes = ep.play_many(*BATCH, threading.Event())
+    assert outcomes == [Outcome.REJECTED] * 3 and not store.published
+    assert {r[2].reason for r in store.rejected} == {CONTROLLER_ERROR}
 
 
 def test_a_refused_batch_is_played_group_by_group_so_the_bad_group_fails_alone() -> None:

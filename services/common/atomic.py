@@ -163,6 +163,20 @@ def publish_inflight(
     return bool(script(keys=names, args=[group_id, *rate, *_flat(fields)]))
 
 
+def publish_inflight_many(
+    client: redis.Redis, keys: RunKeys, items: Sequence[tuple[str, Fields, PassRate]]
+) -> list[bool]:
+    """publish_inflight for each (group id, fields, pass rate), in order, in one round
+    trip: each move is atomic alone, as when made one by one."""
+    script = client.register_script(_PUBLISH)
+    names = [keys.inflight, keys.scored, keys.ledger, keys.pass_rates]
+    pipe = client.pipeline(transaction=False)
+    for group_id, fields, pass_rate in items:
+        rate = pass_rate.prompt_id, round(pass_rate.rate, 4), pass_rate.keep
+        script(keys=names, args=[group_id, *rate, *_flat(fields)], client=pipe)
+    return [bool(reply) for reply in pipe.execute()]
+
+
 def reject_inflight(
     client: redis.Redis,
     keys: RunKeys,
@@ -190,6 +204,21 @@ def admit_inflight(
     """Record a group in flight (+1 `admitted` if new) and move the cursor."""
     script = client.register_script(_ADMIT)
     return bool(script(keys=[inflight, cursor_key, ledger_key], args=[group_id, meta, cursor]))
+
+
+def admit_inflight_many(
+    client: redis.Redis,
+    inflight: str,
+    cursor_key: str,
+    ledger_key: str,
+    items: Sequence[tuple[str, str, str]],
+) -> list[bool]:
+    """admit_inflight for each (group id, meta, cursor), in order, in one round trip."""
+    script = client.register_script(_ADMIT)
+    pipe = client.pipeline(transaction=False)
+    for group_id, meta, cursor in items:
+        script(keys=[inflight, cursor_key, ledger_key], args=[group_id, meta, cursor], client=pipe)
+    return [bool(reply) for reply in pipe.execute()]
 
 
 def commit_step(

@@ -97,6 +97,8 @@ class GroupStore(Protocol):
 
     def publish(self, group: Group, timing: Timing) -> bool: ...
 
+    def publish_many(self, items: Sequence[tuple[Group, Timing]]) -> list[bool]: ...
+
     def reject(self, group_id: str, prompt_id: str, rejection: Rejection) -> bool: ...
 
 
@@ -192,24 +194,35 @@ class Episode:
             log.info("a batch of %d groups failed (%s); playing them one by one", len(tickets), exc)
             return [self.play(t, r, stop) for t, r in zip(tickets, records, strict=True)]
         timing = Timing(generate_s, time.monotonic() - started - generate_s)
-        return [
-            self.settle(t, partial(self.finish_scored, t, r, g, s, wall, timing))
+        built = [
+            self.built(t, r, g, s, wall)
             for t, r, g, s in zip(tickets, records, generated, scored, strict=True)
         ]
+        ready = [(t, b) for t, b in zip(tickets, built, strict=True) if isinstance(b, Group)]
+        try:
+            self.store.publish_many([(group, timing) for _, group in ready])
+        except Exception as exc:  # as when a lone group's publish fails
+            failed = {t.group_id: self.settle(t, partial(_raise, exc)) for t, _ in ready}
+            return [b if isinstance(b, Outcome) else failed[b.group_id] for b in built]
+        for _ in ready:
+            self.streak.success()
+        return [b if isinstance(b, Outcome) else Outcome.PUBLISHED for b in built]
 
-    def finish_scored(
+    def built(
         self,
         ticket: Ticket,
         record: PromptRecord,
         generated: Generated,
         scored: list[Sample] | BaseException,
         admitted_at: float,
-        timing: Timing,
-    ) -> Group:
-        """finish() a group of a batch, or raise why its scoring failed."""
-        if isinstance(scored, BaseException):
-            raise scored
-        return self.finish(ticket, record, generated.prompt_token_ids, scored, admitted_at, timing)
+    ) -> Group | Outcome:
+        """A group of a batch, ready to publish, or the outcome of why it is not."""
+        try:
+            if isinstance(scored, BaseException):
+                raise scored
+            return self.group(ticket, record, generated.prompt_token_ids, scored, admitted_at)
+        except Exception as exc:
+            return self.settle(ticket, partial(_raise, exc))
 
     def group(
         self,
@@ -267,3 +280,7 @@ class Episode:
             rejection.detail,
         )
         return Outcome.REJECTED
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc

@@ -20,8 +20,9 @@ from services.common.adapters import encode_group
 from services.common.atomic import (
     PassRate,
     admit_inflight,
+    admit_inflight_many,
     ledger_changes,
-    publish_inflight,
+    publish_inflight_many,
     reject_inflight,
 )
 from services.common.keys import RunKeys
@@ -98,19 +99,9 @@ class RunState:
     def admit_many(self, admitted: Sequence[tuple[Ticket, Cursor]]) -> None:
         """admit() for each, in order, in one round trip (each move is atomic alone; the
         cursor moves with every group)."""
-        pipe = self.client.pipeline(transaction=False)
         k = self.keys
-        for ticket, cursor in admitted:
-            admit_inflight(
-                pipe,
-                k.inflight,
-                k.cursor,
-                k.ledger,
-                ticket.group_id,
-                _meta(ticket),
-                cursor.encode(),
-            )
-        pipe.execute()
+        items = [(t.group_id, _meta(t), cursor.encode()) for t, cursor in admitted]
+        admit_inflight_many(self.client, k.inflight, k.cursor, k.ledger, items)
 
     def cursor(self) -> Cursor:
         return Cursor.decode(self.client.get(self.keys.cursor))
@@ -139,20 +130,27 @@ class RunState:
         `timing` rides beside the group as a plain stream field, for the run report's time
         accounting (`services/tools/report.py`).
         """
-        fields: dict[str, bytes | str] = {
-            "group": encode_group(group),
-            "group_id": group.group_id,
-            "timing": json.dumps({"generate_s": timing.generate_s, "score_s": timing.score_s}),
-        }
-        rate = PassRate(group.prompt_id, group.accuracy, self.keep)
-        if not publish_inflight(self.client, self.keys, group.group_id, fields, rate):
-            return False
-        SCORED.inc()
-        with self._lock:
-            history = self._rates.setdefault(group.prompt_id, [])
-            history.append(round(group.accuracy, 4))
-            del history[: -self.keep]
-        return True
+        return self.publish_many([(group, timing)])[0]
+
+    def publish_many(self, items: Sequence[tuple[Group, Timing]]) -> list[bool]:
+        """publish() for each, in order, in one round trip."""
+        moves = [
+            (
+                group.group_id,
+                _scored_fields(group, timing),
+                PassRate(group.prompt_id, group.accuracy, self.keep),
+            )
+            for group, timing in items
+        ]
+        moved = publish_inflight_many(self.client, self.keys, moves)
+        for (group, _), ok in zip(items, moved, strict=True):
+            if ok:
+                SCORED.inc()
+                with self._lock:
+                    history = self._rates.setdefault(group.prompt_id, [])
+                    history.append(round(group.accuracy, 4))
+                    del history[: -self.keep]
+        return moved
 
     def reject(self, group_id: str, prompt_id: str, rejection: Rejection) -> bool:
         """Leave `inflight` for the `rejected` stream with the reason (once per group id)."""
@@ -177,6 +175,16 @@ class RunState:
         pipe.delete(self.keys.dataset)
         pipe.hset(self.keys.dataset, mapping=counts)
         pipe.execute()
+
+
+def _scored_fields(group: Group, timing: Timing) -> dict[str, bytes | str]:
+    """A `scored` entry: the group, its id, and its timing (a plain field, for the run
+    report's time accounting, `services/tools/report.py`)."""
+    return {
+        "group": encode_group(group),
+        "group_id": group.group_id,
+        "timing": json.dumps({"generate_s": timing.generate_s, "score_s": timing.score_s}),
+    }
 
 
 def _meta(ticket: Ticket) -> str:
