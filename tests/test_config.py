@@ -230,7 +230,7 @@ def test_old_keys_in_overrides_and_the_environment_still_override(tmp_path: Path
     c = load_config(preset="tiny", overrides=["learner.lr=0.5"], env={})
     assert (
         c.learner.optimizer.lr == 0.5
-        and load_config(preset="tiny", env={}).learner.optimizer.lr == 1e-3
+        and load_config(preset="tiny", env={}).learner.optimizer.lr == 5e-4
     )
     env = {"DAPO_LEARNER__CHECKPOINT_DIR": "/env", "DAPO_LEARNER__ZERO_STAGE": "1"}
     c = load_config(_write(tmp_path / "new.yaml", {"learner": NESTED_LEARNER}), env=env)
