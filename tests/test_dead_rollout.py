@@ -179,7 +179,8 @@ PARTIAL_ROLLOUTS = (
     "rollout.weight_poll_s=0.05",
 )
 KEYS = RunKeys(RUN)
-FAILED = re.compile(r"rollout for (\S+) failed, retrying")
+# A batch (controller.groups_per_call) names its groups comma-joined.
+FAILED = re.compile(r"rollout for (\S+)(?: and \d+ more)? failed, retrying")
 
 
 def audited_run(model: Path, run: str, redis_url: str, *overrides: str, preset: str = "tiny"):
@@ -259,9 +260,10 @@ def failed_on(log: str, address: str) -> set[str]:
     records = re.split(r"\n(?=\d\d:\d\d:\d\d )", log)
     cut_off = ("Socket closed", "Connection reset by peer")
     return {
-        m.group(1)
+        group_id
         for r in records
         if (m := FAILED.search(r)) and (address in r or any(c in r for c in cut_off))
+        for group_id in m.group(1).split(",")
     }
 
 

@@ -27,14 +27,14 @@ def tiny(*overrides: str) -> DapoConfig:
 def test_a_resume_applies_safe_changes_and_refuses_run_changing_ones() -> None:
     saved = tiny("shared.redis_url=redis://127.0.0.1:1/0", "learner.checkpoint.dir=/r/ck")
     assert applied_changes(saved, tiny()) == []  # where dapo up put its pieces: not a change
-    lines = applied_changes(saved, tiny("learner.optimizer.lr=0.0005", "learner.total_steps=40"))
+    lines = applied_changes(saved, tiny("learner.optimizer.lr=0.0002", "learner.total_steps=40"))
     assert lines == [
-        "changed on resume: learner.optimizer.lr 0.001 → 0.0005",
+        "changed on resume: learner.optimizer.lr 0.0005 → 0.0002",
         "changed on resume: learner.total_steps 100 → 40",
     ]
     for change in ("shared.group_size=8", "learner.objective.clip_ratio_high=0.3"):
         with pytest.raises(DapoError, match="would make it another run.*--fresh"):
-            applied_changes(saved, tiny(change, "learner.optimizer.lr=0.0005"))
+            applied_changes(saved, tiny(change, "learner.optimizer.lr=0.0002"))
 
 
 def test_a_plain_start_refuses_a_run_directory_and_fresh_moves_it_aside(tmp_path: Path) -> None:

@@ -133,18 +133,18 @@ def test_a_run_stopped_twice_resumes_to_its_end_with_one_ledger_and_report(
     assert "shared.group_size 16 → 8" in lines[0] and "--fresh" in lines[0]
 
     # Resumed with a new lr (printed, applied), then stopped by two Ctrl-C: one line.
-    second = Job(run_dir, tiny_model, env, "second", *resume_args("0.0005"))
+    second = Job(run_dir, tiny_model, env, "second", *resume_args("0.0002"))
     stop_at(second, run_dir, stopped + 2, signal.SIGINT, signal.SIGINT)
     out, err = second.stdout, second.stderr
     assert second.proc.returncode == 130, err[-3000:]
-    assert "changed on resume: learner.optimizer.lr 0.001 → 0.0005" in out
+    assert "changed on resume: learner.optimizer.lr 0.0005 → 0.0002" in out
     assert f"resuming run tiny (id {run_id}) from its checkpoint step{stopped}" in out
     assert len([line for line in err.splitlines() if "stopping now" in line]) == 1, err[-2000:]
     assert not children_of(run_dir)
 
     # Resumed again to the end: one report and one ledger across the three segments.
     # ... with one service, drawn at random, SIGKILLed on the way (the chaos variant).
-    third = Job(run_dir, tiny_model, env, "third", *resume_args("0.0005"))
+    third = Job(run_dir, tiny_model, env, "third", *resume_args("0.0002"))
     victim = random.Random().choice(["controller", "buffer", "reward", "rollout", "learner"])
     try:
         past = lambda: max(logged_steps(run_dir), default=0) > stopped + 2  # noqa: E731
@@ -163,7 +163,7 @@ def test_a_run_stopped_twice_resumes_to_its_end_with_one_ledger_and_report(
     assert report["ledger"]["trained"] == STEPS * 16
     assert {s["step"] for s in report["steps"]} == set(range(1, STEPS + 1))
     lrs = {s["step"]: s["lr"] for s in report["steps"]}
-    assert lrs[stopped] == pytest.approx(1e-3) and lrs[STEPS] == pytest.approx(5e-4)
+    assert lrs[stopped] == pytest.approx(5e-4) and lrs[STEPS] == pytest.approx(2e-4)
     # The curve goes on across segments: no version evaluated twice. (A point still being
     # sampled when a segment stops is cut, so which versions made it is timing's business.)
     versions = [p["version"] for p in report["eval_curve"]]

@@ -193,8 +193,7 @@ class RolloutClient:
                 for request_id, record in asks
             ]
         )
-        name = f"{asks[0][0]} and {len(asks) - 1} more"
-        return self.retrier.run(lambda: self._attempt_many(batch), "rollout", name, stop)
+        return self.retrier.run(lambda: self._attempt_many(batch), "rollout", named(asks), stop)
 
     def _attempt(self, request: rollout_pb2.GenerateRequest) -> Generated:
         timeout = self.settings.timeout_s
@@ -224,6 +223,14 @@ class RolloutClient:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.router.shun(address)
                 raise
+
+
+def named(asks: Sequence[tuple[str, PromptRecord]], most: int = 16) -> str:
+    """A batch's request ids for the logs: all of them (comma-joined) up to `most`."""
+    ids = [request_id for request_id, _ in asks]
+    if len(ids) <= most:
+        return ",".join(ids)
+    return f"{','.join(ids[:most])} and {len(ids) - most} more"
 
 
 def groups_per_call(wanted: int, n: int, max_tokens: int, max_message_bytes: int) -> int:
