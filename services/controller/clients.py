@@ -156,16 +156,7 @@ class RolloutClient:
     ) -> Generated:
         """n samples of `record` from a policy at least `min_version` (GenerateGroup writes
         nothing, so repeating it is safe)."""
-        s = self.settings
-        request = adapter.generate_request(
-            request_id,
-            record,
-            n,
-            sampling,
-            s.max_tokens,
-            s.tokenizer_fingerprint,
-            min_version=min_version,
-        )
+        request = self._request(request_id, record, n, sampling, min_version)
         return self.retrier.run(lambda: self._attempt(request), "rollout", request_id, stop)
 
     def generate_many(
@@ -178,22 +169,24 @@ class RolloutClient:
     ) -> list[Generated]:
         """generate() for several (request id, record) in one GenerateGroups call, in
         order. One refused group refuses the call (GroupRejected): ask per group then."""
-        s = self.settings
         batch = rollout_pb2.GenerateGroupsRequest(
-            groups=[
-                adapter.generate_request(
-                    request_id,
-                    record,
-                    n,
-                    sampling,
-                    s.max_tokens,
-                    s.tokenizer_fingerprint,
-                    min_version=min_version,
-                )
-                for request_id, record in asks
-            ]
+            groups=[self._request(i, record, n, sampling, min_version) for i, record in asks]
         )
         return self.retrier.run(lambda: self._attempt_many(batch), "rollout", named(asks), stop)
+
+    def _request(
+        self, request_id: str, record: PromptRecord, n: int, sampling: SamplingConfig, least: int
+    ) -> rollout_pb2.GenerateRequest:
+        s = self.settings
+        return adapter.generate_request(
+            request_id,
+            record,
+            n,
+            sampling,
+            s.max_tokens,
+            s.tokenizer_fingerprint,
+            min_version=least,
+        )
 
     def _attempt(self, request: rollout_pb2.GenerateRequest) -> Generated:
         timeout = self.settings.timeout_s

@@ -145,18 +145,7 @@ class Episode:
         generate_s = time.monotonic() - started
         samples = self.scorer.score(ticket.group_id, generated.samples, record.ground_truth, stop)
         timing = Timing(generate_s, time.monotonic() - started - generate_s)
-        return self.finish(ticket, record, generated.prompt_token_ids, samples, wall, timing)
-
-    def finish(
-        self,
-        ticket: Ticket,
-        record: PromptRecord,
-        prompt_ids: list[int],
-        samples: list[Sample],
-        admitted_at: float,
-        timing: Timing,
-    ) -> Group:
-        group = self.group(ticket, record, prompt_ids, samples, admitted_at)
+        group = self.group(ticket, record, generated.prompt_token_ids, samples, wall)
         self.store.publish(group, timing)
         return group
 
