@@ -228,7 +228,12 @@ def bench_tiny_step(root: Path, reps: int) -> dict[str, Any]:
     median = {k: statistics.median(v) for k, v in cpu.items()}
     return {
         "model": "the tiny preset's (init_model tiny): Qwen2 2 layers, hidden 64",
-        "batch": {"groups": 16, "responses": 256, "mini_batches": 2, "prompt_tokens": 6},
+        "batch": {
+            "groups": 16,
+            "responses": 256,
+            "mini_batches": 256 // cfg.batching.mini_batch_responses,
+            "prompt_tokens": 6,
+        },
         "torch_threads": int(TINY["shared"]["torch_threads"]),
         "cpu_seconds": cpu,
         "median_cpu_seconds": median,
