@@ -36,12 +36,12 @@ def group(group_id: str, prompt_id: str, correct: list[bool]) -> Group:
 def test_a_burst_admits_and_publishes_as_one_by_one_would(redis_client: redis.Redis) -> None:
     state = RunState(redis_client, KEYS, history=3)
     tickets = [Ticket(f"e0-{i}", f"p{i}", 0, 4) for i in range(3)]
-    state.admit_many([(t, Cursor(0, i + 1)) for i, t in enumerate(tickets)])
+    state.admit([(t, Cursor(0, i + 1)) for i, t in enumerate(tickets)])
     assert state.cursor() == Cursor(0, 3)  # the last admission's cursor
     assert int(redis_client.hget(KEYS.ledger, "admitted")) == 3
     assert sorted(t.group_id for t in state.in_flight()) == ["e0-0", "e0-1", "e0-2"]
     assert state.in_flight()[0].version == 4
-    state.admit_many([(tickets[0], Cursor(0, 3))])  # again: not counted twice
+    state.admit([(tickets[0], Cursor(0, 3))])  # again: not counted twice
     assert int(redis_client.hget(KEYS.ledger, "admitted")) == 3
 
     groups = [group("e0-0", "p0", [True, False]), group("e0-1", "p1", [True, True])]

@@ -157,10 +157,7 @@ def publish_inflight(
 ) -> bool:
     """Move a group from `inflight` to `scored` (+1 `scored`) and record its pass rate;
     False if already moved (then nothing is recorded twice)."""
-    script = client.register_script(_PUBLISH)
-    names = [keys.inflight, keys.scored, keys.ledger, keys.pass_rates]
-    rate = pass_rate.prompt_id, round(pass_rate.rate, 4), pass_rate.keep
-    return bool(script(keys=names, args=[group_id, *rate, *_flat(fields)]))
+    return publish_inflight_many(client, keys, [(group_id, fields, pass_rate)])[0]
 
 
 def publish_inflight_many(
@@ -202,8 +199,9 @@ def admit_inflight(
     cursor: str,
 ) -> bool:
     """Record a group in flight (+1 `admitted` if new) and move the cursor."""
-    script = client.register_script(_ADMIT)
-    return bool(script(keys=[inflight, cursor_key, ledger_key], args=[group_id, meta, cursor]))
+    return admit_inflight_many(
+        client, inflight, cursor_key, ledger_key, [(group_id, meta, cursor)]
+    )[0]
 
 
 def admit_inflight_many(

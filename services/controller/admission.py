@@ -184,10 +184,13 @@ class Verdict:
     """Whether one more group may be admitted now (and how many in a row), at which
     version; `done`: stop."""
 
-    admit: bool
     version: int
     done: bool
-    room: int = 1  # groups that may be admitted one after another now (when `admit`)
+    room: int  # groups that may be admitted one after another now
+
+    @property
+    def admit(self) -> bool:
+        return self.room > 0
 
 
 class Admission:
@@ -218,7 +221,7 @@ class Admission:
             room = staleness_room(
                 snap.counts, rate, lim.batch_groups, lim.max_staleness, most=concurrency
             )
-        return Verdict(room > 0, snap.version, snap.done, room)
+        return Verdict(snap.version, snap.done, room)
 
     def skip_reason(self, prompt_id: str) -> str | None:
         """Difficulty-aware admission: 'easy'/'hard' prompts sit out epochs (sit_out).

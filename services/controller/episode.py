@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 from services.common.data import PromptRecord
@@ -191,7 +190,7 @@ class Episode:
         try:
             self.store.publish_many([(group, timing) for _, group in ready])
         except Exception as exc:  # as when a lone group's publish fails
-            failed = {t.group_id: self.settle(t, partial(_raise, exc)) for t, _ in ready}
+            failed = {t.group_id: self.failed(t, exc) for t, _ in ready}
             return [b if isinstance(b, Outcome) else failed[b.group_id] for b in built]
         for _ in ready:
             self.streak.success()
@@ -206,12 +205,12 @@ class Episode:
         admitted_at: float,
     ) -> Group | Outcome:
         """A group of a batch, ready to publish, or the outcome of why it is not."""
+        if isinstance(scored, BaseException):
+            return self.failed(ticket, scored)
         try:
-            if isinstance(scored, BaseException):
-                raise scored
             return self.group(ticket, record, generated.prompt_token_ids, scored, admitted_at)
         except Exception as exc:
-            return self.settle(ticket, partial(_raise, exc))
+            return self.failed(ticket, exc)
 
     def group(
         self,
@@ -247,15 +246,20 @@ class Episode:
         """work()'s outcome for the group: published, rejected (why), or stopped."""
         try:
             work()
-        except Stopped:
-            return Outcome.STOPPED
-        except GroupRejected as exc:
-            return self.reject(ticket, exc.rejection)
         except Exception as exc:
-            log.exception("group %s failed unexpectedly; rejecting it", ticket.group_id)
-            return self.reject(ticket, unexpected(exc))
+            return self.failed(ticket, exc)
         self.streak.success()
         return Outcome.PUBLISHED
+
+    def failed(self, ticket: Ticket, exc: BaseException) -> Outcome:
+        """The outcome of a group whose work raised `exc`: stopped (left in flight), or
+        rejected with the reason (an unclassified exception: a bug, logged)."""
+        if isinstance(exc, Stopped):
+            return Outcome.STOPPED
+        if isinstance(exc, GroupRejected):
+            return self.reject(ticket, exc.rejection)
+        log.error("group %s failed unexpectedly; rejecting it", ticket.group_id, exc_info=exc)
+        return self.reject(ticket, unexpected(exc))
 
     def reject(self, ticket: Ticket, rejection: Rejection) -> Outcome:
         self.store.reject(ticket.group_id, ticket.prompt_id, rejection)
@@ -269,7 +273,3 @@ class Episode:
             rejection.detail,
         )
         return Outcome.REJECTED
-
-
-def _raise(exc: BaseException) -> None:
-    raise exc

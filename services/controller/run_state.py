@@ -19,7 +19,6 @@ from prometheus_client import Counter
 from services.common.adapters import encode_group
 from services.common.atomic import (
     PassRate,
-    admit_inflight,
     admit_inflight_many,
     ledger_changes,
     publish_inflight_many,
@@ -83,25 +82,13 @@ class RunState:
         return False
 
     # -- the moves
-    def admit(self, ticket: Ticket, cursor: Cursor) -> bool:
-        """Record the group in flight, with the cursor and the ledger, atomically."""
-        k = self.keys
-        return admit_inflight(
-            self.client,
-            k.inflight,
-            k.cursor,
-            k.ledger,
-            ticket.group_id,
-            _meta(ticket),
-            cursor.encode(),
-        )
-
-    def admit_many(self, admitted: Sequence[tuple[Ticket, Cursor]]) -> None:
-        """admit() for each, in order, in one round trip (each move is atomic alone; the
-        cursor moves with every group)."""
+    def admit(self, admitted: Sequence[tuple[Ticket, Cursor]]) -> list[bool]:
+        """Record each group in flight, with the cursor and the ledger, in order and in one
+        round trip (each move atomic alone; the cursor moves with every group); False for
+        a group already in flight."""
         k = self.keys
         items = [(t.group_id, _meta(t), cursor.encode()) for t, cursor in admitted]
-        admit_inflight_many(self.client, k.inflight, k.cursor, k.ledger, items)
+        return admit_inflight_many(self.client, k.inflight, k.cursor, k.ledger, items)
 
     def cursor(self) -> Cursor:
         return Cursor.decode(self.client.get(self.keys.cursor))

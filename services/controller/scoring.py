@@ -65,9 +65,10 @@ class ScoreBatcher:
 
     def score(self, request: reward_pb2.ScoreRequest) -> reward_pb2.ScoreResponse:
         """This group's results (blocks; raises what the call raised)."""
-        pending = _Pending(request, request.ByteSize())
-        self._queue.put(pending)
-        return pending.result.result()
+        (answer,) = self.score_many([request])
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
 
     def score_many(
         self, requests: list[reward_pb2.ScoreRequest]

@@ -126,12 +126,7 @@ class Controller:
             Ticket(f"e{cursor.epoch}-{cursor.index - 1}", record.prompt_id, cursor.epoch, version)
             for cursor, record in batch
         ]
-        if len(tickets) == 1:
-            self.state.admit(tickets[0], batch[0][0])
-        else:
-            self.state.admit_many(
-                [(ticket, cursor) for ticket, (cursor, _) in zip(tickets, batch, strict=True)]
-            )
+        self.state.admit([(t, cursor) for t, (cursor, _) in zip(tickets, batch, strict=True)])
         ADMITTED.inc(len(tickets))
         return tickets
 
