@@ -48,6 +48,12 @@ class RewardConfig(StrictModel):
         description="math-verify's own SIGALRM limit per parse/verify call, whole seconds; "
         "cheaper than a kill. 0 = off: only the hard timeout_s bounds an item.",
     )
+    inline_rules: bool = Field(
+        True,
+        description="Check the bounded rules (dapo, first_integer) on short text in the "
+        "request's thread, not in a worker (reward/inline.py); false sends every item to "
+        "the pool.",
+    )
     start_method: StartMethod = Field(
         "forkserver",
         description="How workers start: forkserver (math-verify preloaded, fast replacement) "

@@ -107,6 +107,8 @@ class VerifierPool:
     def submit_all(self, tasks: Sequence[Task]) -> list[Future[Outcome]]:
         """Queue tasks in one go (one lock, one wake-up); futures in input order."""
         jobs = [job_for(task) for task in tasks]
+        if not jobs:
+            return []
         if self._closed.is_set():
             fail_all(jobs, "reward pool is shut down")
         else:

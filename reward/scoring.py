@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reward import metrics
+from reward.inline import runs_inline, verify_inline
 from reward.jobs import Outcome, Task
 from reward.pool import VerifierPool
 from reward.shaping import OverlongShaping, is_overlong
@@ -94,13 +95,20 @@ def check_limits(items: Sequence[ScoreInput], limits: Limits) -> None:
 
 
 class Scorer:
-    """Limits → pool → correctness reward + overlong penalty → metrics."""
+    """Limits → verification (bounded rules inline, the rest in the pool) → correctness
+    reward + overlong penalty → metrics."""
 
     def __init__(
-        self, pool: VerifierPool, limits: Limits, shaping: OverlongShaping, default_verifier: str
+        self,
+        pool: VerifierPool,
+        limits: Limits,
+        shaping: OverlongShaping,
+        default_verifier: str,
+        inline_rules: bool = True,
     ) -> None:
         self.pool, self.limits, self.shaping = pool, limits, shaping
         self.default_verifier = default_verifier
+        self.inline_rules = inline_rules
         self.items_scored = 0
 
     def score(self, items: Sequence[ScoreInput], transport: str = "direct") -> list[ScoreOutput]:
@@ -115,11 +123,13 @@ class Scorer:
             Task(item.verifier or self.default_verifier, item.response, item.ground_truth)
             for item in items
         ]
+        inline = [self.inline_rules and runs_inline(task) for task in tasks]
+        pooled = iter(self.pool.submit_all([t for t, here in zip(tasks, inline) if not here]))
         outcomes: list[Outcome] = []
         outputs: list[ScoreOutput] = []
         # Shape each item as its verdict arrives, while the workers verify the rest.
-        for item, future in zip(items, self.pool.submit_all(tasks), strict=True):
-            outcomes.append(future.result())
+        for item, task, here in zip(items, tasks, inline, strict=True):
+            outcomes.append(verify_inline(task) if here else next(pooled).result())
             outputs.append(self._shape(item, outcomes[-1]))
         self._record(outputs, outcomes, transport, time.perf_counter() - start)
         return outputs

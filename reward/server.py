@@ -84,7 +84,7 @@ def create_scorer(config: RewardSettings) -> Scorer:
     limits = Limits(
         config.shared.rpc.max_score_items, cfg.max_response_chars, cfg.max_ground_truth_chars
     )
-    return Scorer(pool, limits, shaping, cfg.default_verifier)
+    return Scorer(pool, limits, shaping, cfg.default_verifier, cfg.inline_rules)
 
 
 def create_app(scorer: Scorer, max_request_bytes: int, auth: AuthConfig | None = None) -> FastAPI:

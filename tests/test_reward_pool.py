@@ -205,3 +205,41 @@ def test_spawned_workers_share_the_progress_word() -> None:
         assert all(o.verdict.correct for o in outcomes[:2] + outcomes[3:])
     finally:
         pool.close()
+
+
+def inline_cases() -> list[tuple[str, str, str]]:
+    """(verifier, response, ground truth) for the rules checked in the request's thread:
+    right, wrong, unparsable, and over the inline bounds (those go to the pool)."""
+    from reward.inline import MAX_INLINE_GROUND_TRUTH_CHARS, MAX_INLINE_RESPONSE_CHARS
+
+    cases = [("first_integer", f"{n}+{n}", str(n if n % 3 else n + 1)) for n in range(20)]
+    cases += [("dapo", f"so... Answer: {n}", str(n if n % 4 else -n)) for n in range(20)]
+    cases += [("dapo", "no answer line", "3"), ("first_integer", "none", "3")]
+    cases += [("dapo", "Answer: 1", "1" * (MAX_INLINE_GROUND_TRUTH_CHARS + 1))]
+    cases += [("first_integer", "7" + "+" * MAX_INLINE_RESPONSE_CHARS, "7")]
+    return cases
+
+
+def test_bounded_rules_on_short_text_skip_the_pool_with_its_verdicts(pool: VerifierPool) -> None:
+    """The dapo and first_integer rules on short text are verified inline, give exactly
+    the workers' verdicts, and only the items over the bounds (or cascade) reach a worker."""
+    from reward.inline import runs_inline
+    from reward.scoring import Limits, ScoreInput, Scorer
+    from reward.shaping import OverlongShaping
+
+    limits, shaping = Limits(1000, 1_000_000, 10_000), OverlongShaping(100, 20, 1.0)
+    cases = inline_cases()
+    items = [ScoreInput(r, g, verifier=v) for v, r, g in cases]
+    by_pool = Scorer(pool, limits, shaping, "cascade", inline_rules=False).score(items)
+    before = pool.chunks_sent
+    inline = Scorer(pool, limits, shaping, "cascade").score(items[:-2])
+    assert pool.chunks_sent == before  # nothing went to a worker
+    mixed = Scorer(pool, limits, shaping, "cascade").score(
+        items[-2:] + [ScoreInput("Answer: 2", "2")]
+    )
+    assert pool.chunks_sent > before  # the long ones and the cascade item did
+    assert [(o.correct, o.pred, o.verifier, o.reward) for o in inline + mixed[:2]] == [
+        (o.correct, o.pred, o.verifier, o.reward) for o in by_pool
+    ]
+    assert sum(o.correct for o in inline) == 13 + 16 and mixed[2].correct  # -0 is "0"
+    assert [runs_inline(Task(v, r, g)) for v, r, g in cases[-2:]] == [False, False]
