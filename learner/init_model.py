@@ -9,6 +9,7 @@ without importing torch. What each preset is and why its tokenizer is saved as
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import random
@@ -65,6 +66,9 @@ class Preset:
     shape: ModelShape
     build_tokenizer: Callable[[], PreTrainedTokenizerFast]
     stops: bool = True  # False: the generation config names no EOS
+    # The vocabulary build_tokenizer makes, computed without building it (None: only by
+    # building): what `model_is_current` compares with the recorded fingerprint.
+    vocab: Callable[[], dict[str, int]] | None = None
 
 
 # --------------------------------------------------------------------------- tokenizers
@@ -78,15 +82,31 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """
     from tokenizers import AddedToken
 
+    # unk is only a label here: the BPE model has none, and one more token would be dead weight.
+    special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
+    tokenizer = _qwen2_tokenizer(tiny_base_vocab(), [], TINY_CHAT_TEMPLATE, special)
+    tokenizer.add_tokens([AddedToken(ANSWER_PREFIX, normalized=False, special=False)])
+    return tokenizer
+
+
+def tiny_base_vocab() -> dict[str, int]:
+    """The tiny BPE model's vocabulary: `<eos>`, then the synthetic alphabet (sorted)."""
     text = "".join(iter_synthetic_corpus()).replace(ANSWER_PREFIX, "")
     alphabet = sorted(set(text) | set(TINY_EXTRA_CHARS))
     byte_chars = bytes_to_unicode()  # the byte-level pre-tokenizer's view of each character
-    vocab = {TINY_EOS: 0, **{byte_chars[ord(ch)]: i + 1 for i, ch in enumerate(alphabet)}}
-    # unk is only a label here: the BPE model has none, and one more token would be dead weight.
-    special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
-    tokenizer = _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special)
-    tokenizer.add_tokens([AddedToken(ANSWER_PREFIX, normalized=False, special=False)])
-    return tokenizer
+    return {TINY_EOS: 0, **{byte_chars[ord(ch)]: i + 1 for i, ch in enumerate(alphabet)}}
+
+
+def tiny_vocab() -> dict[str, int]:
+    """The tiny tokenizer's whole vocabulary (its `get_vocab()`), without building it."""
+    base = tiny_base_vocab()
+    return {**base, ANSWER_PREFIX: len(base)}
+
+
+def vocab_fingerprint(vocab: dict[str, int]) -> str:
+    """A vocabulary's SHA-256, recorded at build time: a later check compares hashes
+    instead of loading the saved tokenizer and building a new one (a second of start-up)."""
+    return hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -221,12 +241,14 @@ def _answer_line(rng: random.Random) -> str:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(ModelShape(64, 256, 2, 4, 2, 256, True), build_tiny_tokenizer),
+    "tiny": Preset(ModelShape(64, 256, 2, 4, 2, 256, True), build_tiny_tokenizer, vocab=tiny_vocab),
     "tiny_long": Preset(
-        ModelShape(64, 256, 2, 4, 2, 4096, True), build_tiny_tokenizer, stops=False
+        ModelShape(64, 256, 2, 4, 2, 4096, True), build_tiny_tokenizer, False, tiny_vocab
     ),
     "small": Preset(ModelShape(128, 512, 2, 2, 2, 4096, True), build_small_tokenizer),
-    "tiny_vllm": Preset(ModelShape(64, 256, 2, 2, 2, 256, True), build_tiny_tokenizer),
+    "tiny_vllm": Preset(
+        ModelShape(64, 256, 2, 2, 2, 256, True), build_tiny_tokenizer, vocab=tiny_vocab
+    ),
 }
 
 
@@ -275,6 +297,7 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
         "seed": seed,
         "num_parameters": model.num_parameters(),
         "vocab_size": len(tokenizer),
+        "vocab_sha256": vocab_fingerprint(tokenizer.get_vocab()),
     }
     (out / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
     return out
@@ -283,13 +306,23 @@ def init_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path
 def model_is_current(out_dir: str | Path, preset: str) -> bool:
     """False when `out_dir` holds a random `preset` model whose tokenizer the builder no
     longer makes (the tiny alphabet grows with the synthetic tasks). A directory without
-    our provenance file, or of another preset, is someone's own model: always current."""
+    our provenance file, or of another preset, is someone's own model: always current.
+    A directory built before fingerprints were recorded is checked the slow way once
+    (load and build both tokenizers) and gets its fingerprint recorded."""
     path = Path(out_dir) / PROVENANCE_FILE
     if preset not in PRESETS or not path.is_file():
         return True
-    if json.loads(path.read_text()).get("preset") != preset:
+    provenance = json.loads(path.read_text())
+    if provenance.get("preset") != preset:
         return True
+    spec = PRESETS[preset]
+    if "vocab_sha256" in provenance and spec.vocab is not None:
+        return bool(provenance["vocab_sha256"] == vocab_fingerprint(spec.vocab()))
     from transformers import AutoTokenizer
 
     saved = AutoTokenizer.from_pretrained(out_dir).get_vocab()
-    return bool(saved == PRESETS[preset].build_tokenizer().get_vocab())
+    if saved != spec.build_tokenizer().get_vocab():
+        return False
+    provenance["vocab_sha256"] = vocab_fingerprint(saved)
+    path.write_text(json.dumps(provenance, indent=2) + "\n")
+    return True

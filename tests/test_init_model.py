@@ -17,6 +17,9 @@ from learner.init_model import (  # noqa: E402
     PROVENANCE_FILE,
     build_small_tokenizer,
     init_model,
+    model_is_current,
+    tiny_vocab,
+    vocab_fingerprint,
 )
 from services.common.data import SYNTHETIC_TASKS, aime_path, load_records, synthetic_records  # noqa: E402
 from services.common.reasoning import (  # noqa: E402
@@ -87,6 +90,7 @@ def test_tiny_parameter_count(tiny_dir: Path) -> None:
         "seed": 0,
         "num_parameters": TINY_PARAMS,
         "vocab_size": 16,
+        "vocab_sha256": vocab_fingerprint(tiny_vocab()),
     }
 
 
@@ -228,7 +232,7 @@ def test_small_tokenizer_round_trips_aime(small_dir: Path) -> None:
 def test_a_model_built_with_an_older_tiny_alphabet_is_rebuilt(
     tiny_dir: Path, tmp_path: Path
 ) -> None:
-    from learner.init_model import TINY_CHAT_TEMPLATE, TINY_EOS, _qwen2_tokenizer, model_is_current
+    from learner.init_model import TINY_CHAT_TEMPLATE, TINY_EOS, _qwen2_tokenizer
     from services.tools.config import load_config
     from services.tools.launcher import ensure_model
 
@@ -237,13 +241,38 @@ def test_a_model_built_with_an_older_tiny_alphabet_is_rebuilt(
     init_model(old, "tiny", seed=0)
     vocab = {TINY_EOS: 0, **{ch: i + 1 for i, ch in enumerate("+,0123456789=")}}  # 14 tokens
     special = {"eos_token": TINY_EOS, "pad_token": TINY_EOS, "unk_token": TINY_EOS}
-    _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special).save_pretrained(old)
+    older = _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special)
+    older.save_pretrained(old)
+    provenance = json.loads((old / PROVENANCE_FILE).read_text())
+    # Built before fingerprints were recorded: found by loading and building both.
+    del provenance["vocab_sha256"]
+    (old / PROVENANCE_FILE).write_text(json.dumps(provenance))
+    assert not model_is_current(old, "tiny")
+    # Built by an older builder that recorded its fingerprint: found by the hashes alone.
+    provenance["vocab_sha256"] = vocab_fingerprint(older.get_vocab())
+    (old / PROVENANCE_FILE).write_text(json.dumps(provenance))
     assert not model_is_current(old, "tiny")
     assert model_is_current(old, "small")  # built as tiny: not this preset's to judge
     (old / PROVENANCE_FILE).unlink()
     assert model_is_current(old, "tiny")  # no provenance: someone's own model, kept
     init_model(old, "tiny", seed=0)
-    _qwen2_tokenizer(vocab, [], TINY_CHAT_TEMPLATE, special).save_pretrained(old)
+    older.save_pretrained(old)
+    (old / PROVENANCE_FILE).write_text(json.dumps(provenance))  # the older builder's record
     config = load_config(preset="tiny", env={}, overrides=[f"shared.model_path={old}"])
     ensure_model(config)
     assert len(AutoTokenizer.from_pretrained(old)) == 16
+
+
+def test_the_recorded_fingerprint_is_the_builders_vocabulary(tiny_dir: Path) -> None:
+    """A preset's cheap `vocab` is exactly what its builder makes, so comparing hashes
+    decides what loading and building both tokenizers would; a directory without a
+    fingerprint is checked the slow way once and gets it recorded."""
+    for name, preset in PRESETS.items():
+        if preset.vocab is not None:
+            assert preset.vocab() == preset.build_tokenizer().get_vocab(), name
+    provenance = json.loads((tiny_dir / PROVENANCE_FILE).read_text())
+    recorded = provenance.pop("vocab_sha256")
+    assert recorded == vocab_fingerprint(AutoTokenizer.from_pretrained(tiny_dir).get_vocab())
+    (tiny_dir / PROVENANCE_FILE).write_text(json.dumps(provenance))
+    assert model_is_current(tiny_dir, "tiny")
+    assert json.loads((tiny_dir / PROVENANCE_FILE).read_text())["vocab_sha256"] == recorded

@@ -643,24 +643,29 @@ def run_locked(
 
 
 def run_segment(state: Launch, rollouts: int) -> int:
-    """Evaluate, start Redis and the services, train to the end; the exit code."""
+    """Start Redis and the services, train to the end, evaluate; the exit code.
+
+    The held-out evaluation of the initial model runs after training, not before: it
+    reads the unchanged model directory with the same seed, so its numbers are the same,
+    and the services start (and the first step comes) seconds sooner. The final model
+    is evaluated first, while the learner lingers to hand over its weights."""
     config, segment = state.config, state.segment
     assert segment is not None
     prepare(config, state.run_dir, state, keep_redis=segment.resumed)
     claim_redis(state.config, segment)
     state.claimed = True
     record_segment(state.run_dir, segment, total_steps=config.learner.total_steps)
-    plan = eval_plan(config)
+    plan = eval_plan(config)  # reads the held-out data now: a bad file fails before training
     previous = previous_report(state.run_dir) if segment.resumed else {}
     if "eval_before" in previous:
         state.evals["eval_before"] = previous["eval_before"]
-    elif plan is not None:
-        state.evals["eval_before"] = run_eval_plan(plan, config, fetch_final=False)
     state.history = [h for h in previous.get("kept_history", []) if h["step"] <= segment.start_step]
     state.start_all(rollouts)
     code = monitor(state)
     if plan is not None and code == 0:
         state.evals["eval_after"] = run_eval_plan(plan, state.config, fetch_final=True)
+        if "eval_before" not in state.evals:
+            state.evals["eval_before"] = run_eval_plan(plan, state.config, fetch_final=False)
     return code
 
 
