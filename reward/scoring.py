@@ -124,7 +124,8 @@ class Scorer:
             for item in items
         ]
         inline = [self.inline_rules and runs_inline(task) for task in tasks]
-        pooled = iter(self.pool.submit_all([t for t, x in zip(tasks, inline, strict=True) if not x]))
+        to_pool = [task for task, here in zip(tasks, inline, strict=True) if not here]
+        pooled = iter(self.pool.submit_all(to_pool))
         outcomes: list[Outcome] = []
         outputs: list[ScoreOutput] = []
         # Shape each item as its verdict arrives, while the workers verify the rest.
