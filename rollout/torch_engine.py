@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
@@ -349,8 +350,11 @@ class TorchEngine(EngineBase):
     def _outputs(self, bucket: list[tuple[int, int]], res: _BucketResult) -> list[StreamedSample]:
         """Turn the bucket's buffers into per-sample outputs (one device sync)."""
         tokens, logprobs = res.tokens.cpu().numpy(), res.logprobs.cpu().numpy()
-        versions = res.versions.cpu().numpy()
-        lengths, stopped = res.lengths.tolist(), res.stopped.tolist()
+        versions, lengths = res.versions.cpu().numpy(), res.lengths.cpu().numpy()
+        # Each row's oldest version over its own tokens, for the bucket at once.
+        own = np.arange(versions.shape[1]) < lengths[:, None]
+        oldest = np.where(own, versions, self._version).min(axis=1, initial=self._version)
+        oldest, lengths, stopped = oldest.tolist(), lengths.tolist(), res.stopped.tolist()
         return [
             StreamedSample(
                 request_index=i,
@@ -359,7 +363,7 @@ class TorchEngine(EngineBase):
                     token_ids=tokens[r, : lengths[r]].copy(),
                     logprobs=logprobs[r, : lengths[r]].copy(),
                     finish_reason="stop" if stopped[r] else "length",
-                    policy_version=int(versions[r, : lengths[r]].min(initial=self._version)),
+                    policy_version=oldest[r],
                     token_versions=versions[r, : lengths[r]].copy(),
                 ),
             )

@@ -15,8 +15,6 @@ from services.common.types import (
     Group,
     IntArray,
     Sample,
-    logprob_array,
-    token_array,
 )
 
 FINISH_TO_PROTO: dict[str, int] = {
@@ -47,20 +45,21 @@ def completion_to_proto(sample: Sample) -> rollout_pb2.Completion:
     )
 
 
-def _unpack(data: bytes, dtype: str, what: str) -> np.ndarray:
+def _unpack(data: bytes, dtype: str, what: str, to: type[np.generic]) -> np.ndarray:
+    """A packed field as a new (writable: torch.from_numpy shares it) array of `to`."""
     size = np.dtype(dtype).itemsize
     if len(data) % size:
         raise ValueError(f"completion {what}: {len(data)} bytes, not a multiple of {size}")
-    return np.frombuffer(data, dtype=dtype).copy()  # writable: torch.from_numpy shares it
+    return np.frombuffer(data, dtype=dtype).astype(to)  # one copy, already the record's type
 
 
 def sample_from_completion(msg: rollout_pb2.Completion) -> Sample:
     """An unscored Sample from a rollout Completion."""
     if msg.finish_reason not in FINISH_FROM_PROTO:
         raise ValueError(f"completion has no finish reason ({msg.finish_reason})")
-    token_ids = token_array(_unpack(msg.token_ids_i32, "<i4", "token ids"))
-    logprobs = logprob_array(_unpack(msg.logprobs_f32, "<f4", "log-probs"))
-    versions = token_array(_unpack(msg.token_versions_i64, "<i8", "token versions"))
+    token_ids = _unpack(msg.token_ids_i32, "<i4", "token ids", np.int64)
+    logprobs = _unpack(msg.logprobs_f32, "<f4", "log-probs", np.float32)
+    versions = _unpack(msg.token_versions_i64, "<i8", "token versions", np.int64)
     if len(versions) and len(versions) != len(token_ids):
         raise ValueError(
             f"completion has {len(versions)} token versions for {len(token_ids)} tokens"

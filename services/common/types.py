@@ -23,11 +23,15 @@ FloatArray = npt.NDArray[np.float32]
 def token_array(values: Iterable[int] | npt.ArrayLike) -> IntArray:
     """Token ids or versions as one int64 array (no copy when already one): responses of
     16k tokens stay one object from the engine to the learner's tensors."""
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the common case, per sample in every service: no numpy call
     return np.asarray(_materialised(values), dtype=np.int64).reshape(-1)
 
 
 def logprob_array(values: Iterable[float] | npt.ArrayLike) -> FloatArray:
     """Per-token log-probs as one float32 array (the engines' and the wire's precision)."""
+    if isinstance(values, np.ndarray) and values.dtype == np.float32 and values.ndim == 1:
+        return values
     return np.asarray(_materialised(values), dtype=np.float32).reshape(-1)
 
 
@@ -44,9 +48,12 @@ def arrays_equal(a: Any, b: Any) -> bool:
     return True
 
 
+_SEQUENCES = (np.ndarray, list, tuple)  # a tuple: isinstance with a `|` union is slower
+
+
 def _materialised(values: Any) -> Any:
     """Arrays, lists and tuples as they are; any other iterable (a generator) as a list."""
-    return values if isinstance(values, np.ndarray | list | tuple) else list(values)
+    return values if isinstance(values, _SEQUENCES) else list(values)
 
 
 def versions_per_token(versions: IntArray | None, length: int, policy_version: int) -> IntArray:
