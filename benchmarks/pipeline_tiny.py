@@ -31,27 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._results import at_least, at_most, check, machine, result_path, write_result
+from services.tools.bench import settle
 from services.tools.cli import up_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = result_path("pipeline_tiny")
 STEPS = 150
 EVERY = 10
+REPEATS = 1  # `dapo bench` runs it once: its three interleaved seed pairs are its repeats
 TARGET = 0.9
-
-
-def settle(below: float = 1.5, most_s: float = 90.0) -> float:
-    """The 1-minute load average once it fell below `below` (waiting at most `most_s`):
-    each run starts on a quiet machine, not in the previous run's tail (the average
-    decays over a minute after a run ends)."""
-    deadline = time.monotonic() + most_s
-    while load() >= below and time.monotonic() < deadline:
-        time.sleep(2)
-    return load()
-
-
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
+LOAD_BELOW = 1.5  # each run starts once the load average fell below this
 
 
 def group_size() -> int:
@@ -69,7 +58,7 @@ def first_at(curve: list[tuple[int, float, float]], target: float) -> tuple[int,
 def run_dapo(work: Path, model: Path, seed: int, steps: int) -> dict[str, Any]:
     """`dapo up` as a user starts it; rates over its training phase (first step's start
     to the last commit), times from that start to the commit of each evaluated version."""
-    run_dir, before = work / f"dapo-{seed}", settle()
+    run_dir, before = work / f"dapo-{seed}", settle(LOAD_BELOW)
     argv = [*up_argv(run_dir, model), "--steps", str(steps), "--eval-every", str(EVERY)]
     argv += ["--set", f"shared.seed={seed}", "--set", f"shared.run_name=bench{seed}"]
     started = time.time()
@@ -111,7 +100,7 @@ def run_loop(model: Path, seed: int, steps: int) -> dict[str, Any]:
     from benchmarks import _plain_dapo as plain
     from services.tools.config import load_config
 
-    before = settle()
+    before = settle(LOAD_BELOW)
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     sets = [f"shared.model_path={model}", f"shared.seed={seed}"]

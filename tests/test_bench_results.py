@@ -67,3 +67,52 @@ def test_every_benchmark_writes_its_result_through_the_shared_writer(name: str) 
     module = importlib.import_module(f"benchmarks.{name}")
     assert module.RESULTS == result_path(name)
     assert module.write_result is write_result
+
+
+def test_repeats_hold_a_check_only_if_it_held_in_every_run() -> None:
+    """`dapo bench --repeats N`: each row lists its N values, says in how many it held and
+    their spread, and passes only N of N; a row missing from a run fails; the load before
+    each run and the last run's details are kept."""
+    from services.tools.bench import merge_repeats
+
+    runs = [
+        {"details": 1, "checks": [at_least("a", 2.0, 1.0), at_most("b", 0.5, 1.0)]},
+        {"details": 2, "checks": [at_least("a", 0.5, 1.0), at_most("b", 0.7, 1.0)]},
+        {"details": 3, "checks": [at_least("a", 3.0, 1.0)]},
+    ]
+    for run, load in zip(runs, (0.4, 1.2, 0.9), strict=True):
+        run["load_before"] = load
+    merged = merge_repeats(runs, 1.5)
+    a, b = merged["checks"]
+    assert a == {
+        "name": "a",
+        "value": [2.0, 0.5, 3.0],
+        "target": 1.0,
+        "ok": False,
+        "held": "2 of 3",
+        "spread": [0.5, 3.0],
+    }
+    assert b["held"] == "2 of 3" and not b["ok"]  # held where it ran, but ran in 2 of 3
+    assert merged["details"] == 3 and "load_before" not in merged
+    assert merged["repeats"]["load_before"] == [0.4, 1.2, 0.9]
+    assert merged["repeats"]["load_below"] == 1.5 and merged["repeats"]["n"] == 3
+    good = merge_repeats([{**runs[2], "load_before": 0.1}] * 2, None)["checks"][0]
+    assert good["ok"] and good["held"] == "2 of 2"
+    pair = merge_repeats([{"checks": [check("p", [0.1, 0.9], "x", True)], "load_before": 0}], None)
+    assert "spread" not in pair["checks"][0]  # only numbers have a spread
+
+
+def test_bench_options_are_checked_before_anything_runs() -> None:
+    import argparse
+
+    from services.common import arg_types
+
+    assert arg_types.load_average("1.5") == 1.5
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            arg_types.load_average(bad)
+    from services.common.errors import DapoError
+    from services.tools.bench import run_benchmark
+
+    with pytest.raises(DapoError, match="at least 1"):
+        run_benchmark("pipeline_tiny", [], repeats=0)

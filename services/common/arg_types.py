@@ -50,6 +50,16 @@ def seconds(*, allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
+def load_average(text: str) -> float:
+    """An argparse type: a load-average bound, a finite number > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a load average > 0, got {text}")
+    return value
+
+
+load_average.__name__ = "float"
+
 positive = bounded_int(1, MAX_COUNT)
 non_negative = bounded_int(0, MAX_COUNT)
 processes = bounded_int(1, MAX_PROCESSES)

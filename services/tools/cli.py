@@ -138,11 +138,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from services.tools.bench import list_benchmarks, run_benchmark
 
     if args.name is None:
-        print("usage: dapo bench NAME [ARGS...]; benchmarks (benchmarks/NAME.py):")
+        print(
+            "usage: dapo bench [--repeats N] [--load-below L] NAME [ARGS...]; "
+            "benchmarks (benchmarks/NAME.py):"
+        )
         for name in list_benchmarks():
             print(f"  {name}")
         return 2
-    return run_benchmark(args.name, args.args)
+    return run_benchmark(args.name, args.args, args.repeats, args.load_below)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -314,6 +317,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_parser(sub).set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="run benchmarks/NAME.py (no NAME: list them)")
+    p.add_argument(
+        "--repeats",
+        type=types.bounded_int(1, 100),
+        default=None,
+        help="run it N times (default: the benchmark's REPEATS, else 3); a check passes "
+        "only if it held in all N (give it before NAME)",
+    )
+    p.add_argument(
+        "--load-below",
+        type=types.load_average,
+        default=None,
+        help="start each run once the 1-minute load average is below L (at most 90 s)",
+    )
     p.add_argument("name", nargs="?")
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark's main()")
     p.set_defaults(func=cmd_bench)
