@@ -63,7 +63,8 @@ def run_benchmark(
     if str(ROOT) not in sys.path:  # benchmarks import their helpers as `benchmarks._x`
         sys.path.insert(0, str(ROOT))
     module = importlib.import_module(f"benchmarks.{name}")
-    runs_wanted = int(repeats or getattr(module, "REPEATS", DEFAULT_REPEATS))
+    own: int = getattr(module, "REPEATS", DEFAULT_REPEATS)
+    runs_wanted = repeats or own
     result_path = BENCH_DIR / "results" / f"{name}.json"
     runs = []
     for _ in range(runs_wanted):
