@@ -98,6 +98,7 @@ def time_service(
     """All prompts as concurrent GenerateGroup calls through a real gRPC server: (s, tokens)."""
     from dapo.v1 import rollout_pb2, rollout_pb2_grpc
     from rollout.server import RolloutServer
+    from services.common.adapters import sample_from_completion
     from services.common.grpc_server import insecure_channel
     from services.tools.config import DapoConfig
 
@@ -116,7 +117,9 @@ def time_service(
                     prompt_token_ids=prompt, n=group, sampling=sampling
                 )
                 reply = stub.GenerateGroup(request)
-                counts.append(sum(len(c.token_ids) for c in reply.completions))
+                counts.append(
+                    sum(len(sample_from_completion(c).token_ids) for c in reply.completions)
+                )
 
             threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
             start = time.perf_counter()
