@@ -111,7 +111,9 @@ def test_eval_after_reads_the_final_export_when_the_learner_is_gone(
     tmp_path: Path, tiny_model: Path
 ) -> None:
     """With learner.linger_s=0 no learner is left to serve the final weights: the
-    after-run evaluation loads the learner's final export and reports its version."""
+    after-run evaluation loads the learner's final export and reports its version. The
+    initial model's evaluation, run after training too, is exactly what evaluating the
+    untouched model directory gives (the same seed): as if it had run before the start."""
     run_dir = tmp_path / "run"
     config = load_config(
         preset="tiny",
@@ -131,3 +133,11 @@ def test_eval_after_reads_the_final_export_when_the_learner_is_gone(
     assert (before["version"], after["version"]) == (0, 3)
     assert after["prompts"] == 8 and after["samples"] == 16
     assert (run_dir / "checkpoints" / "final" / "config.json").is_file()
+    from services.tools.evaluate import eval_plan, run_eval_plan
+
+    plan = eval_plan(config)
+    assert plan is not None
+    again = run_eval_plan(plan, config, fetch_final=False)
+    assert {k: v for k, v in again.items() if k != "seconds"} == {
+        k: v for k, v in before.items() if k != "seconds"
+    }
