@@ -63,7 +63,7 @@ def run_benchmark(
     if str(ROOT) not in sys.path:  # benchmarks import their helpers as `benchmarks._x`
         sys.path.insert(0, str(ROOT))
     module = importlib.import_module(f"benchmarks.{name}")
-    own: int = getattr(module, "REPEATS", DEFAULT_REPEATS)
+    own: int = getattr(module, "REPEATS", DEFAULT_REPEATS)  # probe-ok: optional per benchmark
     runs_wanted = repeats or own
     result_path = BENCH_DIR / "results" / f"{name}.json"
     runs = []
