@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,6 +13,23 @@ from typing import Any
 from services.tools.cli import DAPO_ARGV
 
 DAPO = list(DAPO_ARGV)
+
+
+# What a shell gives a job it starts; a suite started with `nohup` or `&` hands its
+# children SIGINT/SIGHUP ignored, and `dapo up` keeps an ignored signal ignored (so that
+# `nohup dapo up` survives a closed terminal), which made a test's Ctrl-C do nothing.
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
+
+
+def _terminal_signals() -> None:
+    for s in TERMINAL_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+
+
+def popen_as_typed(argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+    """Start `argv` as a user's shell would, whatever the suite inherited: the signals
+    a test sends it (Ctrl-C, a closed terminal, a kill) at their default dispositions."""
+    return subprocess.Popen(argv, preexec_fn=_terminal_signals, **kwargs)
 
 
 def set_args(sets: Iterable[str]) -> list[str]:

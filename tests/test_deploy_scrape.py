@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from dapo_cli import set_args
+from dapo_cli import popen_as_typed, set_args
 from deploy_tools import DEPLOY, ROOT, require_tool
 
 from scripts.prometheus_checks import api, dashboard_queries
@@ -68,7 +68,7 @@ def tiny_run(tmp_path: Path, tiny_model: Path) -> Iterator[dict[str, int]]:
     run_dir = tmp_path / "run"
     sets = ["shared.run_name=scrape", "controller.eval.enabled=false"]
     cmd = [*up_argv(run_dir, tiny_model), "--steps", "10000", *set_args(sets)]
-    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    launcher = popen_as_typed(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     found: dict[str, int] = {}
 

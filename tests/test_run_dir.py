@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dapo_cli import dapo
+from dapo_cli import dapo, popen_as_typed
 from run_audit import children_of, wait_for
 
 from services.tools.cli import up_argv
@@ -36,7 +36,7 @@ def test_run_directory_is_locked_reported_after_stop_and_readable_after_the_run(
         "--set",
         "learner.checkpoint.every=1000",  # only the checkpoint on stop
     ]
-    proc = subprocess.Popen(
+    proc = popen_as_typed(
         up, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=killed_tree_env
     )
     learner_log = run_dir / "logs" / "learner.log"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from dapo_cli import dapo, set_args
+from dapo_cli import dapo, popen_as_typed, set_args
 from run_audit import assert_trained_once, children_of, role_process, wait_for
 
 from services.common.redis_server import start_redis
@@ -65,7 +65,7 @@ class Job:
         argv = [*up_argv(run_dir, model), "--steps", str(STEPS), *set_args(SETS), *extra]
         self.out, self.err = (run_dir.parent / f"{name}.{k}" for k in ("out", "err"))
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen(
+            self.proc = popen_as_typed(
                 argv, stdout=out, stderr=err, start_new_session=True, env=env
             )
 
