@@ -222,6 +222,11 @@ def test_fresh_moves_a_run_aside_and_a_killed_learner_resumes_only_its_own_run(
     assert report["ledger"]["trained"] == 5 * 16
     resumed = re.findall(r"resumed step=(\d+)", (run_dir / "logs" / "learner.log").read_text())
     assert resumed and all(2 <= int(n) < 5 for n in resumed), resumed
+    # The moved run is still evaluable: its config names the new run's checkpoints
+    # (`run/checkpoints`), its own are inside it.
+    result = dapo("eval", "--run", str(aside), "--n", "2", "--limit", "8")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["version"] == 3
 
 
 def test_two_runs_on_one_redis_do_not_mix(

@@ -90,11 +90,20 @@ def latest_checkpoint_step(config: DapoConfig) -> int | None:
 
 
 def load_run(run_dir: Path) -> DapoConfig:
-    """The resolved config the run's `dapo up` wrote."""
+    """The resolved config the run's `dapo up` wrote.
+
+    A run directory moved aside (`dapo up --fresh`) or copied keeps its checkpoints
+    inside it, while its config still names `<where it ran>/checkpoints` (the default
+    the launcher filled in), which may now be another run's: that default is read as the
+    directory's own `checkpoints`."""
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise DapoError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(path, env={})
+    config = load_config(path, env={})
+    recorded, own = config.learner.checkpoint.dir, run_dir / "checkpoints"
+    if recorded is not None and Path(recorded).name == own.name and own.is_dir():
+        config.learner.checkpoint.dir = str(own)
+    return config
 
 
 @contextmanager
