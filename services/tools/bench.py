@@ -69,20 +69,27 @@ def run_benchmark(
     runs = []
     for _ in range(runs_wanted):
         before = load() if load_below is None else settle(load_below)
+        written = written_at(result_path)
         module.main(list(argv or []))
-        if not result_path.is_file():
+        if written_at(result_path) in (None, written):  # not the last run's file read again
             raise DapoError(f"benchmark {name} wrote no {result_path}")
         runs.append({**json.loads(result_path.read_text()), "load_before": before})
+    result = runs[-1]
     if runs_wanted > 1:
-        merged = merge_repeats(runs, load_below)
-        result_path.write_text(json.dumps(merged, indent=2) + "\n")
-    checks = json.loads(result_path.read_text()).get("checks", [])
+        result = merge_repeats(runs, load_below)
+        result_path.write_text(json.dumps(result, indent=2) + "\n")
+    checks = result.get("checks", [])
     for check in checks:
         mark = "ok " if check["ok"] else "MISS"
         held = f", held {check['held']}" if "held" in check else ""
         print(f"{mark} {check['name']}: {check['value']} (target {check['target']}{held})")
     print(f"results: {result_path}")
     return 0 if all(c["ok"] for c in checks) else 1
+
+
+def written_at(path: Path) -> int | None:
+    """When `path` was last written (None: it does not exist)."""
+    return path.stat().st_mtime_ns if path.is_file() else None
 
 
 def merge_repeats(runs: list[dict[str, Any]], load_below: float | None) -> dict[str, Any]:
