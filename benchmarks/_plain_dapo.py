@@ -22,6 +22,7 @@ from rollout.torch_engine import TorchEngine
 from services.buffer.filters import check_informative
 from services.common.data import synthetic_records
 from services.common.types import Group, Sample
+from services.controller.dataset import Cursor, iterate
 from services.tools.config import DapoConfig
 from services.tools.evaluate import prompt_ids, summarise
 
@@ -90,19 +91,21 @@ def run_plain(cfg: DapoConfig, steps: int, eval_every: int = 0) -> PlainResult:
     """Train for `steps` steps; optionally record held-out accuracy every `eval_every`."""
     engine = TorchEngine(cfg.model_path, dtype="float32")
     policy = TorchPolicy(load_model(cfg.model_path), cfg.learner)
-    records = synthetic_records(cfg.controller.dataset.synthetic_task, seed=cfg.shared.seed)
+    data = cfg.controller.dataset
+    records = synthetic_records(data.synthetic_task, seed=cfg.shared.seed)
+    # the controller's own prompt stream: epochs, shuffles and answer-balanced draws alike
+    stream = iterate(records, Cursor(), cfg.shared.seed, data.shuffle, data.answer_balance)
     params = SamplingParams(
         n=cfg.shared.group_size, temperature=1.0, max_tokens=cfg.shared.max_response_length
     )
-    need, cursor, result = cfg.shared.train_batch_groups, 0, PlainResult()
+    need, result = cfg.shared.train_batch_groups, PlainResult()
     pad = engine.pad_token_id
     started = time.perf_counter()
     carry: list[Group] = []
     while result.steps < steps:
         t0 = time.perf_counter()
         while len(carry) < need:
-            batch = [records[(cursor + i) % len(records)] for i in range(need)]
-            cursor += need
+            batch = [next(stream)[1] for _ in range(need)]
             outs = engine.generate(
                 [prompt_ids(engine.tokenizer, r.prompt, False) for r in batch], params
             )

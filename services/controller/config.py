@@ -24,6 +24,15 @@ class DatasetConfig(StrictModel):
         None, ge=1, description="Training prompts drawn from the synthetic task (None = all)."
     )
     shuffle: bool = True
+    answer_balance: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="0: every prompt once per epoch (the paper's). Above 0, each epoch draws "
+        "as many prompts, with replacement, weighting a prompt by count(its answer)^-a: "
+        "answers' shares move from their frequency (0) to uniform (1). For tasks with few "
+        "distinct answers where rare ones are under-trained (the `tiny` demo: 0.5).",
+    )
 
 
 class EvalConfig(StrictModel):

@@ -153,23 +153,41 @@ class Cursor:
         return cls(int(epoch), int(index))
 
 
-def epoch_order(n: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
-    """The order of the n prompts in one epoch (a fresh seeded shuffle per epoch)."""
+def answer_weights(answers: list[str], balance: float) -> list[float] | None:
+    """Draw weights count(answer)^-balance, so each answer's share of the draws goes as
+    its count^(1-balance); None at 0 (no weighting: every prompt once per epoch)."""
+    if balance == 0:
+        return None
+    counts = Counter(answers)
+    return [counts[a] ** -balance for a in answers]
+
+
+def epoch_order(
+    n: int, epoch: int, seed: int, shuffle: bool, weights: list[float] | None = None
+) -> list[int]:
+    """The order of the n prompts in one epoch (a fresh seeded shuffle per epoch), or,
+    with `weights`, n seeded draws with replacement. Both are a function of (seed, epoch):
+    a resumed cursor finds the same order."""
+    rng = random.Random(f"{seed}-{epoch}")
+    if weights is not None:
+        return rng.choices(range(n), weights=weights, k=n)
     order = list(range(n))
     if shuffle:
-        random.Random(f"{seed}-{epoch}").shuffle(order)
+        rng.shuffle(order)
     return order
 
 
 def iterate(
-    records: list[PromptRecord], start: Cursor, seed: int, shuffle: bool
+    records: list[PromptRecord], start: Cursor, seed: int, shuffle: bool, balance: float = 0.0
 ) -> Iterator[tuple[Cursor, PromptRecord]]:
-    """Endless (epoch, record) stream from `start`; each item carries the cursor after it."""
+    """Endless (epoch, record) stream from `start`; each item carries the cursor after it.
+    `balance`: DatasetConfig.answer_balance."""
     if not records:
         raise DapoError("the dataset holds no prompts")
+    weights = answer_weights([r.ground_truth for r in records], balance)
     epoch, index = start.epoch, start.index
     while True:
-        order = epoch_order(len(records), epoch, seed, shuffle)
+        order = epoch_order(len(records), epoch, seed, shuffle, weights)
         while index < len(order):
             record = records[order[index]]
             index += 1

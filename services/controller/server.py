@@ -203,7 +203,9 @@ class Controller:
     def run(self, stop: threading.Event) -> None:
         cfg, shared = self.config.controller, self.config.shared
         start = self.state.cursor()
-        prompts = iterate(self.records, start, shared.seed, cfg.dataset.shuffle)
+        prompts = iterate(
+            self.records, start, shared.seed, cfg.dataset.shuffle, cfg.dataset.answer_balance
+        )
         self.state.reset_generating()
         self.publish_dataset()
         log.info("pass-rate histories of %d prompts loaded", self.state.load_pass_rates())
