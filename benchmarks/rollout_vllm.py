@@ -182,6 +182,7 @@ def measure(rounds: int, tmp: Path) -> dict[str, Any]:
                 "run_name": "bench-vllm",
                 "max_prompt_length": 32,
                 "max_response_length": LONG,
+                "overlong_buffer_length": 0,  # the rollout server only: no soft zone to set
                 "group_size": N,
             },
             "rollout": {
