@@ -27,7 +27,9 @@ class BatcherClosed(RuntimeError):
 class _Request:
     prompt: list[int]
     params: SamplingParams
-    out: queue.Queue = field(default_factory=queue.Queue)
+    # SimpleQueue (C): a queue.Queue's three Conditions cost more than a tiny model's
+    # sampling of the prompt, made for every prompt (py-spy: 10% of the rollout's GIL time)
+    out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -87,7 +87,9 @@ class RolloutMetrics:
             registry=self.registry,
         ).set_function(read)
 
-    def generated(self, tokens: int, finish_reason: str) -> None:
+    def generated(self, tokens: int, finish_reasons: Mapping[str, int]) -> None:
+        """One group's (or call's) samples: their tokens and how many ended each way."""
         self.tokens.inc(tokens)
-        self.samples.labels(finish_reason).inc()
+        for reason, count in finish_reasons.items():
+            self.samples.labels(reason).inc(count)
         self.rate.add(tokens)

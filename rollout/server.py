@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import grpc
@@ -139,8 +140,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         tokenizer's batch decode: one call per group, not per sample)."""
         done = sorted(stream, key=lambda sample: sample.sample_index)
         outputs = [sample.output for sample in done]
-        for out in outputs:
-            self.metrics.generated(len(out.token_ids), out.finish_reason)
+        self.metrics.generated(
+            sum(len(out.token_ids) for out in outputs), Counter(o.finish_reason for o in outputs)
+        )
         texts = self.tokenizer.batch_decode(
             [out.token_ids.tolist() for out in outputs], skip_special_tokens=True
         )

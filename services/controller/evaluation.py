@@ -80,6 +80,8 @@ class Evaluator:
         self.controller, self.records = controller, records
         self.cfg = controller.config.controller.eval
         self.client, self.keys = controller.client, controller.keys
+        # one pool for the run: threads started per point cost ~1 ms of its GIL time
+        self.pool = ThreadPoolExecutor(self.cfg.concurrency, "eval")
 
     def last_version(self) -> int | None:
         """The version of the run's last eval point (a restarted controller goes on)."""
@@ -91,6 +93,12 @@ class Evaluator:
         return int(json.loads(entries[0][1][b"json"])["step"]) if entries else 0
 
     def run(self, stop: threading.Event) -> None:
+        try:
+            self._run(stop)
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, stop: threading.Event) -> None:
         last = self.last_version()
         while not stop.wait(0.1):
             version = self.controller.version()
@@ -121,8 +129,7 @@ class Evaluator:
             shared.rpc.max_message_bytes,
         )
         chunks = [self.records[i : i + size] for i in range(0, len(self.records), size)]
-        with ThreadPoolExecutor(self.cfg.concurrency, "eval") as pool:
-            answers = list(pool.map(lambda chunk: self.sample(chunk, version, stop), chunks))
+        answers = list(self.pool.map(lambda chunk: self.sample(chunk, version, stop), chunks))
         if any(a is None for a in answers) or stop.is_set():
             return None
         rows: list[list[Sample]] = [row for answer in answers if answer for row in answer]
