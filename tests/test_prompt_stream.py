@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from services.common.data import synthetic_records
-from services.controller.dataset import Cursor, answer_weights, iterate
+from services.controller.dataset import Cursor, answer_weights, draw_counts, iterate
 
 RECORDS = synthetic_records("max3", seed=0)  # answers 0-9; 4 and below are 12.5% of them
 
@@ -25,6 +28,26 @@ def small_share(counts: Counter[str]) -> float:
 def test_without_balance_an_epoch_is_every_prompt_once() -> None:
     epoch = [r.prompt_id for _, r in itertools.islice(iterate(RECORDS, Cursor(), 3, True), 800)]
     assert sorted(epoch) == sorted(r.prompt_id for r in RECORDS)
+
+
+def test_balance_on_distinct_answers_is_still_every_prompt_once_per_epoch() -> None:
+    """Data whose answers are all different (most math sets) gets the plain epoch: the
+    draws are floors and ceilings of each prompt's expected count, not random picks."""
+    distinct = [replace(r, ground_truth=str(100 + i)) for i, r in enumerate(RECORDS[:99])]
+    for epoch_start in (0, 1, 5):
+        stream = iterate(distinct, Cursor(epoch_start, 0), 11, True, 1.0)
+        epoch = [r.prompt_id for _, r in itertools.islice(stream, len(distinct))]
+        assert sorted(epoch) == sorted(r.prompt_id for r in distinct)
+
+
+def test_balanced_counts_are_the_floor_or_ceiling_of_the_expected() -> None:
+    weights = answer_weights([r.ground_truth for r in RECORDS], 0.5)
+    assert weights is not None
+    counts = draw_counts(weights, random.Random(4))
+    total = sum(weights)
+    assert sum(counts) == len(RECORDS)
+    for w, c in zip(weights, counts, strict=True):
+        assert math.floor(len(RECORDS) * w / total) <= c <= math.ceil(len(RECORDS) * w / total)
 
 
 def test_balance_moves_answer_shares_from_frequency_toward_uniform() -> None:

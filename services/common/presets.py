@@ -33,8 +33,9 @@ TINY: dict[str, Any] = {
         # Answers drawn by count^0.5, not by their frequency (a departure from the paper's
         # every prompt once per epoch): max3's answers 0-4 are 12.5% of its prompts; the model
         # under-trained on them settled in some runs on answering "5" to all of them (held-out
-        # 0.895). With the draws balanced, the minimal loop reached 0.9 at step 60 in 6 of 6
-        # seeds, at 60-80 without (docs/ablation.md, "Answer-balanced draws").
+        # 0.895). With the draws balanced, the minimal loop reached 0.9 at steps 50-70 in 6 of
+        # 6 seeds (60-80 without) and `make demo` ended at 0.96-0.99 in 6 of 6 runs
+        # (docs/ablation.md, "Answer-balanced draws").
         "dataset": {"kind": "synthetic", "synthetic_task": "max3", "answer_balance": 0.5},
         # The eval curve: held-out avg@4 every 10 steps on the run's rollout servers.
         "eval": {"n": 4, "every_steps": 10},

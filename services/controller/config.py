@@ -28,10 +28,11 @@ class DatasetConfig(StrictModel):
         0.0,
         ge=0,
         le=1,
-        description="0: every prompt once per epoch (the paper's). Above 0, each epoch draws "
-        "as many prompts, with replacement, weighting a prompt by count(its answer)^-a: "
-        "answers' shares move from their frequency (0) to uniform (1). For tasks with few "
-        "distinct answers where rare ones are under-trained (the `tiny` demo: 0.5).",
+        description="0: every prompt once per epoch (the paper's). Above 0, an epoch of as "
+        "many prompts holds each the floor or ceiling of its expected count, proportional to "
+        "count(its answer)^-a: answers' shares move from their frequency (0) to uniform (1); "
+        "all-distinct answers keep the plain epoch. For tasks with few distinct answers whose "
+        "rare ones are under-trained (the `tiny` demo: 0.5).",
     )
 
 

@@ -162,16 +162,37 @@ def answer_weights(answers: list[str], balance: float) -> list[float] | None:
     return [counts[a] ** -balance for a in answers]
 
 
+def draw_counts(weights: list[float], rng: random.Random) -> list[int]:
+    """How often each of the n prompts comes in an epoch of n: the floor or the ceiling of
+    its expected n*w/sum(w), the ceilings placed by systematic sampling (one random
+    offset). Equal weights give every prompt exactly once: the plain epoch."""
+    n, total = len(weights), sum(weights)
+    expected = [n * w / total for w in weights]
+    counts = [int(e) for e in expected]
+    left = n - sum(counts)
+    point, acc = rng.random(), 0.0
+    for i, e in enumerate(expected):
+        acc += e - counts[i]
+        if left and point < acc:
+            counts[i], point, left = counts[i] + 1, point + 1.0, left - 1
+    if left:  # what float rounding left over goes to the largest remainders
+        by_remainder = sorted(range(n), key=lambda i: counts[i] - expected[i])
+        for i in by_remainder[:left]:
+            counts[i] += 1
+    return counts
+
+
 def epoch_order(
     n: int, epoch: int, seed: int, shuffle: bool, weights: list[float] | None = None
 ) -> list[int]:
-    """The order of the n prompts in one epoch (a fresh seeded shuffle per epoch), or,
-    with `weights`, n seeded draws with replacement. Both are a function of (seed, epoch):
-    a resumed cursor finds the same order."""
+    """The order of the n prompts in one epoch (a fresh seeded shuffle per epoch); with
+    `weights`, n prompts drawn by `draw_counts`. Both are a function of (seed, epoch): a
+    resumed cursor finds the same order."""
     rng = random.Random(f"{seed}-{epoch}")
-    if weights is not None:
-        return rng.choices(range(n), weights=weights, k=n)
-    order = list(range(n))
+    if weights is None:
+        order = list(range(n))
+    else:
+        order = [i for i, count in enumerate(draw_counts(weights, rng)) for _ in range(count)]
     if shuffle:
         rng.shuffle(order)
     return order
