@@ -28,6 +28,7 @@ from learner.step import StepMetrics
 from learner.train_stream import TrainStream, stream_id
 from learner.trainer import Commander, Trainer, any_rank_stopping
 from learner.weights import WeightServicer, add_weight_service, open_weight_socket, stream_views
+from services.common.eval_hold import HoldWaiter
 from services.common.grpc_server import start_grpc_server
 from services.common.http import HttpServer, create_http_app, serve_http
 from services.common.keys import RunKeys
@@ -54,6 +55,10 @@ SHORT_STEPS = Counter(
     "dapo_learner_short_steps_total",
     "Steps trained on fewer than train_batch_groups groups (learner.generation_budget spent)",
 )
+EVAL_HOLD = Counter(
+    "dapo_learner_eval_hold_seconds_total",
+    "Seconds the learner waited for eval points (controller.eval.hold_learner)",
+)
 STOPPED_EXIT = 143  # stopped before total_steps (128 + SIGTERM): a supervisor restarts it
 
 
@@ -77,6 +82,7 @@ class Learner:
         self.weights = WeightServicer(config.learner.publication.bucket_bytes, weight_socket)
         self.publisher = BackgroundPublisher(self.weights)  # off the step's critical path
         self.checkpoints = Checkpointer(config, self.trainer, self.ranks, self.stream)
+        self.eval_hold = HoldWaiter(client, self.keys)
         self.step, self.version, self.cursor = 0, 0, "0-0"
         self.last: StepMetrics | None = None
         self._stop = threading.Event()  # `run`'s: a signal, or any rank's after a step
@@ -188,6 +194,16 @@ class Learner:
         """Checkpoint (`final`: and wait for it), then ack the entries it holds."""
         self.checkpoints.checkpoint(self.step, self.version, self.cursor, final)
 
+    def wait_for_eval(self, stop: threading.Event) -> None:
+        """Pause before the next step while the eval curve evaluates this version, when
+        the controller asks (controller.eval.hold_learner; services/common/eval_hold.py)."""
+        if self.step >= self.config.learner.total_steps:
+            return  # the last version: `dapo up` evaluates it after the run
+        held = self.eval_hold.wait(self.version, stop)
+        if held > 0:
+            EVAL_HOLD.inc(held)
+            log.info("waited %.2fs for the eval point of version %d", held, self.version)
+
     def _stop_seen(self) -> None:
         if self.checkpoints.stop_seen is None:  # the stop checkpoint's budget starts here
             self.checkpoints.stop_seen = time.monotonic()
@@ -213,6 +229,7 @@ class Learner:
                     m.tokens_per_s,
                     m.seconds,
                 )
+                self.wait_for_eval(stop)
             if stop.is_set():
                 self._stop_seen()
             self.publisher.wait()  # the last version is served before the run ends

@@ -2,13 +2,16 @@
 engine declares it takes them (`RolloutEngine.max_concurrent_calls`).
 
 One call at a time (torch): groups with equal sampling params share one merged call.
-Many calls (vLLM): each group is its own call, handed over as it arrives. Samples reach
-their caller as the engine yields them; a failed merged call is retried per request.
+Many calls (vLLM): each group is its own call, handed over as it arrives. Waiting
+requests go to the engine by priority, then in arrival order (the eval curve's calls
+pass queued training groups). Samples reach their caller as the engine yields them; a
+failed merged call is retried per request.
 Details: docs/architecture.md, "The rollout server".
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from rollout.engine import RolloutEngine, SamplingParams, StreamedSample
 
 _DONE = object()
+_CLOSE_RANK = -(2**31)  # the close sentinel passes every request: they all fail alike
 
 
 class BatcherClosed(RuntimeError):
@@ -31,6 +35,8 @@ class _Request:
     # sampling of the prompt, made for every prompt (py-spy: 10% of the rollout's GIL time)
     out: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
+    priority: int = 0
+    arrival: int = 0  # its place among equal priorities, kept when put back
 
 
 class Stream:
@@ -65,28 +71,41 @@ class Batcher:
         self._merges = calls == 1  # an engine that schedules calls itself gets each alone
         self._calls = threading.Semaphore(calls)
         self._running_lock = threading.Lock()
-        self._queue: queue.Queue[_Request | None] = queue.Queue()
-        self._held: _Request | None = None
+        # (-priority, arrival, request): higher priority first, FIFO within one
+        self._queue: queue.PriorityQueue[tuple[int, int, _Request | None]] = queue.PriorityQueue()
+        self._arrivals = itertools.count()
         self._closed = False  # the close sentinel was read
         self._closing = False  # close() was called: no new engine call starts
         self._closing_lock = threading.Lock()  # no request slips in while close drains
         self._thread = threading.Thread(target=self._loop, daemon=True, name="batcher")
         self._thread.start()
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, priority: int = 0) -> Stream:
         """Queue one prompt now (raises BatcherClosed when stopping); the Stream yields its
         samples as they finish. Queued at once, not when first read: a caller with several
         prompts submits them all before it reads any, so they can share an engine call."""
-        request = _Request(list(prompt), params)
+        request = _Request(list(prompt), params, priority=priority)
         with self._closing_lock:
             if self._closing:
                 raise BatcherClosed("the rollout server is stopping")
-            self._queue.put(request)
+            self._put(request)
         return Stream(request)
+
+    def _put(self, request: _Request | None) -> None:
+        if request is None:
+            self._queue.put((_CLOSE_RANK, next(self._arrivals), None))
+            return
+        request.arrival = next(self._arrivals)
+        self._put_back(request)
+
+    def _put_back(self, request: _Request) -> None:
+        """Queue `request` at its place: a request read but left for the next call keeps
+        its turn, and a later one of higher priority still passes it."""
+        self._queue.put((-request.priority, request.arrival, request))
 
     def pending(self) -> int:
         """Requests waiting for their engine call."""
-        return self._queue.qsize() + (self._held is not None)
+        return self._queue.qsize()
 
     def close(self) -> None:
         """Stop taking calls; every request not yet in an engine call fails with
@@ -94,13 +113,12 @@ class Batcher:
         process from exiting: the interpreter joins them at exit.)"""
         with self._closing_lock:
             self._closing = True
-        self._queue.put(None)
+        self._put(None)
         self._thread.join(timeout=5)
-        waiting = [self._held] if self._held is not None else []
-        self._held = None
+        waiting = []
         while True:
             try:
-                item = self._queue.get_nowait()
+                _, _, item = self._queue.get_nowait()
             except queue.Empty:
                 break
             if item is not None:
@@ -112,7 +130,7 @@ class Batcher:
     def _next(self, timeout: float | None) -> _Request | None:
         """The next live request (None on close); raises queue.Empty after `timeout`."""
         while True:
-            item = self._queue.get(timeout=timeout)
+            _, _, item = self._queue.get(timeout=timeout)
             if item is None:
                 self._closed = True
                 return None
@@ -136,7 +154,7 @@ class Batcher:
             if nxt is None:
                 break
             if nxt.params.seed is not None or nxt.params != first.params or nxt.params.n > budget:
-                self._held = nxt
+                self._put_back(nxt)
                 break
             batch.append(nxt)
             budget -= nxt.params.n
@@ -155,13 +173,11 @@ class Batcher:
 
     def _next_batch(self) -> list[_Request] | None:
         """The next merged call's requests (None once closed)."""
-        first, self._held = self._held, None
-        if first is None or first.cancelled:
-            if self._closed:
-                return None
-            first = self._next(None)
-            if first is None:
-                return None
+        if self._closed:
+            return None
+        first = self._next(None)
+        if first is None:
+            return None
         return self._take_batch(first)
 
     def _run_call(self, batch: list[_Request]) -> None:

@@ -17,6 +17,14 @@ class TorchEngineConfig(StrictModel):
     device: str = Field("auto", description="'auto', 'cpu' or 'cuda[:i]'.")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_batch_size: int = Field(256, ge=1, description="Most sequences decoded together.")
+    merged_batches: int = Field(
+        4,
+        ge=1,
+        description="Most max_batch_size buckets in one merged engine call: queued requests "
+        "with equal sampling params share a call, whose buckets run back to back (no "
+        "per-call handoff between them; samples still arrive bucket by bucket). A request "
+        "that arrives meanwhile, an eval point's included, waits for the whole call.",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

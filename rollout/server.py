@@ -113,7 +113,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         accepted = self._accept(requests, context)
         streams: list[Stream] = []
         try:
-            streams = [self.batcher.submit(prompt, params) for prompt, params in accepted]
+            streams = [
+                self.batcher.submit(prompt, params, request.priority)
+                for request, (prompt, params) in zip(requests, accepted, strict=True)
+            ]
             return [
                 rollout_pb2.GenerateGroupResponse(
                     request_id=request.request_id,
@@ -265,8 +268,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 def merged_sequences(config: RolloutSettings) -> int:
     """Most sequences in one merged engine call (engines that take one call at a time)."""
     engine = config.rollout.engine
-    decoded = engine.max_batch_size if isinstance(engine, TorchEngineConfig) else 0
-    return max(decoded, config.rollout.max_n)
+    if not isinstance(engine, TorchEngineConfig):
+        return config.rollout.max_n
+    return max(engine.max_batch_size * engine.merged_batches, config.rollout.max_n)
 
 
 def build_engine(config: RolloutSettings) -> RolloutEngine:

@@ -149,3 +149,53 @@ def test_close_fails_the_requests_that_never_reached_the_engine() -> None:
     assert sorted(outcomes) == ["closed", "closed", "done"]
     with pytest.raises(BatcherClosed):
         list(batcher.submit([1], SamplingParams(n=1, max_tokens=1)))
+
+
+class OrderedEngine(HeldEngine):
+    """A one-call engine that records each call's prompts (first ids); its calls wait for
+    `release`."""
+
+    def __init__(self) -> None:
+        super().__init__(max_calls=1)
+        self.order: list[list[int]] = []
+
+    def _samples(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int
+    ) -> Iterator[StreamedSample]:
+        self.order.append([p[0] for p in prompts])
+        yield from super()._samples(prompts, params, seed)
+
+
+def test_waiting_requests_reach_the_engine_by_priority_then_arrival() -> None:
+    """The eval curve's calls (priority 1) pass training groups already queued (0) and
+    merge among themselves; equal priorities keep their arrival order, a request read
+    and put back by a merge (other params) included."""
+    engine = OrderedEngine()
+    batcher = Batcher(engine, max_sequences=4, wait_s=0.05)
+    train, other = SamplingParams(n=1), SamplingParams(n=1, temperature=0.5)
+    evals = SamplingParams(n=1, top_p=0.7)
+    threads: list[threading.Thread] = []
+
+    def start(first: int, params: SamplingParams, priority: int = 0) -> None:
+        def call() -> None:
+            list(batcher.submit([first], params, priority))
+
+        threads.append(threading.Thread(target=call))
+        threads[-1].start()
+        deadline = time.monotonic() + 5
+        while batcher.pending() + engine.running < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    start(1, train)
+    deadline = time.monotonic() + 5
+    while engine.running < 1 and time.monotonic() < deadline:  # in the engine, held
+        time.sleep(0.005)
+    for first, params, priority in [(2, train, 0), (3, other, 0), (4, evals, 1), (5, train, 0)]:
+        start(first, params, priority)
+    start(6, evals, 1)
+    assert (engine.running, batcher.pending()) == (1, 5)
+    engine.release.set()
+    for t in threads:
+        t.join(10)
+    batcher.close()
+    assert engine.order == [[1], [4, 6], [2], [3], [5]]

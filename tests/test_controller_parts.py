@@ -192,6 +192,7 @@ class Rollouts:
         sampling: SamplingConfig,
         min_version: int,
         stop: threading.Event,
+        priority: int = 0,
     ) -> list[Generated]:
         """As a rollout server: one refused group refuses the whole call."""
         self.batches.append([request_id for request_id, _ in asks])

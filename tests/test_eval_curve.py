@@ -115,6 +115,14 @@ def test_a_run_records_an_eval_curve_and_its_ledger_stays_exact(
     assert len(curve) >= 5, curve
     versions = [p["version"] for p in curve]
     assert versions == sorted(set(versions)) and versions[0] == 0 and versions[-1] <= 16
+    # The preset's learner waits for each point (controller.eval.hold_learner): every
+    # multiple of 2 is evaluated, on samples of exactly that version.
+    assert versions[:8] == list(range(0, 16, 2)), versions
+    for p in curve[1:]:
+        assert p["sample_versions"] == [p["version"], p["version"]], p
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    for version in range(2, 16, 2):
+        assert f"for the eval point of version {version}\n" in learner_log
     assert [p["step"] for p in curve] == sorted(p["step"] for p in curve)
     for p in curve:
         assert (p["n"], p["prompts"], p["samples"]) == (4, 40, 160)

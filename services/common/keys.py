@@ -64,6 +64,12 @@ class RunKeys:
         return self._key("evals")
 
     @property
+    def eval_hold(self) -> str:
+        """The version whose eval point the learner waits for before its next step, and
+        for how long at most (JSON; controller → learner, `controller.eval.hold_learner`)."""
+        return self._key("eval_hold")
+
+    @property
     def cursor(self) -> str:
         """The controller's position in the prompt stream (epoch:index)."""
         return self._key("cursor")

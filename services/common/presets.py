@@ -37,8 +37,9 @@ TINY: dict[str, Any] = {
         # 6 seeds (60-80 without) and `make demo` ended at 0.96-0.99 in 6 of 6 runs
         # (docs/ablation.md, "Answer-balanced draws").
         "dataset": {"kind": "synthetic", "synthetic_task": "max3", "answer_balance": 0.5},
-        # The eval curve: held-out avg@4 every 10 steps on the run's rollout servers.
-        "eval": {"n": 4, "every_steps": 10},
+        # The eval curve: held-out avg@4 every 10 steps on the run's rollout servers, the
+        # learner waiting for each point (it samples exactly its version; ~0.1 s a point).
+        "eval": {"n": 4, "every_steps": 10, "hold_learner": True},
         "apply_chat_template": False,
         "max_groups_in_flight": 64,
         # The torch engine merges concurrent calls anyway: 16 groups (256 sequences, its

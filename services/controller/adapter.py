@@ -26,6 +26,7 @@ def generate_request(
     tokenizer_fingerprint: str,
     seed: int = 0,
     min_version: int = 0,
+    priority: int = 0,
 ) -> rollout_pb2.GenerateRequest:
     """The request for `record`'s prompt, as the token ids rendered at load."""
     if not record.prompt_token_ids:
@@ -36,6 +37,7 @@ def generate_request(
         tokenizer_fingerprint=tokenizer_fingerprint,
         n=n,
         min_version=min_version,
+        priority=priority,
         sampling=rollout_pb2.SamplingParams(
             temperature=sampling.temperature,
             top_p=sampling.top_p,

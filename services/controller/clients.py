@@ -166,16 +166,26 @@ class RolloutClient:
         sampling: SamplingConfig,
         min_version: int,
         stop: threading.Event,
+        priority: int = 0,
     ) -> list[Generated]:
         """generate() for several (request id, record) in one GenerateGroups call, in
-        order. One refused group refuses the call (GroupRejected): ask per group then."""
+        order (`priority`: GenerateRequest.priority). One refused group refuses the call
+        (GroupRejected): ask per group then."""
         batch = rollout_pb2.GenerateGroupsRequest(
-            groups=[self._request(i, record, n, sampling, min_version) for i, record in asks]
+            groups=[
+                self._request(i, record, n, sampling, min_version, priority) for i, record in asks
+            ]
         )
         return self.retrier.run(lambda: self._attempt_many(batch), "rollout", named(asks), stop)
 
     def _request(
-        self, request_id: str, record: PromptRecord, n: int, sampling: SamplingConfig, least: int
+        self,
+        request_id: str,
+        record: PromptRecord,
+        n: int,
+        sampling: SamplingConfig,
+        least: int,
+        priority: int = 0,
     ) -> rollout_pb2.GenerateRequest:
         s = self.settings
         return adapter.generate_request(
@@ -186,6 +196,7 @@ class RolloutClient:
             s.max_tokens,
             s.tokenizer_fingerprint,
             min_version=least,
+            priority=priority,
         )
 
     def _attempt(self, request: rollout_pb2.GenerateRequest) -> Generated:

@@ -67,6 +67,15 @@ class EvalConfig(StrictModel):
     limit: int | None = Field(None, ge=1, description="Evaluate only the first N prompts.")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(0.7, gt=0, le=1, description="Paper's eval top-p.")
+    hold_learner: bool = Field(
+        False,
+        description="The learner waits, after committing a version the curve evaluates, "
+        "until that point is recorded: each point samples exactly its version and has the "
+        "learner's cores; training pauses for every point (off: points run beside training).",
+    )
+    hold_max_s: float = Field(
+        60.0, gt=0, description="Longest the learner waits for one point (hold_learner)."
+    )
     engine: Literal["torch", "vllm"] = Field(
         "torch",
         description="Engine that samples the evaluation: torch, or vllm (with rollout.engine's "

@@ -76,6 +76,7 @@ class Generator(Protocol):
         sampling: SamplingConfig,
         min_version: int,
         stop: threading.Event,
+        priority: int = 0,
     ) -> list[Generated]: ...
 
 

@@ -22,6 +22,7 @@ import redis
 from prometheus_client import Gauge
 
 from services.common.data import PromptRecord
+from services.common.eval_hold import Hold, next_due
 from services.common.eval_stats import curve_point
 from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
@@ -35,6 +36,8 @@ from services.controller.failures import Stopped
 from services.controller.routing import Router
 
 log = logging.getLogger(__name__)
+
+EVAL_PRIORITY = 1  # a point's calls pass queued training groups (the learner may wait on it)
 
 ACCURACY = Gauge("dapo_controller_eval_accuracy", "Held-out avg@n of the last in-run evaluation")
 PASS = Gauge("dapo_controller_eval_pass_at_n", "Held-out pass@n of the last in-run evaluation")
@@ -100,7 +103,10 @@ class Evaluator:
 
     def _run(self, stop: threading.Event) -> None:
         last = self.last_version()
-        while not stop.wait(0.1):
+        self.ask_hold(last)
+        seen = self.last_commit()
+        while not stop.is_set():
+            seen = self.wait_for_commit(seen)
             version = self.controller.version()
             if not due(version, self.cfg.every_steps, last) or not self.serving():
                 continue
@@ -110,8 +116,23 @@ class Evaluator:
                 log.exception("evaluation at version %d failed; trying again at the next", version)
                 point = None
             last = version
-            if point is not None:
-                self.record(point)
+            self.record(point, last)
+
+    def ask_hold(self, last: int | None, pipe: redis.client.Pipeline | None = None) -> None:
+        """Name the next version evaluated for the learner to wait at (hold_learner)."""
+        if self.cfg.hold_learner:
+            hold = Hold(next_due(last, self.cfg.every_steps), self.cfg.hold_max_s)
+            (pipe or self.client).set(self.keys.eval_hold, hold.encode())
+
+    def last_commit(self) -> bytes:
+        entries = self.client.xrevrange(self.keys.metrics, count=1)
+        return entries[0][0] if entries else b"0-0"
+
+    def wait_for_commit(self, seen: bytes) -> bytes:
+        """Block until the learner commits a step (its metrics entry), at most 0.1 s: a
+        point starts as its version is committed, not at the next poll."""
+        reply = self.client.xread({self.keys.metrics: seen}, count=64, block=100)
+        return reply[0][1][-1][0] if reply else seen
 
     def serving(self) -> bool:
         """A rollout server accepts work (so a point's seconds are the evaluation's own,
@@ -158,7 +179,9 @@ class Evaluator:
         asks = [(f"eval-v{version}-{r.prompt_id}", r) for r in records]
         sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p)
         try:
-            generated = c.rollouts.generate_many(asks, cfg.n, sampling, version, stop)
+            generated = c.rollouts.generate_many(
+                asks, cfg.n, sampling, version, stop, priority=EVAL_PRIORITY
+            )
             scored = c.rewards.score_many(
                 [
                     (eval_id, g.samples, r.ground_truth)
@@ -175,9 +198,19 @@ class Evaluator:
             rows.append(row)
         return rows
 
-    def record(self, point: dict[str, Any]) -> None:
+    def record(self, point: dict[str, Any] | None, last: int) -> None:
+        """Write the point (None: it failed) and, in the same transaction, release a
+        waiting learner by naming the next version to hold at."""
+        pipe = self.client.pipeline()
+        if point is not None:
+            pipe.xadd(self.keys.evals, {"json": json.dumps(point)})
+        self.ask_hold(last, pipe)
+        pipe.execute()
+        if point is not None:
+            self.observe(point)
+
+    def observe(self, point: dict[str, Any]) -> None:
         n = point["n"]
-        self.client.xadd(self.keys.evals, {"json": json.dumps(point)})
         ACCURACY.set(point[f"avg@{n}"])
         PASS.set(point[f"pass@{n}"])
         STEP.set(point["version"])
@@ -201,6 +234,7 @@ class Evaluator:
 def start_evaluation(controller: Controller, stop: threading.Event) -> threading.Thread | None:
     """The eval-curve thread, when `controller.eval` asks for one and names held-out data."""
     cfg = controller.config.controller
+    controller.client.delete(controller.keys.eval_hold)  # a hold of an earlier setting
     spec = eval_data_spec(cfg.eval, cfg.dataset)
     if not cfg.eval.enabled or cfg.eval.every_steps == 0 or spec is None:
         return None

@@ -24,31 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x61po/v1/rollout.proto\x12\x07\x64\x61po.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x42\x0e\n\x0c_temperature\"\xbb\x01\n\nCompletion\x12\x15\n\rtoken_ids_i32\x18\x07 \x01(\x0c\x12\x14\n\x0clogprobs_f32\x18\x08 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.dapo.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x1a\n\x12token_versions_i64\x18\t \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x06\x10\x07\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\t\n\x01n\x18\x05 \x01(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.dapo.v1.SamplingParams\x12\x13\n\x0bmin_version\x18\x07 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\tJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\x06promptR\x13\x61pply_chat_template\"o\n\x15GenerateGroupResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x13.dapo.v1.Completion\"A\n\x15GenerateGroupsRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.dapo.v1.GenerateRequest\"H\n\x16GenerateGroupsResponse\x12.\n\x06groups\x18\x01 \x03(\x0b\x32\x1e.dapo.v1.GenerateGroupResponse\"\x12\n\x10GetStatusRequest\"\x97\x01\n\rRolloutStatus\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03R\x06paused*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xee\x01\n\x0eRolloutService\x12I\n\rGenerateGroup\x12\x18.dapo.v1.GenerateRequest\x1a\x1e.dapo.v1.GenerateGroupResponse\x12Q\n\x0eGenerateGroups\x12\x1e.dapo.v1.GenerateGroupsRequest\x1a\x1f.dapo.v1.GenerateGroupsResponse\x12>\n\tGetStatus\x12\x19.dapo.v1.GetStatusRequest\x1a\x16.dapo.v1.RolloutStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x64\x61po/v1/rollout.proto\x12\x07\x64\x61po.v1\"\x92\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x42\x0e\n\x0c_temperature\"\xbb\x01\n\nCompletion\x12\x15\n\rtoken_ids_i32\x18\x07 \x01(\x0c\x12\x14\n\x0clogprobs_f32\x18\x08 \x01(\x0c\x12\x0c\n\x04text\x18\x03 \x01(\t\x12,\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x15.dapo.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\x12\x1a\n\x12token_versions_i64\x18\t \x01(\x0cJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x06\x10\x07\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\t\n\x01n\x18\x05 \x01(\r\x12)\n\x08sampling\x18\x06 \x01(\x0b\x32\x17.dapo.v1.SamplingParams\x12\x13\n\x0bmin_version\x18\x07 \x01(\x04\x12\x1d\n\x15tokenizer_fingerprint\x18\x08 \x01(\t\x12\x10\n\x08priority\x18\t \x01(\x05J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05R\x06promptR\x13\x61pply_chat_template\"o\n\x15GenerateGroupResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x03 \x03(\x0b\x32\x13.dapo.v1.Completion\"A\n\x15GenerateGroupsRequest\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.dapo.v1.GenerateRequest\"H\n\x16GenerateGroupsResponse\x12.\n\x06groups\x18\x01 \x03(\x0b\x32\x1e.dapo.v1.GenerateGroupResponse\"\x12\n\x10GetStatusRequest\"\x97\x01\n\rRolloutStatus\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05ready\x18\x03 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\tJ\x04\x08\x02\x10\x03R\x06paused*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xee\x01\n\x0eRolloutService\x12I\n\rGenerateGroup\x12\x18.dapo.v1.GenerateRequest\x1a\x1e.dapo.v1.GenerateGroupResponse\x12Q\n\x0eGenerateGroups\x12\x1e.dapo.v1.GenerateGroupsRequest\x1a\x1f.dapo.v1.GenerateGroupsResponse\x12>\n\tGetStatus\x12\x19.dapo.v1.GetStatusRequest\x1a\x16.dapo.v1.RolloutStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dapo.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1014
-  _globals['_FINISHREASON']._serialized_end=1134
+  _globals['_FINISHREASON']._serialized_start=1032
+  _globals['_FINISHREASON']._serialized_end=1152
   _globals['_SAMPLINGPARAMS']._serialized_start=35
   _globals['_SAMPLINGPARAMS']._serialized_end=181
   _globals['_COMPLETION']._serialized_start=184
   _globals['_COMPLETION']._serialized_end=371
   _globals['_GENERATEREQUEST']._serialized_start=374
-  _globals['_GENERATEREQUEST']._serialized_end=584
-  _globals['_GENERATEGROUPRESPONSE']._serialized_start=586
-  _globals['_GENERATEGROUPRESPONSE']._serialized_end=697
-  _globals['_GENERATEGROUPSREQUEST']._serialized_start=699
-  _globals['_GENERATEGROUPSREQUEST']._serialized_end=764
-  _globals['_GENERATEGROUPSRESPONSE']._serialized_start=766
-  _globals['_GENERATEGROUPSRESPONSE']._serialized_end=838
-  _globals['_GETSTATUSREQUEST']._serialized_start=840
-  _globals['_GETSTATUSREQUEST']._serialized_end=858
-  _globals['_ROLLOUTSTATUS']._serialized_start=861
-  _globals['_ROLLOUTSTATUS']._serialized_end=1012
-  _globals['_ROLLOUTSERVICE']._serialized_start=1137
-  _globals['_ROLLOUTSERVICE']._serialized_end=1375
+  _globals['_GENERATEREQUEST']._serialized_end=602
+  _globals['_GENERATEGROUPRESPONSE']._serialized_start=604
+  _globals['_GENERATEGROUPRESPONSE']._serialized_end=715
+  _globals['_GENERATEGROUPSREQUEST']._serialized_start=717
+  _globals['_GENERATEGROUPSREQUEST']._serialized_end=782
+  _globals['_GENERATEGROUPSRESPONSE']._serialized_start=784
+  _globals['_GENERATEGROUPSRESPONSE']._serialized_end=856
+  _globals['_GETSTATUSREQUEST']._serialized_start=858
+  _globals['_GETSTATUSREQUEST']._serialized_end=876
+  _globals['_ROLLOUTSTATUS']._serialized_start=879
+  _globals['_ROLLOUTSTATUS']._serialized_end=1030
+  _globals['_ROLLOUTSERVICE']._serialized_start=1155
+  _globals['_ROLLOUTSERVICE']._serialized_end=1393
 # @@protoc_insertion_point(module_scope)

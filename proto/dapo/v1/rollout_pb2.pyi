@@ -51,20 +51,22 @@ class Completion(_message.Message):
     def __init__(self, token_ids_i32: _Optional[bytes] = ..., logprobs_f32: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., token_versions_i64: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "n", "sampling", "min_version", "tokenizer_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "n", "sampling", "min_version", "tokenizer_fingerprint", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     n: int
     sampling: SamplingParams
     min_version: int
     tokenizer_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., min_version: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class GenerateGroupResponse(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "completions")
