@@ -2,7 +2,10 @@
 services) past the point where max3 is nearly solved.
 
 1. Easy tail: steps/s over the last 50 of 150 steps against the first 100, in one run
-   (≥ 0.5), and generated per trained groups with plain admission against the preset's.
+   (≥ 0.5); the same run with difficulty-aware admission (`controller.difficulty_window`
+   2, the global default; the preset samples every prompt every epoch) reports what that
+   back-off changes in generated per trained groups (no target: it saved nothing here,
+   which is why the preset turned it off).
 2. The demo still learns as fast: seconds to held-out avg@4 ≥ 0.85 with the preset's
    sampling against the paper's, ABBA order (≤ 1.1 x). Method: benchmarks/README.md,
    "`easy_data`".
@@ -26,6 +29,7 @@ from services.tools.cli import up_argv
 ROOT = Path(__file__).resolve().parent
 RESULTS = result_path("easy_data")
 PAPER_SAMPLING = ["learner.generation_budget=null", "controller.difficulty_window=0"]
+BACKOFF = ["controller.difficulty_window=2"]  # the global default; the tiny preset: 0
 THRESHOLDS = (0.8, 0.85, 0.9)
 # The check's threshold: the demo plateaus at 0.89-0.90 held-out avg@4 by step 100, so in
 # the first run of this benchmark neither sampling reached 0.9 on the curve (0.895 both).
@@ -103,22 +107,19 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def checks(
-    tail: dict[str, Any], demos: list[dict[str, Any]], no_backoff: dict[str, Any]
-) -> list[dict[str, Any]]:
-    backoff = tail["generated_per_trained"] / no_backoff["generated_per_trained"]
+def backoff_ratio(tail: dict[str, Any], backoff: dict[str, Any]) -> float:
+    """Generated per trained groups with difficulty-aware admission ÷ the preset's plain
+    admission, in the easy tail (< 1: the back-off saves generation)."""
+    return round(backoff["generated_per_trained"] / tail["generated_per_trained"], 3)
+
+
+def checks(tail: dict[str, Any], demos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = [
         check(
             "easy tail: steps/s last 50 / first 100",
             tail["ratio"],
             ">= 0.5",
             tail["ratio"] >= 0.5,
-        ),
-        check(
-            "easy tail: generated per trained, difficulty-aware / plain admission",
-            backoff,
-            "< 1",
-            backoff < 1,
         ),
     ]
     if not demos:
@@ -164,16 +165,12 @@ def main(argv: list[str]) -> None:
         tail = easy_tail(dapo_up(Path(tmp) / "easy", model, args.steps, no_eval))
         print(json.dumps(tail))
         result["easy_tail"] = tail
-        no_backoff = easy_tail(
-            dapo_up(
-                Path(tmp) / "easy-no-backoff",
-                model,
-                args.steps,
-                no_eval + ["controller.difficulty_window=0"],
-            )
+        backoff = easy_tail(
+            dapo_up(Path(tmp) / "easy-backoff", model, args.steps, no_eval + BACKOFF)
         )
-        print(json.dumps(no_backoff))
-        result["easy_tail_without_difficulty_admission"] = no_backoff
+        print(json.dumps(backoff))
+        result["easy_tail_with_difficulty_admission"] = backoff
+        result["generated_per_trained_difficulty_aware_over_plain"] = backoff_ratio(tail, backoff)
         if args.paper:
             paper = easy_tail(
                 dapo_up(Path(tmp) / "easy-paper", model, args.steps, no_eval + PAPER_SAMPLING)
@@ -188,7 +185,7 @@ def main(argv: list[str]) -> None:
                 demos.append(dict(time_to_accuracy(report), mode=mode))
                 print(json.dumps(demos[-1]))
         result["demo"] = demos
-    result["checks"] = checks(tail, demos, no_backoff)
+    result["checks"] = checks(tail, demos)
     write_result(RESULTS, result)
 
 

@@ -25,7 +25,7 @@ def sampling_params(
 
 def completion(output: SampleOutput, text: str) -> rollout_pb2.Completion:
     """Per-token versions go on the wire only when they differ (empty = all the same)."""
-    versions = output.token_versions
+    versions = output.token_versions  # empty: every token is policy_version's (engines)
     mixed = len(versions) > 1 and bool((versions != versions[0]).any())
     return rollout_pb2.Completion(
         text=text,

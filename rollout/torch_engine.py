@@ -348,12 +348,15 @@ class TorchEngine(EngineBase):
         state.next_pos = state.next_pos + 1
 
     def _outputs(self, bucket: list[tuple[int, int]], res: _BucketResult) -> list[StreamedSample]:
-        """Turn the bucket's buffers into per-sample outputs (one device sync)."""
+        """Turn the bucket's buffers into per-sample outputs (one device sync). A row
+        sampled by one version carries no per-token versions (SampleOutput: empty), as
+        every row does without partial rollouts."""
         tokens, logprobs = res.tokens.cpu().numpy(), res.logprobs.cpu().numpy()
         versions, lengths = res.versions.cpu().numpy(), res.lengths.cpu().numpy()
-        # Each row's oldest version over its own tokens, for the bucket at once.
+        # Each row's oldest and newest version over its own tokens, for the bucket at once.
         own = np.arange(versions.shape[1]) < lengths[:, None]
         oldest = np.where(own, versions, self._version).min(axis=1, initial=self._version)
+        mixed = (np.where(own, versions, oldest[:, None]) != oldest[:, None]).any(axis=1)
         oldest, lengths, stopped = oldest.tolist(), lengths.tolist(), res.stopped.tolist()
         return [
             StreamedSample(
@@ -364,7 +367,9 @@ class TorchEngine(EngineBase):
                     logprobs=logprobs[r, : lengths[r]].copy(),
                     finish_reason="stop" if stopped[r] else "length",
                     policy_version=oldest[r],
-                    token_versions=versions[r, : lengths[r]].copy(),
+                    token_versions=(
+                        versions[r, : lengths[r]].copy() if mixed[r] else np.empty(0, np.int64)
+                    ),
                 ),
             )
             for r, (i, j) in enumerate(bucket)

@@ -199,3 +199,19 @@ def test_waiting_requests_reach_the_engine_by_priority_then_arrival() -> None:
         t.join(10)
     batcher.close()
     assert engine.order == [[1], [4, 6], [2], [3], [5]]
+
+
+@pytest.mark.parametrize(
+    ("engine", "most"),
+    [
+        ({"kind": "torch", "max_batch_size": 32, "merged_batches": 3}, 96),
+        ({"kind": "torch", "max_batch_size": 32, "merged_batches": 1}, 64),  # a group: max_n
+        ({"kind": "vllm"}, 64),  # each group its own call: a group at most
+    ],
+)
+def test_a_merged_call_holds_up_to_merged_batches_buckets(engine: dict, most: int) -> None:
+    from rollout.config import RolloutSettings
+    from rollout.server import merged_sequences
+
+    config = RolloutSettings.model_validate({"rollout": {"engine": engine}})
+    assert merged_sequences(config) == most
