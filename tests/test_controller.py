@@ -318,7 +318,8 @@ def scored_group(record, group_id: str, correct: list[bool]) -> Group:
 def test_pass_rates_are_recorded_where_groups_are_published_and_survive_a_restart(
     redis_client: redis.Redis,
 ) -> None:
-    c = controller(redis_client)  # difficulty window 2, at most 8 epochs: 5 kept
+    # difficulty window 2 (the default; the tiny preset's is 0), at most 8 epochs: 5 kept
+    c = controller(redis_client, "controller.difficulty_window=2")
     record = c.records[0]
     rates = [0.5, 1.0, 0.25, 0.75, 0.0, 0.0]
     for i, rate in enumerate(rates):
@@ -329,7 +330,7 @@ def test_pass_rates_are_recorded_where_groups_are_published_and_survive_a_restar
     stored = json.loads(redis_client.hget(RunKeys("c").pass_rates, record.prompt_id))
     assert stored == rates[1:] == list(c.state.history(record.prompt_id))
     assert c.admission.skip_reason(record.prompt_id) == "hard"
-    restarted = controller(redis_client)
+    restarted = controller(redis_client, "controller.difficulty_window=2")
     assert restarted.admission.skip_reason(record.prompt_id) is None  # not loaded yet
     assert restarted.state.load_pass_rates() == 1
     assert restarted.admission.skip_reason(record.prompt_id) == "hard"
