@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from services.common.eval_hold import HoldWaiter, next_due, read_hold
+from services.common.eval_hold import HoldWaiter, read_hold
 from services.common.keys import RunKeys
 from services.controller.config import ControllerSettings
-from services.controller.evaluation import Evaluator, due
+from services.controller.evaluation import Evaluator, due, next_due
 
 
 def evaluator(client: redis.Redis, hold: bool = True, max_s: float = 10.0) -> Evaluator:

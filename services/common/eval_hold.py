@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis
 
 from services.common.keys import RunKeys
+from services.common.streams import last_id
 
 BLOCK_MS = 100  # a wait re-reads the key at least this often (a failed point records none)
 
@@ -41,11 +42,6 @@ class Hold:
         return cls(int(data["version"]), float(data["max_s"]))
 
 
-def next_due(last: int | None, every: int) -> int:
-    """The first version `evaluation.due` evaluates after `last` (0: the first point)."""
-    return 0 if last is None else (last // every + 1) * every
-
-
 def read_hold(client: redis.Redis, keys: RunKeys) -> Hold | None:
     return Hold.decode(client.get(keys.eval_hold))
 
@@ -58,21 +54,22 @@ class HoldWaiter:
         self.held_at: int | None = None  # a hold is honoured once, even if never released
 
     def wait(self, version: int, stop: threading.Event) -> float:
-        """Seconds spent waiting for the eval point of a version ≤ `version`."""
-        # the stream's last id before the key is read: a point recorded in between wakes us
-        last = self.client.xrevrange(self.keys.evals, count=1)
-        seen = last[0][0] if last else b"0-0"
+        """Seconds spent waiting for the eval point of a version ≤ `version` (one GET per
+        step when nothing is asked)."""
         hold = read_hold(self.client, self.keys)
         if hold is None or version < hold.version or self.held_at == hold.version:
             return 0.0
         self.held_at, started = hold.version, time.monotonic()
         deadline = started + hold.max_s
+        # the stream's position before the key is read again: a point recorded after that
+        # read wakes the XREAD, one recorded before it shows in the key
+        seen = last_id(self.client, self.keys.evals)
         while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+            now = read_hold(self.client, self.keys)
+            if now is None or now.version > hold.version:
+                break
             block = max(1, min(BLOCK_MS, int(left * 1000)))
             reply = self.client.xread({self.keys.evals: seen}, count=16, block=block)
             if reply:
                 seen = reply[0][1][-1][0]
-            now = read_hold(self.client, self.keys)
-            if now is None or now.version > hold.version:
-                break
         return time.monotonic() - started

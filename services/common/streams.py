@@ -33,6 +33,13 @@ def _entries(raw: Sequence[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
     ]
 
 
+def last_id(client: redis.Redis, stream: str) -> bytes:
+    """The id of the stream's newest entry (0-0 when empty): where a reader that wants
+    only what comes next starts its XREAD, with no race against an add in between."""
+    entries = client.xrevrange(stream, count=1)
+    return entries[0][0] if entries else b"0-0"
+
+
 def add(client: redis.Redis, stream: str, fields: Fields) -> str:
     """Append an entry and return its id."""
     return client.xadd(stream, dict(fields)).decode()

@@ -22,10 +22,11 @@ import redis
 from prometheus_client import Gauge
 
 from services.common.data import PromptRecord
-from services.common.eval_hold import Hold, next_due
+from services.common.eval_hold import Hold
 from services.common.eval_stats import curve_point
 from services.common.keys import RunKeys
 from services.common.settings import SamplingConfig
+from services.common.streams import last_id
 from services.common.tokenizer import PromptTokenizer
 from services.common.types import Sample
 from services.controller.clients import groups_per_call
@@ -54,6 +55,11 @@ def due(version: int, every: int, last: int | None) -> bool:
     if every <= 0:
         return False
     return last is None or version // every > last // every
+
+
+def next_due(last: int | None, every: int) -> int:
+    """The first version `due` evaluates after `last` (0: the first point)."""
+    return 0 if last is None else (last // every + 1) * every
 
 
 class Controller(Protocol):
@@ -104,7 +110,7 @@ class Evaluator:
     def _run(self, stop: threading.Event) -> None:
         last = self.last_version()
         self.ask_hold(last)
-        seen = self.last_commit()
+        seen = last_id(self.client, self.keys.metrics)
         while not stop.is_set():
             seen = self.wait_for_commit(seen)
             version = self.controller.version()
@@ -123,10 +129,6 @@ class Evaluator:
         if self.cfg.hold_learner:
             hold = Hold(next_due(last, self.cfg.every_steps), self.cfg.hold_max_s)
             (pipe or self.client).set(self.keys.eval_hold, hold.encode())
-
-    def last_commit(self) -> bytes:
-        entries = self.client.xrevrange(self.keys.metrics, count=1)
-        return entries[0][0] if entries else b"0-0"
 
     def wait_for_commit(self, seen: bytes) -> bytes:
         """Block until the learner commits a step (its metrics entry), at most 0.1 s: a
